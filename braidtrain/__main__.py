@@ -1,0 +1,3 @@
+from braidtrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""Checkpoints: sharded save, re-sharding load, atomic publish, checksums. No pickle.
+
+A checkpoint is a folder `checkpoints/step_NNNNNNNN/`:
+
+    meta.json               step, config, model shapes, the saving layout, sha256 of every file
+    rank_00000.safetensors  pieces of parameters, m and v: "param/<name>/<start>" is elements
+    rank_00001.safetensors  [start, start+len) of the flattened full tensor <name>
+
+Every rank writes the elements of the canonical flat space it owns (its shard of each bucket),
+so no rank ever holds the whole model state in one file and all write in parallel. Because a
+piece is named by (tensor name, element offset), any layout can find the elements it needs:
+loading re-shards to whatever the current mesh, world size and ZeRO stage are.
+
+Publishing is atomic: everything is written into `step_N.tmp/`, fsynced, then rank 0 writes
+meta.json (with every file's sha256) and renames the folder. A folder without a valid meta.json,
+or whose files do not match their checksums, is skipped (with a warning) for the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from braidtrain.errors import UserError
+
+FORMAT = 1
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pieces(engine):
+    """(bucket index, name, start, end, buffer position) for the elements of each parameter that
+    fall in this rank's shard [lo, hi) of its bucket."""
+    for i, b in enumerate(engine.buckets):
+        for (name, p), off in zip(b.params, b.offsets):
+            a, e = max(off, b.lo), min(off + p.numel(), b.hi)
+            if a < e:
+                yield i, name, a - off, e - off, a
+
+
+def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict, rt, keep: int) -> float:
+    """Collective: every rank calls it. `info` (config, model, tokenizer) goes into meta.json.
+    Returns the seconds it took."""
+    t0 = time.time()
+    final = ckpt_dir / f"step_{step:08d}"
+    tmp = ckpt_dir / f"step_{step:08d}.tmp"
+    if rt.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    rt.barrier()
+    tensors = {}
+    for i, name, a, e, pos in pieces(engine):
+        b = engine.buckets[i]
+        tensors[f"param/{name}/{a}"] = b.data[pos : pos + e - a].detach().cpu().clone()
+        m, v, _ = opt.groups[i]
+        base = pos - (b.lo if engine.zero >= 1 else 0)
+        tensors[f"m/{name}/{a}"] = m[base : base + e - a].cpu().clone()
+        tensors[f"v/{name}/{a}"] = v[base : base + e - a].cpu().clone()
+    fname = f"rank_{rt.rank:05d}.safetensors"
+    path = tmp / fname
+    save_file(tensors, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    digest = _sha256(path)
+    sums = [None] * rt.world_size
+    if rt.world_size > 1:
+        dist.all_gather_object(sums, (fname, digest))
+    else:
+        sums = [(fname, digest)]
+    if rt.is_main:
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "optimizer_step": opt.step_count,
+            **info,
+            "shapes": {k: list(v) for k, v in model_shapes.items()},
+            "layout": {"world_size": rt.world_size, "dp": engine.n, "zero": engine.zero},
+            "files": dict(sums),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        with open(tmp / "meta.json", "rb+") as f:
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        for old in sorted(list_checkpoints(ckpt_dir))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    rt.barrier()
+    return time.time() - t0
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def verify(path: Path) -> dict:
+    """meta.json of a complete, undamaged checkpoint, or UserError saying what is wrong."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise UserError(f"checkpoint {path} is incomplete (no meta.json)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"checkpoint {path}: meta.json is damaged") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path}: unknown format {meta.get('format')}")
+    for fname, digest in meta["files"].items():
+        f = path / fname
+        if not f.is_file():
+            raise UserError(f"checkpoint {path}: {fname} is missing")
+        if _sha256(f) != digest:
+            raise UserError(f"checkpoint {path}: {fname} does not match its checksum (damaged or truncated)")
+    return meta
+
+
+def find_resume(spec: str, ckpt_dir: Path, warn) -> Path | None:
+    """`auto`: the newest checkpoint that verifies (damaged ones are skipped with a warning);
+    otherwise the given folder, which must verify."""
+    if spec != "auto":
+        path = Path(spec)
+        verify(path)
+        return path
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            verify(path)
+            return path
+        except UserError as e:
+            warn(f"warning: skipping {e}")
+    return None
+
+
+def load(path: Path, engine, opt, model_shapes: dict) -> dict:
+    """Fill this rank's parameters (all of them) and optimizer state (its shard) from any layout."""
+    meta = json.loads((path / "meta.json").read_text())
+    saved = {k: tuple(v) for k, v in meta["shapes"].items()}
+    want = {k: tuple(v) for k, v in model_shapes.items()}
+    if saved != want:
+        diff = sorted(set(saved.items()) ^ set(want.items()))[:2]
+        raise UserError(f"checkpoint {path} was saved from a different model (e.g. {diff}): use the same model config")
+    read = Reader(path, meta)
+
+    with torch.no_grad():
+        for i, b in enumerate(engine.buckets):
+            for (name, p), off in zip(b.params, b.offsets):
+                b.data[off : off + p.numel()].copy_(read("param", name, 0, p.numel()))
+            m, v, _ = opt.groups[i]
+            lo, hi = (b.lo, b.hi) if engine.zero >= 1 else (0, b.padded)
+            for (name, p), off in zip(b.params, b.offsets):
+                a, e = max(off, lo), min(off + p.numel(), hi)
+                if a < e:
+                    m[a - lo : e - lo].copy_(read("m", name, a - off, e - off))
+                    v[a - lo : e - lo].copy_(read("v", name, a - off, e - off))
+    opt.step_count = meta["optimizer_step"]
+    return meta
+
+
+class Reader:
+    """Reads elements [a, e) of any saved tensor, assembled from whichever rank files hold them."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.index: dict[str, list[tuple[int, str, str]]] = {}  # name -> [(start, file, "<name>/<start>")]
+        self.handles = {}
+        for fname in meta["files"]:
+            h = self.handles[fname] = safe_open(str(path / fname), framework="pt")
+            for key in h.keys():
+                kind, rest = key.split("/", 1)
+                if kind == "param":
+                    name, start = rest.rsplit("/", 1)
+                    self.index.setdefault(name, []).append((int(start), fname, rest))
+
+    def __call__(self, kind: str, name: str, a: int, e: int) -> torch.Tensor:
+        out = torch.empty(e - a)
+        for start, fname, rest in self.index[name]:
+            t = self.handles[fname].get_slice(f"{kind}/{rest}")
+            lo, hi = max(a, start), min(e, start + t.get_shape()[0])
+            if lo < hi:
+                out[lo - a : hi - a] = t[lo - start : hi - start]
+        return out
+
+
+def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every full parameter of a checkpoint (for sampling and export, in one process), and its meta."""
+    meta = verify(path)
+    read = Reader(path, meta)
+    params = {}
+    for name, shape in meta["shapes"].items():
+        n = 1
+        for d in shape:
+            n *= d
+        params[name] = read("param", name, 0, n).view(*shape)
+    return params, meta
+
+
+def latest(run: Path) -> Path:
+    """The newest valid checkpoint of a run directory, or UserError."""
+    path = find_resume("auto", Path(run) / "checkpoints", lambda msg: print(msg))
+    if path is None:
+        raise UserError(f"{run}: no valid checkpoint under {run}/checkpoints")
+    return path
+
+
+def weights_sha256(model) -> str:
+    """sha256 over every full parameter as fp32 bytes, in canonical (named_parameters) order."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,163 @@
+"""`braidtrain <subcommand>` (also `python -m braidtrain`).
+
+Long options follow Python habits; llm.c's short flags work too, so llm.c's documented training
+commands run unchanged apart from the program name. Bad input ends in one line on stderr and
+exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from braidtrain.errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would add a usage block)
+        print(f"braidtrain: error: {message} (see `braidtrain {self.prog.split()[-1]} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _train_parser(sub):
+    # add_help=False: llm.c's -h (HellaSwag) must parse; --help still works
+    p = sub.add_parser("train", help="train a model", allow_abbrev=False, add_help=False)
+    a = p.add_argument
+    a("--help", action="help", help="show this help and exit")
+    a("--config", help="a config name from braidtrain/configs (tiny, gpt2, ...) or a .toml path")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-e", help="preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or llm.c's dN")
+    for k in ("n-layer", "n-head", "n-embd", "block-size"):
+        g.add_argument(f"--{k}", type=int)
+    g = p.add_argument_group("data")
+    g.add_argument("--train-data", "-i", help="token file, folder or glob (llm.c .bin)")
+    g.add_argument("--val-data", "-j", help="validation token file, folder or glob")
+    g.add_argument("--tokenizer", choices=["gpt2", "bytes"])
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--batch-size", "-b", type=int, help="sequences per micro-batch per rank")
+    g.add_argument("--seq-len", "-t", type=int, help="tokens per sequence")
+    g.add_argument("--total-batch", "-d", type=int, help="tokens per optimizer step, over all ranks")
+    g.add_argument("--max-steps", "-x", type=int, help="optimizer steps (-1: one epoch of the training data)")
+    g.add_argument("--lr", "-l", type=float)
+    g.add_argument("--final-lr-frac", "-q", type=float)
+    g.add_argument("--warmup-steps", "-u", type=int)
+    g.add_argument("--weight-decay", "-c", type=float)
+    g.add_argument("--grad-clip", type=float)
+    g.add_argument("--seed", type=int)
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--val-every", "-v", type=int)
+    g.add_argument("--val-steps", "-m", type=int)
+    g.add_argument("--sample-tokens", "-g", type=int)
+    g.add_argument("--out", "-o", help="run directory (default runs/<timestamp>)")
+    g.add_argument("--ckpt-every", "-n", type=int)
+    g.add_argument("--keep-ckpts", type=int)
+    g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder")
+    g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
+    g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--zero", "-z", type=int, help="ZeRO stage")
+    g.add_argument("--exact", action="store_true", default=None, help="bitwise-identical results on any layout")
+    g.add_argument("--bucket-mb", type=float)
+    g = p.add_argument_group("processes (llm.c flags)")
+    g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])
+    g.add_argument("--num-processes", "-pn", type=int)
+    g.add_argument("--process-rank", "-pr", type=int)
+    g.add_argument("--gpus-per-node", "-pg", type=int)
+    g.add_argument("--server", "-ps", help="rendezvous address[:port] (tcp)")
+    g.add_argument("--fs-path", "-pf", help="shared folder for the rendezvous (fs)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: the local GPU, else cpu)")
+    g.add_argument("--dtype", choices=["auto", "fp32", "bf16"])
+    g.add_argument("--timeout", type=float, help="seconds before a rendezvous or collective is declared hung")
+    g = p.add_argument_group("llm.c flags accepted for compatibility and ignored")
+    for flag in ("-s", "-h", "-f", "-w", "-k", "-a", "-r", "-ge"):
+        g.add_argument(flag, dest=f"ignored_{flag[1:]}", metavar="X")
+    return p
+
+
+def cmd_train(args) -> int:
+    from braidtrain.config import FIELD_TYPES, build_config
+    from braidtrain.train import train
+
+    ignored = [f"-{k[8:]}" for k, v in vars(args).items() if k.startswith("ignored_") and v is not None]
+    if ignored:
+        print(f"braidtrain: note: llm.c flag(s) {' '.join(ignored)} have no effect here", file=sys.stderr)
+    overrides = {k: v for k, v in vars(args).items() if k in FIELD_TYPES}
+    if args.llmc_resume == 1 and not args.resume:
+        overrides["resume"] = "auto"
+    cfg = build_config(args.config, overrides)
+    train(cfg)
+    return 0
+
+
+def cmd_data(args) -> int:
+    from braidtrain.data import prepare
+
+    summary = prepare(args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, name=args.name)
+    print(json.dumps({k: summary[k] for k in ("train_tokens", "val_tokens", "tokenizer", "vocab_size")}))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from braidtrain.metrics import plot_runs
+
+    plot_runs(args.runs, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from braidtrain.checkpoint import latest, load_params
+    from braidtrain.data import get_tokenizer
+    from braidtrain.model.gpt import GPT, GPTConfig
+    from braidtrain.train import generate
+
+    run = Path(args.run)
+    params, meta = load_params(run if (run / "meta.json").exists() else latest(run))
+    tok = get_tokenizer(meta["tokenizer"])
+    model = GPT(GPTConfig(**meta["model"]))
+    model.load_state_dict(params)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(device)
+    prompt = tok.encode(args.prompt) if args.prompt else [tok.eot]
+    out = generate(model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = Parser(prog="braidtrain", description="Train GPT-style models on 1 to N GPUs.")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    _train_parser(sub)
+    d = sub.add_parser("data", help="prepare token shards")
+    dsub = d.add_subparsers(dest="action", required=True, parser_class=Parser)
+    p = dsub.add_parser("prepare", help="tokenize a corpus into llm.c .bin shards")
+    p.add_argument("--corpus", default="shakespeare", help="shakespeare, or a text file or folder")
+    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", help="shard name prefix (default: the corpus name)")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p = sub.add_parser("plot", help="overlay the loss curves of runs")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", default="loss.png")
+    p = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
+    p.add_argument("run")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--tokens", "-g", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device")
+    args = parser.parse_args(argv)
+    handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample}[args.cmd]
+    try:
+        return handler(args)
+    except UserError as e:
+        print(f"braidtrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("braidtrain: interrupted", file=sys.stderr)
+        return 130

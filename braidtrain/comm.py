@@ -1,0 +1,183 @@
+"""Every collective of the project goes through here.
+
+Each call is recorded (sequence number, operation, axis, shape, dtype, bytes, launch and end time)
+in a ring buffer -- the flight log a hung or crashed rank leaves behind -- and summed per step into
+`comm_s`. The exact reduce-scatter of DESIGN.md ("Exact reduction") lives here too.
+
+Streams: on CUDA, torch's NCCL process group already runs every collective on its own internal
+stream, made to wait (by an event) for the work queued before it on the compute stream; and
+`work.wait()` makes the compute stream wait, by an event, for the collective -- no host or device-wide
+synchronisation. We add a pair of timing events around each collective on a side stream of ours so
+that its duration can be read at the end of the step without stalling the step itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Record:
+    seq: int
+    op: str
+    axis: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    t_start: float  # time.time() at launch
+    t_end: float | None = None  # when the result was ready (host clock), None while in flight
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return json.dumps(d)
+
+
+class Handle:
+    """An in-flight collective. `wait()` returns once its result may be used; `then` (optional)
+    runs right after, on the waiting side (used to finish the exact reduce-scatter)."""
+
+    def __init__(self, comm: "Comm", rec: Record, work, then=None, events=None):
+        self.comm, self.rec, self.work, self.then, self.events = comm, rec, work, then, events
+        self.done = False
+        if work is not None and events is None:
+            # Host backends (gloo) complete on their own thread: record the real completion time.
+            work.get_future().then(lambda _f: self._mark())
+        elif work is None:
+            self._mark()
+
+    def _mark(self):
+        if self.rec.t_end is None:
+            self.rec.t_end = time.time()
+
+    def wait(self):
+        if self.done:
+            return
+        if self.work is not None:
+            self.work.wait()
+        if self.events is not None:
+            torch.cuda.current_stream().wait_event(self.events[1])
+        else:
+            self._mark()
+        if self.then is not None:
+            self.then()
+        self.done = True
+
+
+class Comm:
+    def __init__(self, device: torch.device, capacity: int = 2048):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.records: deque[Record] = deque(maxlen=capacity)
+        self.seq = 0
+        self.step_handles: list[Handle] = []
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _launch(self, op, axis, tensor, group, fn, then=None) -> Handle:
+        rec = Record(self.seq, op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                     tensor.numel() * tensor.element_size(), time.time())
+        self.seq += 1
+        self.records.append(rec)
+        if group is None:  # a one-rank axis: nothing to exchange
+            h = Handle(self, rec, None, then)
+        elif self.cuda:
+            # Launch from our side stream: it first waits (an event) for what the compute stream has
+            # queued -- the gradients this collective reads -- and the compute stream goes on with the
+            # rest of the backward pass; Handle.wait() makes the compute stream wait for `end`.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                start.record()
+                fn(group).wait()
+                end.record()
+            h = Handle(self, rec, None, then, events=(start, end))
+        else:
+            h = Handle(self, rec, fn(group), then)
+        self.step_handles.append(h)
+        return h
+
+    def step_comm_seconds(self) -> float:
+        """Sum of this step's collective durations; call after the step's results were used."""
+        total = 0.0
+        for h in self.step_handles:
+            if h.events is not None:
+                total += h.events[0].elapsed_time(h.events[1]) / 1000.0
+                h.rec.t_end = h.rec.t_start + h.events[0].elapsed_time(h.events[1]) / 1000.0
+            elif h.rec.t_end is not None:
+                total += h.rec.t_end - h.rec.t_start
+        self.step_handles = []
+        return total
+
+    def dump(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            for r in self.records:
+                f.write(r.to_json() + "\n")
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, t, group, axis, op=dist.ReduceOp.SUM) -> Handle:
+        return self._launch("all_reduce", axis, t, group, lambda g: dist.all_reduce(t, op=op, group=g, async_op=True))
+
+    def reduce_scatter(self, out, inp, group, axis) -> Handle:
+        if group is None:
+            out.copy_(inp)
+        return self._launch("reduce_scatter", axis, inp, group,
+                            lambda g: dist.reduce_scatter_tensor(out, inp, group=g, async_op=True))
+
+    def all_gather(self, out, inp, group, axis) -> Handle:
+        if group is None and out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return self._launch("all_gather", axis, out, group,
+                            lambda g: dist.all_gather_into_tensor(out, inp, group=g, async_op=True))
+
+    def all_to_all(self, out, inp, group, axis) -> Handle:
+        if group is None:
+            out.copy_(inp)
+        return self._launch("all_to_all", axis, inp, group,
+                            lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
+
+    def exact_reduce_scatter(self, out, inp, scratch, group, axis, n: int) -> Handle:
+        """Sum `inp` (n equal slices, one per rank) over the group into this rank's slice `out`,
+        bitwise the same for any power-of-two n: all-to-all moves slice r of every rank to rank r
+        (the bandwidth of a reduce-scatter), then the n pieces are added along a complete binary
+        tree in rank order -- the top levels of the one tree over all micro-batches."""
+
+        def tree_sum():
+            pieces = list(scratch.chunk(n)) if n > 1 else [inp]
+            while len(pieces) > 1:
+                pieces = [a.add_(b) for a, b in zip(pieces[0::2], pieces[1::2])]
+            out.copy_(pieces[0])
+
+        if n == 1:
+            return self._launch("exact_reduce_scatter", axis, inp, None, None, then=tree_sum)
+        return self._launch("exact_reduce_scatter", axis, inp, group,
+                            lambda g: dist.all_to_all_single(scratch, inp, group=g, async_op=True), then=tree_sum)
+
+    def all_gather_object_floats(self, values: torch.Tensor, group, axis) -> torch.Tensor:
+        """All-gather a small float tensor (same length on every rank); returns (n_ranks, len)."""
+        if group is None:
+            return values.unsqueeze(0)
+        n = dist.get_world_size(group)
+        out = torch.empty(n * values.numel(), dtype=values.dtype, device=values.device)
+        self.all_gather(out, values, group, axis).wait()
+        return out.view(n, -1)
+
+
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum along dim 0 by a complete binary tree (padded with zeros to a power of two). Adding
+    zero leaves never changes the result, so the value depends only on the non-zero prefix."""
+    n = x.shape[0]
+    size = 1 << max(0, (n - 1).bit_length())
+    if size != n:
+        x = torch.cat([x, x.new_zeros((size - n, *x.shape[1:]))])
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]

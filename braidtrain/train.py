@@ -1,0 +1,255 @@
+"""The training loop: runtime -> mesh -> model -> engine -> optimizer, then steps.
+
+One step, on every rank:
+
+    for each of its micro-batches (a contiguous block of the step's global sequences):
+        forward -> sum of the token losses -> divide by the *global* token count -> backward
+        (on the last micro-batch, each bucket's reduction starts as soon as its gradients are in)
+    wait for the reductions -> global grad norm -> clip -> AdamW on what this rank owns
+    -> (ZeRO-1) all-gather the updated parameters -> log
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from contextlib import nullcontext
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from braidtrain import checkpoint
+from braidtrain.comm import Comm, pairwise_sum
+from braidtrain.config import Config, plan_batch
+from braidtrain.data import Loader, TokenData, get_tokenizer, resolve_files, tokenizer_for, unigram_entropy
+from braidtrain.errors import UserError
+from braidtrain.mesh import build_mesh
+from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
+from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.optim import AdamW, clip_factor, lr_at
+from braidtrain.parallel.data import DataParallel
+from braidtrain.runtime import init_runtime
+
+
+def check_exact(dp: int, micro: int, unit: int) -> None:
+    """Exact mode needs the canonical tree: dp a power of two, and (when dp > 1) a power-of-two
+    number of micro-steps per rank so that each rank holds one complete subtree."""
+    pow2 = lambda n: n & (n - 1) == 0
+    if not pow2(dp):
+        raise UserError(f"--exact needs a power-of-two data-parallel size, got dp={dp}: use 1, 2, 4, 8 ... processes")
+    if dp > 1 and not pow2(micro):
+        lo = 1 << (micro.bit_length() - 1)
+        raise UserError(
+            f"--exact with dp={dp} needs a power-of-two number of micro-steps per rank, got d/(b*t*dp) = {micro}: "
+            f"use -d {lo * unit} or -d {2 * lo * unit}"
+        )
+
+
+def resolve_out(cfg: Config, rt) -> Path:
+    """The run directory, the same on every rank (rank 0 picks the timestamp)."""
+    out = [cfg.out or f"runs/{datetime.now().strftime('%Y%m%d-%H%M%S')}"]
+    if rt.world_size > 1:
+        dist.broadcast_object_list(out, src=0)
+    return Path(out[0])
+
+
+def gather_loss(comm: Comm, engine: DataParallel, local: list[torch.Tensor]) -> float:
+    """Sum of per-micro-batch loss sums over all ranks, along one fixed tree (any layout, same bits)."""
+    t = torch.stack(local).double() if local else torch.zeros(0, dtype=torch.float64)
+    rows = comm.all_gather_object_floats(t, engine.group, "replica")
+    return pairwise_sum(rows.reshape(-1)).item()
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        rt = self.rt = init_runtime(
+            cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
+            gpus_per_node=cfg.gpus_per_node, server=cfg.server, fs_path=cfg.fs_path,
+            device=cfg.device, timeout_s=cfg.timeout,
+        )
+        self.device = rt.device
+        if cfg.exact:
+            # same kernels, same reduction orders on every rank and every layout
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            if self.device.type == "cpu":
+                torch.set_num_threads(1)
+        self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
+        if self.bf16 and self.device.type == "cpu" and cfg.dtype == "auto":
+            self.bf16 = False
+
+        # data and model
+        train_files = resolve_files(cfg.train_data, "train")
+        val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
+        self.tok_name = cfg.tokenizer or tokenizer_for(train_files) or "gpt2"
+        vocab = get_tokenizer(self.tok_name).vocab_size if self.tok_name != "gpt2" else 50257
+        self.mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
+        if cfg.seq_len > self.mcfg.block_size:
+            raise UserError(f"-t {cfg.seq_len} is longer than the model's context ({self.mcfg.block_size}): use -t {self.mcfg.block_size} or less")
+        self.mesh = build_mesh(rt.rank, rt.world_size)
+        self.dp = self.mesh.size("replica")
+        self.plan = plan_batch(cfg, self.dp)
+        if cfg.exact:
+            check_exact(self.dp, self.plan.micro_steps, cfg.batch_size * cfg.seq_len * self.dp)
+        self.train_data = TokenData(train_files, vocab)
+        self.val_data = TokenData(val_files, vocab)
+        self.loader = Loader(self.train_data, cfg.seq_len, self.plan.seqs_per_step, cfg.seed)
+        self.val_loader = Loader(self.val_data, cfg.seq_len, self.plan.seqs_per_step, cfg.seed)
+
+        model = GPT(self.mcfg)
+        init_weights(model, cfg.seed)
+        self.model = model.to(self.device)
+        self.comm = Comm(self.device)
+        self.engine = DataParallel(self.model, self.mesh, self.comm, zero=cfg.zero, exact=cfg.exact,
+                                   bucket_mb=cfg.bucket_mb, device=self.device)
+        self.opt = AdamW(self.engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+
+        self.out = resolve_out(cfg, rt)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.start_step = 0
+        if cfg.resume:
+            path = checkpoint.find_resume(cfg.resume, self.ckpt_dir, rt.log)
+            if path is not None:
+                meta = checkpoint.load(path, self.engine, self.opt, self.shapes)
+                self.start_step = meta["step"]
+                rt.log(f"resumed from {path} (step {self.start_step}, saved by {meta['layout']})")
+        if rt.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(cfg.to_toml())
+        rt.barrier()
+
+    def autocast(self):
+        if self.bf16:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    # -- one optimizer step ---------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        cfg, plan, engine = self.cfg, self.plan, self.engine
+        t0 = time.time()
+        b = cfg.batch_size
+        first = self.engine.rank * plan.seqs_per_rank
+        losses = []
+        for micro in range(plan.micro_steps):
+            x, y = self.loader.batch(step, first + micro * b, b)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            engine.start_micro_step(micro, plan.micro_steps)
+            with self.autocast():
+                loss_sum = self.model(x, y)
+            (loss_sum / plan.total_tokens).backward()
+            losses.append(loss_sum.detach())
+        exposed = engine.finish_reduction()
+        norm = engine.grad_norm()
+        factor = clip_factor(norm, cfg.grad_clip)
+        if factor != 1.0:
+            engine.scale_grads(factor)
+        lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=cfg.max_steps, final_frac=cfg.final_lr_frac)
+        self.opt.step(lr)
+        engine.gather_params()
+        loss = gather_loss(self.comm, engine, losses) / plan.total_tokens
+        dt = time.time() - t0
+        tps = plan.total_tokens / dt
+        peak = peak_flops(self.device, self.bf16)
+        mfu = self.mcfg.flops_per_token(cfg.seq_len) * tps / (peak * self.rt.world_size) if peak else None
+        if self.device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated(self.device) / 1e9
+        else:
+            mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
+        return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm),
+                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt,
+                "comm_s": self.comm.step_comm_seconds(), "exposed_comm_s": exposed}
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean loss over val_steps global batches of validation sequences, split over the ranks."""
+        cfg, b = self.cfg, self.cfg.batch_size
+        total = cfg.val_steps * self.plan.seqs_per_step
+        per_rank = total // self.dp
+        first = self.engine.rank * per_rank
+        sums = []
+        self.model.eval()
+        for s in range(first, first + per_rank, b):
+            x, y = self.val_loader.val_batch(s, min(b, first + per_rank - s))
+            with self.autocast():
+                sums.append(self.model(x.to(self.device), y.to(self.device)).float())
+        self.model.train()
+        return gather_loss(self.comm, self.engine, sums) / (total * cfg.seq_len)
+
+    def save(self, step: int) -> float:
+        info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.tok_name}
+        return checkpoint.save(self.ckpt_dir, step, self.engine, self.opt, info, self.shapes, self.rt, self.cfg.keep_ckpts)
+
+    def run(self) -> dict:
+        cfg, rt = self.cfg, self.rt
+        log = MetricsLog(self.out / "metrics.jsonl", self.start_step) if rt.is_main else None
+        rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on {self.device.type}), "
+               f"-d {self.plan.total_tokens} = {self.plan.micro_steps} micro-steps x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.dp}, "
+               f"ZeRO-{cfg.zero}{', exact' if cfg.exact else ''} -> {self.out}")
+        bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
+        rec, val = None, None
+        try:
+            for step in range(self.start_step, cfg.max_steps):
+                rec = self.step(step)
+                last = step + 1 == cfg.max_steps
+                if cfg.val_every and ((step + 1) % cfg.val_every == 0 or last):
+                    val = rec["val_loss"] = self.validate()
+                if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last:
+                    rec["save_s"] = self.save(step + 1)
+                if log:
+                    log.write(rec)
+                bar.update(rec)
+        finally:
+            bar.close()
+            if log:
+                log.close()
+        if val is None or rec is None:
+            val = self.validate()
+        save_s = self.save(cfg.max_steps)
+        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
+                   "tokens_per_s": rec["tokens_per_s"] if rec else None,
+                   "weights_sha256": checkpoint.weights_sha256(self.model), "save_s": save_s}
+        if rt.is_main:
+            summary["unigram_val_loss"] = unigram_entropy(self.train_data)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            if rec:
+                plot_runs([str(self.out)], str(self.out / "loss.png"))
+            rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
+            if cfg.sample_tokens:
+                tok = get_tokenizer(self.tok_name)
+                text = tok.decode(generate(self.model, [tok.eot], cfg.sample_tokens, seed=cfg.seed, autocast=self.autocast))
+                rt.log("--- sample ---\n" + text + "\n--------------")
+        return summary
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], n: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+             autocast=nullcontext) -> list[int]:
+    """Sample n tokens after the prompt (top-k, temperature), cropping to the model's context."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    for _ in range(n):
+        with autocast():
+            logits = model(idx[:, -model.cfg.block_size :])[:, -1, :].float() / temperature
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits[logits < kth] = -float("inf")
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+        idx = torch.cat([idx, nxt], dim=1)
+    model.train(was_training)
+    return idx[0, len(prompt) :].tolist()
+
+
+def train(cfg: Config) -> dict:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.rt.close()

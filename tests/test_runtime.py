@@ -1,0 +1,241 @@
+"""Runtime: every init method really rendezvouses (2 processes on gloo), and every bad launch fails
+with a one-line UserError within its timeout instead of hanging."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from braidtrain.errors import UserError
+from braidtrain.runtime import FS_FILE, init_runtime
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Each child: init, a rank-ordered cpu_sum and a plain all_reduce, print one JSON line, close twice.
+WORKER = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import torch, torch.distributed as dist
+from braidtrain.errors import UserError
+from braidtrain.runtime import init_runtime
+try:
+    rt = init_runtime(**json.loads(sys.argv[1]))
+except UserError as e:
+    print("USERERROR " + str(e), flush=True)
+    sys.exit(2)
+t = torch.tensor([float(rt.rank + 1)])
+dist.all_reduce(t)
+s = rt.cpu_sum(rt.rank + 1)
+rt.barrier()
+rt.store.set(f"hello/{{rt.rank}}", "x")  # the store is usable after init
+print("RESULT " + json.dumps(dict(rank=rt.rank, world=rt.world_size, local=rt.local_rank, sum=s,
+                                  ar=t.item(), backend=rt.backend, device=str(rt.device))), flush=True)
+rt.close()
+rt.close()
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER.format(repo=str(REPO)))
+    return str(path)
+
+
+def child_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(k, None)
+    return env
+
+
+def run_all(cmds, timeout=60, stagger=0.0):
+    """Start every command, wait for all, kill leftovers; return [(returncode, output)]."""
+    procs = []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, env=child_env(), cwd=REPO))
+            time.sleep(stagger)
+        out = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [(p.returncode, o) for p, o in zip(procs, out)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def results(runs):
+    for rc, out in runs:
+        assert rc == 0, out
+    found = [json.loads(line[7:]) for _, out in runs for line in out.splitlines() if line.startswith("RESULT ")]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def user_errors(out):
+    return [line[10:] for line in out.splitlines() if line.startswith("USERERROR ")]
+
+
+def check_two_ranks(found, locals_=(0, 1)):
+    assert [r["rank"] for r in found] == [0, 1]
+    for r in found:
+        assert r["world"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu"
+        assert r["sum"] == 3.0 and r["ar"] == 3.0
+    assert tuple(r["local"] for r in found) == tuple(locals_)
+
+
+def by_hand(worker, kwargs_per_rank):
+    return [[sys.executable, worker, json.dumps(kw)] for kw in kwargs_per_rank]
+
+
+# ------------------------------------------------------------------ the four init methods
+
+def test_env_under_torchrun(worker):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), worker, json.dumps({"device": "cpu"})]
+    (rc, out), = run_all([cmd], timeout=90)
+    assert rc == 0, out
+    check_two_ranks(results([(rc, out)]))
+
+
+def test_tcp_by_hand(worker):
+    server = f"127.0.0.1:{free_port()}"
+    kws = [dict(init_method="tcp", num_processes=2, process_rank=r, gpus_per_node=2, server=server,
+                device="cpu", timeout_s=60) for r in (1, 0)]  # rank 1 first: it must wait for rank 0
+    check_two_ranks(results(run_all(by_hand(worker, kws))))
+
+
+def test_fs_with_stale_file(worker, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    # Left over from an earlier run, and its port since taken by another run's live store: rank 1 starts
+    # first, reads this file, reaches that store, and must notice the nonce is not the one in the file.
+    other = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    other.set("braidtrain/nonce", "another0run0")
+    (shared / FS_FILE).write_text(f"127.0.0.1:{other.port} braidtrain/0123456789ab\n")
+    kws = [dict(init_method="fs", num_processes=2, process_rank=r, fs_path=str(shared), device="cpu",
+                timeout_s=20) for r in (1, 0)]
+    check_two_ranks(results(run_all(by_hand(worker, kws), stagger=1.0)), locals_=(0, 0))
+    assert not (shared / FS_FILE).exists()  # rank 0 cleans up once everyone is in
+
+
+def test_mpi(worker):
+    missing = [what for what, ok in (("mpirun", shutil.which("mpirun")),
+                                     ("mpi4py", _has_module("mpi4py"))) if not ok]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)}")
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, worker,
+           json.dumps(dict(init_method="mpi", device="cpu", timeout_s=60))]
+    (rc, out), = run_all([cmd], timeout=90)
+    assert rc == 0, out
+    check_two_ranks(results([(rc, out)]))  # one host: local ranks 0 and 1
+
+
+def _has_module(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def test_single_process(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    rt = init_runtime(device="cpu")
+    assert (rt.rank, rt.world_size, rt.local_rank, rt.store, rt.backend) == (0, 1, 0, None, "gloo")
+    assert rt.is_main and rt.cpu_sum(2.5) == 2.5
+    rt.barrier()
+    rt.close()
+    rt.close()
+
+
+# ------------------------------------------------------------------ bad launches
+
+def test_unreachable_server_fails_in_time():
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        init_runtime("tcp", num_processes=2, process_rank=1, server=f"127.0.0.1:{free_port()}",
+                     device="cpu", timeout_s=3)
+    assert time.monotonic() - t0 < 9
+    msg = str(e.value)
+    assert "could not reach the rendezvous at 127.0.0.1:" in msg and "-ps" in msg and "\n" not in msg
+
+
+def test_missing_rank_is_counted():
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"only 1 of 2 processes reached the rendezvous"):
+        init_runtime("tcp", num_processes=2, process_rank=0, server=f"127.0.0.1:{free_port()}",
+                     device="cpu", timeout_s=3)
+    assert time.monotonic() - t0 < 9
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(init_method="tcp", num_processes=2, process_rank=2, server="x"), r"-pr .* 0\.\.1 .* got 2"),
+    (dict(init_method="tcp", num_processes=2, process_rank=-1, server="x"), r"-pr .* got -1"),
+    (dict(init_method="tcp", num_processes=0, process_rank=0, server="x"), r"-pn .* at least 1"),
+    (dict(init_method="tcp", num_processes=2, process_rank=0), r"-pi tcp needs -ps"),
+    (dict(init_method="fs", num_processes=2, process_rank=0), r"-pi fs needs -pf"),
+    (dict(init_method="tcp", num_processes=2, process_rank=0, server="h:notaport"), r"not a port"),
+    (dict(init_method="bogus"), r"unknown init method 'bogus'"),
+    (dict(device="tpu"), r"cpu, cuda or cuda:N"),
+])
+def test_bad_arguments(kwargs, pattern):
+    with pytest.raises(UserError, match=pattern):
+        init_runtime(timeout_s=3, **kwargs)
+
+
+def test_missing_fs_folder(tmp_path):
+    with pytest.raises(UserError, match=r"-pf folder .*nope does not exist"):
+        init_runtime("fs", num_processes=2, process_rank=0, fs_path=str(tmp_path / "nope"))
+
+
+def test_mpi_without_mpi4py(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` raise ImportError
+    with pytest.raises(UserError) as e:
+        init_runtime("mpi")
+    assert str(e.value) == "-pi mpi needs mpi4py (pip install mpi4py) and an MPI launcher (mpirun)"
+
+
+def test_mismatched_num_processes(worker):
+    server = f"127.0.0.1:{free_port()}"
+    kws = [dict(init_method="tcp", num_processes=n, process_rank=r, server=server, device="cpu", timeout_s=15)
+           for r, n in ((0, 2), (1, 3))]
+    t0 = time.monotonic()
+    runs = run_all(by_hand(worker, kws), timeout=45)
+    assert time.monotonic() - t0 < 15  # well before the rendezvous timeout: nobody waits it out
+    for rc, out in runs:
+        assert rc == 2, out
+        errs = user_errors(out)
+        assert len(errs) == 1 and "-pn 3" in errs[0] and "-pn 2" in errs[0], out
+
+
+def test_duplicate_rank():
+    # Two callers claim rank 1 of 3 while rank 0 waits: all three must fail, the store never hangs.
+    server, errors = f"127.0.0.1:{free_port()}", []
+
+    def call(rank):
+        try:
+            init_runtime("tcp", num_processes=3, process_rank=rank, server=server, device="cpu", timeout_s=10)
+        except UserError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=call, args=(r,)) for r in (0, 1, 1)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join(20)
+    assert len(errors) == 3 and all("started as rank 1" in e for e in errors), errors
