@@ -22,6 +22,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the *_tensor collectives to *_single; 2.11 has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class Record:
@@ -48,9 +52,13 @@ class Handle:
         self.comm, self.rec, self.work, self.then, self.events = comm, rec, work, then, events
         self.done = False
         if work is not None and events is None:
-            # Host backends (gloo) complete on their own thread: record the real completion time.
-            work.get_future().then(lambda _f: self._mark())
-        elif work is None:
+            # Host backends (gloo) complete on their own thread: record the real completion time
+            # (some gloo collectives have no future; their end is then taken at wait()).
+            try:
+                work.get_future().then(lambda _f: self._mark())
+            except RuntimeError:
+                pass
+        elif events is None:
             self._mark()
 
     def _mark(self):
@@ -130,13 +138,13 @@ class Comm:
         if group is None:
             out.copy_(inp)
         return self._launch("reduce_scatter", axis, inp, group,
-                            lambda g: dist.reduce_scatter_tensor(out, inp, group=g, async_op=True))
+                            lambda g: _reduce_scatter(out, inp, group=g, async_op=True))
 
     def all_gather(self, out, inp, group, axis) -> Handle:
         if group is None and out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return self._launch("all_gather", axis, out, group,
-                            lambda g: dist.all_gather_into_tensor(out, inp, group=g, async_op=True))
+                            lambda g: _all_gather(out, inp, group=g, async_op=True))
 
     def all_to_all(self, out, inp, group, axis) -> Handle:
         if group is None:

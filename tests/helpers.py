@@ -1,0 +1,46 @@
+"""Run the real command line, in one process or under torchrun, and read what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A model small enough that an 8-rank run on two cores takes seconds.
+SMALL = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", "-t", "64", "-b", "2",
+         "--val-every", "0", "--sample-tokens", "0", "--no-progress"]
+
+
+def env():
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    e.pop("RANK", None)
+    return e
+
+
+def braidtrain(*args, nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "braidtrain", *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "braidtrain", *map(str, args)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def summary(run: Path) -> dict:
+    return json.loads((Path(run) / "summary.json").read_text())
+
+
+def prepare_bytes(out: Path) -> Path:
+    braidtrain("data", "prepare", "--corpus", "shakespeare", "--tokenizer", "bytes", "--out", out)
+    return out
