@@ -30,6 +30,8 @@ PRESETS = {  # name: (n_layer, n_head, n_embd, block_size)
     "gpt2-large": (36, 20, 1280, 1024),
     "gpt2-xl": (48, 25, 1600, 1024),
 }
+LLMC_DEPTHS = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
+               60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}  # llm.c's -e dN: depth -> (channels, heads)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,12 @@ class GPTConfig:
 def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=None, block_size=None) -> GPTConfig:
     if name in PRESETS:
         base = PRESETS[name]
-    elif name.startswith("d") and name[1:].isdigit() and int(name[1:]) > 0:  # llm.c's -e dN: depth N, 64 channels a layer
-        depth = int(name[1:])
-        base = (depth, max(1, (depth * 64 + 127) // 128), depth * 64, 1024)
+    elif name[1:].isdigit() and int(name[1:]) in LLMC_DEPTHS:  # llm.c's -e dN
+        channels, heads = LLMC_DEPTHS[int(name[1:])]
+        base = (int(name[1:]), heads, channels, 1024)
     else:
-        raise UserError(f"unknown model '{name}': use one of {', '.join(PRESETS)} or dN (llm.c depth)")
+        depths = ", ".join(f"d{d}" for d in LLMC_DEPTHS)
+        raise UserError(f"unknown model '{name}': use one of {', '.join(PRESETS)}, or llm.c's {depths}")
     nl, nh, ne, bs = (a if a is not None else b for a, b in zip((n_layer, n_head, n_embd, block_size), base))
     if ne % nh:
         raise UserError(f"n_embd={ne} is not divisible by n_head={nh}")

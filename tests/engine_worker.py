@@ -1,0 +1,63 @@
+"""Run under torchrun by test_engine.py: one data-parallel step with many small buckets, then
+print what the test checks, as one JSON line per rank."""
+
+import json
+import math
+import sys
+import time
+
+import torch
+
+from braidtrain.comm import Comm
+from braidtrain.mesh import build_mesh
+from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.optim import AdamW
+from braidtrain.parallel.data import DataParallel
+from braidtrain.runtime import init_runtime
+
+
+def batch(step, seq, vocab=256, t=32):
+    g = torch.Generator().manual_seed(1000 * step + seq)
+    x = torch.randint(0, vocab, (1, t + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def main(zero):
+    rt = init_runtime("env")
+    torch.manual_seed(0)
+    cfg = model_config("tiny", 256, n_layer=3, n_embd=64, n_head=2, block_size=32)
+    model = GPT(cfg)
+    init_weights(model, seed=7)
+    reference = GPT(cfg)
+    reference.load_state_dict(model.state_dict())
+    comm = Comm(rt.device)
+    engine = DataParallel(model, build_mesh(rt.rank, rt.world_size), comm, zero=zero, exact=False, bucket_mb=0.02, device=rt.device)
+    opt = AdamW(engine)
+    n, micro = rt.world_size, 2
+    seqs = n * micro
+    launched_early = []
+    for m in range(micro):
+        engine.start_micro_step(m, micro)
+        x, y = batch(0, rt.rank * micro + m)
+        (model(x, y) / (seqs * 32)).backward()
+        launched_early.append(len(comm.records))
+    last_grad = engine.last_grad_time
+    engine.finish_reduction()
+    first_launch = min(r.t_start for r in comm.records)
+    norm = engine.grad_norm()
+    # the single-process reference: the whole global batch, plain autograd
+    for s in range(seqs):
+        x, y = batch(0, s)
+        (reference(x, y) / (seqs * 32)).backward()
+    ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters())).item()
+    P = sum(p.numel() for p in model.parameters())
+    print(json.dumps({
+        "rank": rt.rank, "n": n, "buckets": len(engine.buckets), "P": P, "state": opt.state_numel(),
+        "records_after_first_micro": launched_early[0], "first_launch": first_launch, "last_grad": last_grad,
+        "norm": norm, "ref_norm": ref_norm,
+    }), flush=True)
+    rt.close()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
