@@ -40,7 +40,7 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = path
         if resume_step and path.exists():
-            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) < resume_step]
+            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
             path.write_text("".join(l + "\n" for l in keep))
         elif path.exists():
             path.unlink()
