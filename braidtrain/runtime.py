@@ -83,25 +83,20 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
                  device: str | None = None, timeout_s: float = 300.0) -> Runtime:
     if timeout_s <= 0:
         raise UserError(f"the rendezvous timeout must be positive, got {timeout_s}")
-    if gpus_per_node is not None and gpus_per_node < 1:
-        raise UserError(f"-pg (GPUs per node) must be at least 1, got {gpus_per_node}")
     deadline = time.monotonic() + timeout_s
     if init_method == "env":
-        rank, world, local, connect = _from_env(timeout_s)
-    elif init_method in ("tcp", "fs"):
-        rank, world = _check_rank(num_processes, process_rank)
-        local = rank % gpus_per_node if gpus_per_node else 0
-        if init_method == "tcp":
-            if not server:
-                raise UserError("-pi tcp needs -ps ADDRESS[:PORT], the host of rank 0 (e.g. -ps 10.0.0.1:29500)")
-            host, port = _parse_server(server)
-            connect = lambda: _with_nonce(_open_store(host, port, world, rank == 0, deadline, timeout_s), rank == 0)
-        else:
-            if not fs_path:
-                raise UserError("-pi fs needs -pf FOLDER, a folder shared by all nodes")
-            if not os.path.isdir(fs_path):
-                raise UserError(f"-pf folder {fs_path} does not exist: create it on a filesystem all nodes share")
-            connect = lambda: _fs_store(fs_path, rank, world, deadline, timeout_s)
+        rank, world, local, connect = _from_env(deadline, timeout_s)
+    elif init_method == "tcp":
+        if not server:
+            raise UserError("-pi tcp needs -ps ADDRESS[:PORT], the host of rank 0 (e.g. -ps 10.0.0.1:29500)")
+        (rank, world, local), (host, port) = _by_hand(num_processes, process_rank, gpus_per_node), _parse_server(server)
+        connect = lambda: _with_nonce(_open_store(host, port, world, rank == 0, deadline, timeout_s), rank == 0)
+    elif init_method == "fs":
+        if not fs_path or not os.path.isdir(fs_path):
+            raise UserError(f"-pf folder {fs_path} does not exist: create it on a filesystem all nodes share"
+                            if fs_path else "-pi fs needs -pf FOLDER, a folder that all nodes share")
+        rank, world, local = _by_hand(num_processes, process_rank, gpus_per_node)
+        connect = lambda: _fs_store(fs_path, rank, world, deadline, timeout_s)
     elif init_method == "mpi":
         rank, world, local, connect = _from_mpi(num_processes, process_rank, deadline, timeout_s)
     else:
@@ -129,29 +124,28 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
 
 # ---------------------------------------------------------------- who launched us
 
-def _from_env(timeout_s):
+def _from_env(deadline, timeout_s):
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or set by hand
-        rank, world, local = _ints("RANK", "WORLD_SIZE", "LOCAL_RANK")
-        # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT; we must join it, not bind.
-        serve = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        names = "RANK", "WORLD_SIZE", "LOCAL_RANK"
         # The agent's store outlives worker restarts, so each attempt gets its own key space.
         prefix = f"braidtrain/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         who = "RANK/WORLD_SIZE are set"
     elif "SLURM_PROCID" in env:
-        rank, world, local = _ints("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-        serve, prefix, who = rank == 0, "braidtrain/slurm", "under Slurm"
+        names, prefix, who = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), "braidtrain/slurm", "under Slurm"
     else:
         return 0, 1, 0, None
+    try:
+        rank, world, local = (int(env.get(n, "0")) for n in names)
+    except ValueError:
+        raise UserError(f"environment variables {', '.join(names)} must be integers") from None
+    # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT; we must join it, not bind.
+    serve = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     if world > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
         raise UserError(f"{who} but MASTER_ADDR/MASTER_PORT are not: export the host and a free port of rank 0")
     rank, world = _check_rank(world, rank)
-
-    def connect():
-        deadline = time.monotonic() + timeout_s
-        host, port = env["MASTER_ADDR"], _port(env["MASTER_PORT"])
-        return _open_store(host, port, world, serve, deadline, timeout_s), prefix
-    return rank, world, local, connect
+    host, port = env.get("MASTER_ADDR"), _port(env.get("MASTER_PORT", "1"))
+    return rank, world, local, lambda: (_open_store(host, port, world, serve, deadline, timeout_s), prefix)
 
 
 def _from_mpi(num_processes, process_rank, deadline, timeout_s):
@@ -161,29 +155,31 @@ def _from_mpi(num_processes, process_rank, deadline, timeout_s):
         raise UserError("-pi mpi needs mpi4py (pip install mpi4py) and an MPI launcher (mpirun)") from None
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    if num_processes not in (None, world) or process_rank not in (None, rank):
-        raise UserError(f"mpirun started {world} processes (this is rank {rank}) but -pn {num_processes} "
-                        f"-pr {process_rank} were given: drop -pn/-pr with -pi mpi")
+    # MPI collectives never time out, so all of them happen first, before anything on one rank can raise;
+    # rank 0 broadcasts even its own failure. From then on only the store's bounded waits remain.
     # GPU index = how many lower ranks share my host. crc32, because hash() is salted per process.
     mine = zlib.crc32(socket.gethostname().split(".")[0].encode())
     local = sum(1 for h in comm.allgather(mine)[:rank] if h == mine)
+    store, info = None, None
+    if rank == 0 and world > 1:
+        try:
+            host = _my_address()
+            store, prefix = _with_nonce(_open_store(host, 0, world, True, deadline, timeout_s), True)
+            info = (host, store.port, prefix)
+        except UserError as e:
+            info = str(e)
+    info = comm.bcast(info, root=0)
+    if isinstance(info, str):
+        raise UserError(info)
+    if num_processes not in (None, world) or process_rank not in (None, rank):
+        raise UserError(f"mpirun started {world} processes (this is rank {rank}) but -pn {num_processes} "
+                        f"-pr {process_rank} were given: drop -pn/-pr with -pi mpi")
 
     def connect():
-        store, info = None, None
-        if rank == 0:  # MPI collectives never time out, so rank 0 must broadcast even its failure
-            try:
-                host = _my_address()
-                store, prefix = _with_nonce(_open_store(host, 0, world, True, deadline, timeout_s), True)
-                info = (host, store.port, prefix)
-            except UserError as e:
-                info = str(e)
-        info = comm.bcast(info, root=0)
-        if isinstance(info, str):
-            raise UserError(info)
-        if store is None:
-            store = _open_store(info[0], info[1], world, False, deadline, timeout_s,
-                                hint="set BRAIDTRAIN_HOST to an address of rank 0's node that the others can reach")
-        return store, info[2]
+        hint = "set BRAIDTRAIN_HOST to an address of rank 0's node that the other nodes can reach"
+        if store is not None:
+            return store, info[2]
+        return _open_store(info[0], info[1], world, False, deadline, timeout_s, hint), info[2]
     return rank, world, local, connect
 
 
@@ -199,11 +195,15 @@ def _open_store(host, port, world, serve, deadline, timeout_s, hint="is rank 0 r
             raise UserError(f"rank 0 could not serve the rendezvous on {host}:{port}: {_first_line(e)}") from None
         return store
     # Probe with a plain socket first: TCPStore's own connect retries noisily and overruns its timeout.
+    failure = f"could not reach the rendezvous at {host}:{port} within {timeout_s:g} s: {hint}"
     while not _reachable(host, port, deadline):
         if time.monotonic() + _POLL_S >= deadline:
-            raise UserError(f"could not reach the rendezvous at {host}:{port} within {timeout_s:g} s: {hint}")
+            raise UserError(failure)
         time.sleep(_POLL_S)
-    return dist.TCPStore(host, port, world, False, timeout=left)
+    try:  # something answered; a proxy or another program fails TCPStore's handshake
+        return dist.TCPStore(host, port, world, False, timeout=left)
+    except RuntimeError as e:
+        raise UserError(f"{failure} ({_first_line(e)})") from None
 
 
 def _with_nonce(store, serve):
@@ -233,23 +233,21 @@ def _fs_store(folder, rank, world, deadline, timeout_s):
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return store, prefix
-    seen = None
     while time.monotonic() < deadline:
         try:
             with open(path) as f:
                 addr, prefix = f.read().split()
-            seen = addr
             host, port = _parse_server(addr)
             if _reachable(host, port, deadline):
-                store = dist.TCPStore(host, port, world, False, timeout=timedelta(seconds=5))
+                left = timedelta(seconds=max(1.0, min(5.0, deadline - time.monotonic())))
+                store = dist.TCPStore(host, port, world, False, timeout=left)
                 if _with_nonce(store, False)[1] == prefix:
                     return store, prefix
         except (OSError, ValueError, RuntimeError, UserError):
-            pass  # not there yet, half-gone, or stale: look again
+            pass  # not written yet, or stale: its port is dead or serves some other run
         time.sleep(_POLL_S)
-    found = f"it points to {seen}, which did not answer" if seen else "it never appeared"
-    raise UserError(f"no rendezvous from rank 0 in {path} within {timeout_s:g} s ({found}): "
-                    f"is rank 0 running with the same -pf?")
+    raise UserError(f"no live rendezvous from rank 0 appeared in {path} within {timeout_s:g} s: "
+                    f"is rank 0 running, with the same -pf?")
 
 
 def _check_in(store, rank, world, deadline, timeout_s):
@@ -279,17 +277,14 @@ def _check_in(store, rank, world, deadline, timeout_s):
         return
     pending, msg = set(range(1, world)), None
     while pending and msg is None and not store.check(["verdict"]):
-        for i in sorted(pending):
-            if store.check([f"np/{i}"]):
-                pending.discard(i)
-                if int(store.get(f"np/{i}")) != world:
-                    msg = (f"rank {i} was started with -pn {store.get(f'np/{i}').decode()} but rank 0 with "
-                           f"-pn {world}: start every process with the same -pn")
+        for i in [i for i in pending if store.check([f"np/{i}"])]:
+            pending.discard(i)
+            if (theirs := int(store.get(f"np/{i}"))) != world:
+                msg = f"rank {i} was started with -pn {theirs} but rank 0 with -pn {world}: start every process with the same -pn"
         if pending and time.monotonic() >= deadline:
             msg = (f"only {world - len(pending)} of {world} processes reached the rendezvous within "
                    f"{timeout_s:g} s: start all ranks 0..{world - 1}, each with -pn {world}")
-        elif pending and msg is None:
-            time.sleep(_POLL_S)
+        time.sleep(_POLL_S if pending and msg is None else 0)
     verdict = store.compare_set("verdict", "", msg or _OK).decode()
     if verdict != _OK:
         # The store dies with this process: give the others a moment to read why before we exit.
@@ -303,22 +298,24 @@ def _check_in(store, rank, world, deadline, timeout_s):
 
 def _pick_device(device, local_rank):
     name = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
-    if dev.type == "cpu":
-        return dev, "gloo"
-    if dev.type != "cuda":
-        raise UserError(f"device {name!r} is not supported: use cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        raise UserError(f"device {name!r} was asked for but torch sees no GPU: use --device cpu")
-    dev = dev if dev.index is not None else torch.device("cuda", local_rank)
-    if dev.index >= torch.cuda.device_count():
-        raise UserError(f"this process needs GPU {dev.index} but the node has {torch.cuda.device_count()}: "
-                        f"start fewer processes per node or lower -pg")
+    if name == "cpu":
+        return torch.device("cpu"), "gloo"
+    if name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise UserError(f"unknown device {name!r}: use cpu, cuda or cuda:N")
+    dev = torch.device(name) if ":" in name else torch.device("cuda", local_rank)
+    if not dev.index < torch.cuda.device_count():  # also when torch sees no GPU at all
+        raise UserError(f"this process needs GPU {dev.index} but torch sees {torch.cuda.device_count()} here: "
+                        f"start fewer processes per node, lower -pg, or use --device cpu")
     torch.cuda.set_device(dev)
     return dev, "nccl"
+
+
+def _by_hand(num_processes, process_rank, gpus_per_node):
+    """(rank, world, local rank) of a process started by hand, checked."""
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise UserError(f"-pg (GPUs per node) must be at least 1, got {gpus_per_node}")
+    rank, world = _check_rank(num_processes, process_rank)
+    return rank, world, rank % gpus_per_node if gpus_per_node else 0
 
 
 def _check_rank(num_processes, process_rank):
@@ -328,13 +325,6 @@ def _check_rank(num_processes, process_rank):
     if rank is None or not 0 <= rank < num_processes:
         raise UserError(f"-pr (process rank) must be in 0..{num_processes - 1} for -pn {num_processes}, got {process_rank}")
     return rank, num_processes
-
-
-def _ints(*names):
-    try:
-        return tuple(int(os.environ.get(n, "0")) for n in names)
-    except ValueError:
-        raise UserError(f"environment variables {', '.join(names)} must be integers") from None
 
 
 def _port(text):
@@ -352,8 +342,8 @@ def _parse_server(server):
 
 def _reachable(host, port, deadline):
     try:
-        socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
-        return True
+        with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            return True
     except socket.gaierror:
         raise UserError(f"cannot resolve the rendezvous host {host!r}: check the address") from None
     except OSError:
