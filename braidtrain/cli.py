@@ -17,7 +17,7 @@ from braidtrain.errors import UserError
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse would add a usage block)
-        print(f"braidtrain: error: {message} (see `braidtrain {self.prog.split()[-1]} --help`)", file=sys.stderr)
+        print(f"braidtrain: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -78,7 +78,6 @@ def _train_parser(sub):
 
 def cmd_train(args) -> int:
     from braidtrain.config import FIELD_TYPES, build_config
-    from braidtrain.train import train
 
     ignored = [f"-{k[8:]}" for k, v in vars(args).items() if k.startswith("ignored_") and v is not None]
     if ignored:
@@ -87,6 +86,8 @@ def cmd_train(args) -> int:
     if args.llmc_resume == 1 and not args.resume:
         overrides["resume"] = "auto"
     cfg = build_config(args.config, overrides)
+    from braidtrain.train import train  # after validation: bad flags fail fast, before torch loads
+
     train(cfg)
     return 0
 
@@ -131,7 +132,7 @@ def cmd_sample(args) -> int:
 def main(argv=None) -> int:
     parser = Parser(prog="braidtrain", description="Train GPT-style models on 1 to N GPUs.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
-    _train_parser(sub)
+    parsers = {"train": _train_parser(sub)}
     d = sub.add_parser("data", help="prepare token shards")
     dsub = d.add_subparsers(dest="action", required=True, parser_class=Parser)
     p = dsub.add_parser("prepare", help="tokenize a corpus into llm.c .bin shards")
@@ -140,10 +141,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--name", help="shard name prefix (default: the corpus name)")
     p.add_argument("--val-fraction", type=float, default=0.05)
-    p = sub.add_parser("plot", help="overlay the loss curves of runs")
+    parsers["data"] = p
+    p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs")
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", default="loss.png")
-    p = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
+    p = parsers["sample"] = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
     p.add_argument("run")
     p.add_argument("--prompt", default="")
     p.add_argument("--tokens", "-g", type=int, default=200)
@@ -151,7 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand's help, not the top level's
+        parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample}[args.cmd]
     try:
         return handler(args)

@@ -144,7 +144,9 @@ def build_config(config: str | None, overrides: dict) -> Config:
 
 def validate(cfg: Config) -> None:
     """Checks that need neither the data nor the world size."""
-    positive = ["batch_size", "seq_len", "max_steps", "val_steps", "keep_ckpts"]
+    if cfg.max_steps <= 0 and cfg.max_steps != -1:
+        raise UserError(f"max_steps must be positive (or -1 for one epoch), got {cfg.max_steps}")
+    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts"]
     positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "total_batch") if getattr(cfg, k) is not None]
     for key in positive:
         if getattr(cfg, key) <= 0:
@@ -183,10 +185,7 @@ def plan_batch(cfg: Config, dp: int) -> BatchPlan:
     unit = b * t * dp
     d = cfg.total_batch if cfg.total_batch is not None else unit
     if d % unit:
-        lo = max(unit, d // unit * unit)
-        hi = lo + unit if lo < d else lo
-        raise UserError(
-            f"-d {d} is not a multiple of b*t*dp = {b}*{t}*{dp} = {unit}: use -d {lo} or -d {hi}"
-        )
+        near = f"-d {d // unit * unit} or -d {(d // unit + 1) * unit}" if d > unit else f"-d {unit}"
+        raise UserError(f"-d {d} is not a multiple of b*t*dp = {b}*{t}*{dp} = {unit}: use {near}")
     micro = d // unit
     return BatchPlan(d, d // t, micro, micro * b)

@@ -100,6 +100,8 @@ class Trainer:
         self.val_data = TokenData(val_files, vocab)
         self.loader = Loader(self.train_data, cfg.seq_len, self.plan.seqs_per_step, cfg.seed)
         self.val_loader = Loader(self.val_data, cfg.seq_len, self.plan.seqs_per_step, cfg.seed)
+        if cfg.max_steps == -1:  # llm.c's default: one epoch of the training data
+            cfg.max_steps = max(1, self.loader.n_chunks // self.plan.seqs_per_step)
 
         model = GPT(self.mcfg)
         init_weights(model, cfg.seed)
