@@ -52,8 +52,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def pieces(engine):
-    """(bucket index, name, start, end, buffer position) for the elements of each parameter that
-    fall in this rank's shard [lo, hi) of its bucket."""
+    """(bucket index, name, start, end, bucket position) for the elements of each parameter that
+    fall in this rank's shard [lo, hi) of its bucket: what this rank writes."""
     for i, b in enumerate(engine.buckets):
         for (name, p), off in zip(b.params, b.offsets):
             a, e = max(off, b.lo), min(off + p.numel(), b.hi)
@@ -74,9 +74,10 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
     tensors = {}
     for i, name, a, e, pos in pieces(engine):
         b = engine.buckets[i]
-        tensors[f"param/{name}/{a}"] = b.data[pos : pos + e - a].detach().cpu().clone()
+        data = pos - (b.lo if engine.zero == 3 else 0)  # ZeRO-3 holds only the shard
+        tensors[f"param/{name}/{a}"] = b.data[data : data + e - a].detach().cpu().clone()
         m, v, _ = opt.groups[i]
-        base = pos - (b.lo if engine.zero >= 1 else 0)
+        base = pos - engine.owned_range(b)[0]
         tensors[f"m/{name}/{a}"] = m[base : base + e - a].cpu().clone()
         tensors[f"v/{name}/{a}"] = v[base : base + e - a].cpu().clone()
     fname = f"rank_{rt.rank:05d}.safetensors"
@@ -166,11 +167,13 @@ def load(path: Path, engine, opt, model_shapes: dict) -> dict:
 
     with torch.no_grad():
         for i, b in enumerate(engine.buckets):
-            for (name, p), off in zip(b.params, b.offsets):
-                b.data[off : off + p.numel()].copy_(read("param", name, 0, p.numel()))
             m, v, _ = opt.groups[i]
-            lo, hi = (b.lo, b.hi) if engine.zero >= 1 else (0, b.padded)
+            lo, hi = engine.owned_range(b)
+            plo = b.lo if engine.zero == 3 else 0  # where b.data starts in the bucket
             for (name, p), off in zip(b.params, b.offsets):
+                a, e = max(off, plo), min(off + p.numel(), plo + b.data.numel())
+                if a < e:
+                    b.data[a - plo : e - plo].copy_(read("param", name, a - off, e - off))
                 a, e = max(off, lo), min(off + p.numel(), hi)
                 if a < e:
                     m[a - lo : e - lo].copy_(read("m", name, a - off, e - off))
@@ -228,5 +231,5 @@ def weights_sha256(model) -> str:
     """sha256 over every full parameter as fp32 bytes, in canonical (named_parameters) order."""
     h = hashlib.sha256()
     for _, p in model.named_parameters():
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(p.detach().float().cpu().clone().numpy().tobytes())  # a copy: numpy pins storage
     return h.hexdigest()

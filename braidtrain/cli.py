@@ -57,9 +57,11 @@ def _train_parser(sub):
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g = p.add_argument_group("parallelism")
-    g.add_argument("--zero", "-z", type=int, help="ZeRO stage")
+    g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters")
     g.add_argument("--exact", action="store_true", default=None, help="bitwise-identical results on any layout")
     g.add_argument("--bucket-mb", type=float)
+    g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")
+    g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])
     g.add_argument("--num-processes", "-pn", type=int)
@@ -71,7 +73,7 @@ def _train_parser(sub):
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"])
     g.add_argument("--timeout", type=float, help="seconds before a rendezvous or collective is declared hung")
     g = p.add_argument_group("llm.c flags accepted for compatibility and ignored")
-    for flag in ("-s", "-h", "-f", "-w", "-k", "-a", "-r", "-ge"):
+    for flag in ("-s", "-h", "-f", "-w", "-k", "-a", "-ge"):
         g.add_argument(flag, dest=f"ignored_{flag[1:]}", metavar="X")
     return p
 
@@ -83,6 +85,8 @@ def cmd_train(args) -> int:
     if ignored:
         print(f"braidtrain: note: llm.c flag(s) {' '.join(ignored)} have no effect here", file=sys.stderr)
     overrides = {k: v for k, v in vars(args).items() if k in FIELD_TYPES}
+    if args.llmc_recompute and args.recompute is None:
+        overrides["recompute"] = True
     if args.llmc_resume == 1 and not args.resume:
         overrides["resume"] = "auto"
     cfg = build_config(args.config, overrides)

@@ -134,11 +134,11 @@ class Comm:
     def all_reduce(self, t, group, axis, op=dist.ReduceOp.SUM) -> Handle:
         return self._launch("all_reduce", axis, t, group, lambda g: dist.all_reduce(t, op=op, group=g, async_op=True))
 
-    def reduce_scatter(self, out, inp, group, axis) -> Handle:
-        if group is None:
+    def reduce_scatter(self, out, inp, group, axis, then=None) -> Handle:
+        if group is None and out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return self._launch("reduce_scatter", axis, inp, group,
-                            lambda g: _reduce_scatter(out, inp, group=g, async_op=True))
+                            lambda g: _reduce_scatter(out, inp, group=g, async_op=True), then=then)
 
     def all_gather(self, out, inp, group, axis) -> Handle:
         if group is None and out.data_ptr() != inp.data_ptr():

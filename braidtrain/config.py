@@ -59,6 +59,7 @@ class Config:
     # parallelism
     zero: int = 0
     exact: bool = False
+    recompute: bool = False
     bucket_mb: float = 25.0
     # runtime
     init_method: str = "env"
@@ -158,8 +159,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"lr must be a positive number, got {cfg.lr}")
     if not 0 <= cfg.final_lr_frac <= 1:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
-    if cfg.zero not in (0, 1):
-        raise UserError(f"ZeRO stage {cfg.zero} is not available: use -z 0 or -z 1")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
     if cfg.bucket_mb <= 0:
         raise UserError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
     if cfg.init_method not in ("env", "tcp", "fs", "mpi"):

@@ -4,7 +4,7 @@ The optimizer never sees a parameter: it sees the (parameter shard, gradient sha
 data-parallel engine says this rank owns -- whole buckets under ZeRO-0, one shard of each bucket
 under ZeRO-1 -- and keeps m and v for exactly those elements. Every operation is elementwise, so
 the update of an element does not depend on where the shard boundaries fall (checked bitwise by
-the exact-mode tests), and weight decay is a 0/1 mask over the shard (2-D weights only).
+the exact-mode tests), and weight decay applies to the ranges of the shard that hold 2-D weights.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ class AdamW:
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
-        self.groups = []  # (m, v, decay mask), one per owned shard
+        self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
         for b, p, _ in engine.owned():
-            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), engine.decay_mask(b)))
+            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), engine.decay_segments(b)))
 
     def state_numel(self) -> int:
         """Elements of m (equally of v) held by this rank."""
@@ -44,12 +44,13 @@ class AdamW:
         t = self.step_count
         bc1, bc2 = 1 - self.beta1**t, 1 - self.beta2**t
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
-        for (_, p, g), (m, v, mask) in zip(self.engine.owned(), self.groups):
+        for (_, p, g), (m, v, decay) in zip(self.engine.owned(), self.groups):
             m.lerp_(g, 1 - self.beta1)
             v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
             denom = (v / bc2).sqrt_().add_(self.eps)
-            if self.weight_decay:
-                p.addcmul_(p, mask, value=-lr * self.weight_decay)  # decoupled decay, 2-D weights only
+            if self.weight_decay:  # decoupled decay, 2-D weights only
+                for a, e in decay:
+                    p[a:e].mul_(1 - lr * self.weight_decay)
             p.addcdiv_(m, denom, value=-lr / bc1)
 
 

@@ -105,6 +105,7 @@ class Trainer:
 
         model = GPT(self.mcfg)
         init_weights(model, cfg.seed)
+        model.recompute = cfg.recompute
         self.model = model.to(self.device)
         self.comm = Comm(self.device)
         self.engine = DataParallel(self.model, self.mesh, self.comm, zero=cfg.zero, exact=cfg.exact,
@@ -144,7 +145,7 @@ class Trainer:
             engine.start_micro_step(micro, plan.micro_steps)
             with self.autocast():
                 loss_sum = self.model(x, y)
-            (loss_sum / plan.total_tokens).backward()
+            engine.backward(loss_sum / plan.total_tokens)
             losses.append(loss_sum.detach())
         exposed = engine.finish_reduction()
         norm = engine.grad_norm()
@@ -176,10 +177,11 @@ class Trainer:
         first = self.engine.rank * per_rank
         sums = []
         self.model.eval()
-        for s in range(first, first + per_rank, b):
-            x, y = self.val_loader.val_batch(s, min(b, first + per_rank - s))
-            with self.autocast():
-                sums.append(self.model(x.to(self.device), y.to(self.device)).float())
+        with self.engine.gathered():
+            for s in range(first, first + per_rank, b):
+                x, y = self.val_loader.val_batch(s, min(b, first + per_rank - s))
+                with self.autocast():
+                    sums.append(self.model(x.to(self.device), y.to(self.device)).float())
         self.model.train()
         return gather_loss(self.comm, self.engine, sums) / (total * cfg.seq_len)
 
@@ -213,19 +215,21 @@ class Trainer:
         if val is None or rec is None:
             val = self.validate()
         save_s = self.save(cfg.max_steps)
+        with self.engine.gathered():
+            sha = checkpoint.weights_sha256(self.model)
         summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
-                   "tokens_per_s": rec["tokens_per_s"] if rec else None,
-                   "weights_sha256": checkpoint.weights_sha256(self.model), "save_s": save_s}
+                   "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s}
         if rt.is_main:
             summary["unigram_val_loss"] = unigram_entropy(self.train_data)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             if rec:
                 plot_runs([str(self.out)], str(self.out / "loss.png"))
             rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
-            if cfg.sample_tokens:
-                tok = get_tokenizer(self.tok_name)
+        if cfg.sample_tokens:  # every rank takes part: under ZeRO-3 gathering is collective
+            tok = get_tokenizer(self.tok_name)
+            with self.engine.gathered():
                 text = tok.decode(generate(self.model, [tok.eot], cfg.sample_tokens, seed=cfg.seed, autocast=self.autocast))
-                rt.log("--- sample ---\n" + text + "\n--------------")
+            rt.log("--- sample ---\n" + text + "\n--------------")
         return summary
 
 

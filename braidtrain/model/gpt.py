@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from braidtrain.errors import UserError
 
@@ -120,6 +121,13 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.recompute = False  # activation checkpointing: keep only each block's input
+
+    def param_units(self):
+        """Parameter groups for the data-parallel engine, in forward order: the embedding group
+        (module None: the tied wte is used at both ends, with wpe and ln_f), then each block."""
+        units = [(None, ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"])]
+        return units + [(blk, [f"h.{i}.{n}" for n, _ in blk.named_parameters()]) for i, blk in enumerate(self.h)]
 
     def forward(self, idx, targets=None):
         """Returns the logits over the real vocabulary, or, given targets, the *sum* of the
@@ -127,7 +135,10 @@ class GPT(nn.Module):
         T = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         for block in self.h:
-            x = block(x)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # recomputed in the backward pass
+            else:
+                x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)[..., : self.cfg.vocab_size]
         if targets is None:
             return logits

@@ -1,33 +1,56 @@
-"""Data parallelism and ZeRO over flat buffers: the one place where gradients are reduced.
+"""Data parallelism and ZeRO 0-3 over flat buffers: the one place where gradients are reduced.
 
 Layout. A model stage's parameters become views into flat fp32 buffers, one per *bucket*: runs of
-consecutive parameters (in the canonical order of named_parameters, which does not depend on the
-world size) of about `bucket_mb` each. Each bucket is padded with zeros to a multiple of n * Q
-(n = replica-group size, Q = 64 elements), so it splits into n equal, 256-byte aligned shards:
+whole units (a transformer block; the embedding group wte + wpe + ln_f) of about `bucket_mb`,
+formed from the last block backwards (the order the backward pass produces gradients) and not
+depending on the world size. Each bucket is padded with zeros to a multiple of n * Q (n = replica-
+group size, Q = 64 elements), so it splits into n equal, 256-byte aligned shards:
 
       bucket k (padded):  [ shard 0 | shard 1 | ... | shard n-1 ]
-                            rank 0    rank 1          rank n-1     (ZeRO-1: optimizer state for
-                                                                    its own shard only)
+                            rank 0    rank 1          rank n-1
 
-Reduction. Each parameter's post-accumulate-grad hook counts down its bucket; on the final
-micro-step, the moment a bucket's last gradient is in, its reduction is launched asynchronously
-(all-reduce for ZeRO-0, reduce-scatter for ZeRO-1) while the backward pass goes on with earlier
-layers. Earlier micro-steps communicate nothing. Gradients are *summed*: the loss was already
-divided by the global token count, once.
+  what a rank holds      params        grads                   Adam m, v
+  ZeRO-0                 full          full                    full
+  ZeRO-1                 full          full (reduce-scatter    its shard
+                                       in place, keeps shard)
+  ZeRO-2                 full          its shard               its shard
+  ZeRO-3                 its shard     its shard               its shard
+                         (+ gathered buckets in use)
 
-Exact mode (DESIGN.md, "Exact reduction"). Each micro-step's gradient lands in a fresh buffer and
-is folded into a binary counter (slot k holds the sum of 2^k micro-batches), so a rank's m = 2^j
-micro-batches are summed along a complete binary tree; the all-to-all + pairwise-sum reduce-
-scatter (comm.exact_reduce_scatter) then adds the dp subtrees along the same tree. Any power-of-
-two dp gives the one tree over all micro-batches, hence the same bits. The gradient norm is
-summed in float64 over fixed 64-element chunks with pairwise trees, so it does not depend on where
-shard boundaries fall either.
+Reduction. Each parameter's post-accumulate-grad hook counts down its bucket; the moment a
+bucket's last gradient is in, its reduction is launched asynchronously while the backward pass
+goes on with earlier layers. ZeRO-0/1 accumulate micro-batches in the full gradient buffer and
+communicate only on the final micro-step. ZeRO-2/3 hold no full gradient buffer, so they reduce-
+scatter every micro-step from a bucket-sized scratch that is freed as soon as the collective has
+read it, and add the result into the persistent shard: M times the reduce-scatter traffic of
+ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved. (The other choice,
+accumulating locally and reducing once, needs the full gradient buffer ZeRO-2 exists to remove.)
+Gradients are *summed*: the loss was already divided by the global token count, once.
+
+Exact mode (DESIGN.md, "Exact reduction"). Each micro-step's gradient lands in a fresh full-size
+buffer and is folded into a binary counter (slot k holds the sum of 2^k micro-batches), so a
+rank's m = 2^j micro-batches are summed along a complete binary tree; the all-to-all + pairwise-
+sum reduce-scatter (comm.exact_reduce_scatter) then adds the dp subtrees along the same tree.
+Any power-of-two dp gives the one tree over all micro-batches, hence the same bits -- at every
+ZeRO stage, which in exact mode therefore also holds the local tree (log2(m) + 1 full buffers).
+The gradient norm is summed in float64 over fixed Q-element chunks with pairwise trees, so it
+does not depend on where shard boundaries fall.
+
+ZeRO-3 parameters. A bucket's full buffer exists only while gathered: its storage is resized to
+zero when released and back when gathered, so the parameters (views into it) and the tensors
+autograd saved for backward stay valid objects. Block buckets are gathered by a forward pre-hook
+(which also prefetches the next bucket) and released after their forward; a hook on the bucket's
+output gathers them again for the backward (and prefetches the previous one); they are released
+once their gradients are reduced. The embedding group (wte, tied to the head, wpe, ln_f) is used
+at both ends of the model, so it stays gathered from the start of a micro-step until its
+gradients are in.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -37,23 +60,26 @@ Q = 64  # shard quantum (elements): alignment, and the chunk of the exact gradie
 
 
 class Bucket:
-    def __init__(self, index, params, n_shards, rank, device):
-        self.index = index
-        self.params = params  # [(name, param)]
+    def __init__(self, index, params, modules, n_shards, rank, device, zero):
+        self.index, self.params, self.modules = index, params, modules  # params: [(name, param)]
         self.numel = sum(p.numel() for _, p in params)
         self.padded = math.ceil(self.numel / (n_shards * Q)) * n_shards * Q
         self.shard_size = self.padded // n_shards
-        self.lo = rank * self.shard_size
-        self.hi = self.lo + self.shard_size
-        self.data = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        self.offsets = []
-        off = 0
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        self.offsets, self.offset_of, off = [], {}, 0
         for _, p in params:
             self.offsets.append(off)
+            self.offset_of[p] = off
             off += p.numel()
+        # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
+        self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
+        self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
+        self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
+        self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0
-        self.handle = None
+        self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
+        self.handle = None  # the reduction in flight
+        self.gathered, self.gather_handle = True, None  # ZeRO-3
         self.slots: dict[int, torch.Tensor] = {}  # exact mode: level -> partial sum of 2^level micro-batches
 
     def views(self, buf):
@@ -61,72 +87,110 @@ class Bucket:
             yield p, buf[off : off + p.numel()].view_as(p)
 
 
+def units(model):
+    """(module, [(name, param)]) groups that are gathered and reduced together, in forward order:
+    the model's own (GPT.param_units: the embedding group, with module None, then each block),
+    else the whole model as one group."""
+    named = dict(model.named_parameters())
+    if hasattr(model, "param_units"):
+        return [(mod, [(n, named[n]) for n in names]) for mod, names in model.param_units()]
+    return [(None, list(named.items()))]
+
+
 class DataParallel:
     def __init__(self, model, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device):
-        self.model, self.comm, self.zero, self.exact = model, comm, zero, exact
+        self.model, self.comm, self.zero, self.exact, self.device = model, comm, zero, exact, device
         self.group = mesh.groups["replica"]
         self.n = mesh.size("replica")
         self.rank = mesh.ranks["replica"].index(mesh.rank)
-        self.device = device
-        named = list(model.named_parameters())  # tied weights appear once
         limit = max(1, int(bucket_mb * 2**20 / 4))
-        groups, cur, size = [], [], 0
-        # Buckets are filled from the *last* parameter backwards: the backward pass produces the
-        # last layers' gradients first, so the first bucket to complete is the first one launched.
-        for name, p in reversed(named):
-            cur.append((name, p))
-            size += p.numel()
+        groups, cur, mods, size = [], [], [], 0  # groups: (params, modules), in backward order
+        for mod, params in reversed(units(model)):  # last block first: the backward's order
+            if mod is None:  # the embedding group (used at both ends) is a bucket of its own
+                groups += [(cur, mods)] if cur else []
+                groups.append((params, []))
+                cur, mods, size = [], [], 0
+                continue
+            cur, mods, size = params + cur, [mod] + mods, size + sum(p.numel() for _, p in params)
             if size >= limit:
-                groups.append(cur[::-1])
-                cur, size = [], 0
-        if cur:
-            groups.append(cur[::-1])
-        self.buckets = [Bucket(i, g, self.n, self.rank, device) for i, g in enumerate(groups)]
+                groups.append((cur, mods))
+                cur, mods, size = [], [], 0
+        groups += [(cur, mods)] if cur else []
+        self.buckets = [Bucket(i, g, ms, self.n, self.rank, device, zero) for i, (g, ms) in enumerate(groups)]
         self.bucket_of = {}
         for b in self.buckets:
-            for p, view in b.views(b.data):
+            for p, view in b.views(b.full):
                 view.copy_(p.detach())
                 p.data = view  # the parameter now lives in the flat buffer
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-        # ZeRO-1 keeps only this rank's shard of the reduced gradient
-        self.shard_grad = [torch.zeros(b.shard_size, device=device) for b in self.buckets] if zero >= 1 else None
         self.scratch = [torch.empty(b.padded, device=device) for b in self.buckets] if exact and self.n > 1 else None
         self._pool: dict[int, list[torch.Tensor]] = {}
+        self.pending: list = []  # ZeRO-2/3: reductions of earlier micro-steps still in flight
         self.last_grad_time = 0.0
-        self.backward_end = 0.0
+        self.backward_phase = False
+        self.keep_gathered = False
+        if zero == 3:
+            with torch.no_grad():
+                for b in self.buckets:
+                    b.data.copy_(b.full[b.lo : b.hi])
+                    self._release(b)
+            self._install_zero3_hooks()
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
-        """(bucket, param shard, grad shard) triples this rank updates: the whole bucket for ZeRO-0,
-        its own shard for ZeRO-1."""
-        for i, b in enumerate(self.buckets):
+        """(bucket, param shard, grad shard) this rank updates: whole buckets for ZeRO-0, its own
+        shard of each bucket otherwise."""
+        for b in self.buckets:
             if self.zero == 0:
                 yield b, b.data, b.grad
+            elif self.zero == 1:
+                yield b, b.data[b.lo : b.hi], b.grad[b.lo : b.hi]
             else:
-                yield b, b.data[b.lo : b.hi], self.shard_grad[i]
+                yield b, b.data if self.zero == 3 else b.data[b.lo : b.hi], b.shard_grad
 
-    def decay_mask(self, b) -> torch.Tensor:
-        """1.0 where weight decay applies (2-D weights), 0.0 elsewhere, over what this rank owns."""
-        m = torch.zeros(b.padded, device=self.device)
+    def owned_range(self, b) -> tuple[int, int]:
+        """The bucket positions [lo, hi) whose optimizer state this rank holds."""
+        return (0, b.padded) if self.zero == 0 else (b.lo, b.hi)
+
+    def decay_segments(self, b) -> list[tuple[int, int]]:
+        """Ranges, relative to what this rank owns of bucket b, of 2-D weights (weight decay)."""
+        lo, hi = self.owned_range(b)
+        out = []
         for (_, p), off in zip(b.params, b.offsets):
-            if p.dim() >= 2:
-                m[off : off + p.numel()] = 1.0
-        return m if self.zero == 0 else m[b.lo : b.hi].clone()
+            a, e = max(off, lo), min(off + p.numel(), hi)
+            if p.dim() >= 2 and a < e:
+                out.append((a - lo, e - lo))
+        return out
 
-    # -- a step ---------------------------------------------------------------------------------
+    # -- a micro-step ---------------------------------------------------------------------------
     def start_micro_step(self, micro: int, n_micro: int):
         self.last = micro == n_micro - 1
+        self.backward_phase = False
+        self._drain()  # ZeRO-2/3: last micro-step's reduce-scatters, so their scratch is free
         for b in self.buckets:
             b.pending = len(b.params)
+            if micro == 0:
+                b.first = True
+                if self.exact and b.grad is not None:  # last step's gradient goes back to the pool
+                    self._pool.setdefault(b.padded, []).append(b.grad)
+                    b.grad = None
+            if self.zero >= 2:
+                continue  # gradients are copied out of p.grad by the hook
+            if self.exact:  # a fresh buffer per micro-batch: each is a leaf of the tree
+                b.grad = self._take(b.padded)
             if self.exact or micro == 0:
-                if self.exact:  # a fresh buffer per micro-batch: each is a leaf of the tree
-                    if micro == 0:  # last step's reduced gradient goes back to the pool
-                        self._pool.setdefault(b.padded, []).append(b.grad)
-                    b.grad = self._take(b.padded)
                 b.grad.zero_()
                 for p, view in b.views(b.grad):
                     p.grad = view  # autograd accumulates into the flat buffer in place
+        if self.zero == 3:
+            self._gather(self.buckets[-1])  # the embedding group, needed first and last
+            if len(self.buckets) > 1:
+                self._gather(self.buckets[-2], wait=False)  # prefetch the first block
+
+    def backward(self, loss):
+        self.backward_phase = True
+        loss.backward()
 
     def _take(self, n):
         pool = self._pool.setdefault(n, [])
@@ -134,14 +198,28 @@ class DataParallel:
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
+        if self.zero >= 2:  # copy the gradient out; autograd's tensor is freed right here
+            if b.pending == len(b.params):
+                b.grad = self._take(b.padded) if self.exact else torch.empty(b.padded, device=self.device)
+                b.grad[b.numel :].zero_()
+            off = b.offset_of[p]
+            b.grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
+            p.grad = None
         b.pending -= 1
         if b.pending:
             return
         self.last_grad_time = time.time()
         if self.exact:
             self._fold(b)
-        if self.last:
-            self._launch(b)
+            if self.last:
+                self._launch_exact(b)
+        elif self.zero <= 1:
+            if self.last:
+                self._launch(b)
+        else:
+            self._launch_every_micro_step(b)
+        if self.zero == 3:
+            self._release(b)
 
     def _fold(self, b):
         """Binary-counter accumulation: carry the new leaf up while its level is occupied."""
@@ -149,49 +227,119 @@ class DataParallel:
         while level in b.slots:
             left = b.slots.pop(level)
             left.add_(carry)  # IEEE addition is commutative: only the tree's shape matters
-            self._pool[carry.numel()].append(carry)
+            self._pool.setdefault(carry.numel(), []).append(carry)
             carry, level = left, level + 1
         b.slots[level] = carry
         if self.last:
-            assert len(b.slots) == 1 or self.n == 1, "micro-steps per rank must be a power of two"
             # dp == 1 with any micro-step count: fold the remaining levels, smallest first
             while len(b.slots) > 1:
-                lo = min(b.slots)
-                part = b.slots.pop(lo)
-                nxt = min(b.slots)
-                b.slots[nxt].add_(part)
+                part = b.slots.pop(min(b.slots))
+                b.slots[min(b.slots)].add_(part)
                 self._pool[part.numel()].append(part)
             b.grad = b.slots.pop(max(b.slots))
 
     def _launch(self, b):
-        i = b.index
-        if self.exact:
-            out = b.grad if self.zero == 0 else self.shard_grad[i]
-            dst = out[b.lo : b.hi] if self.zero == 0 else out
-            scratch = self.scratch[i] if self.scratch is not None else None
-            h = self.comm.exact_reduce_scatter(dst, b.grad, scratch, self.group, "replica", self.n)
-            if self.zero == 0 and self.n > 1:  # rebuild the full gradient from the reduced shards
-                inner = h
-
-                def gather(b=b, inner=inner):
-                    inner.wait()
-                    self.comm.all_gather(b.grad, b.grad[b.lo : b.hi].clone(), self.group, "replica").wait()
-
-                h = _Deferred(gather)
-            b.handle = h
-        elif self.zero == 0:
+        if self.zero == 0:
             b.handle = self.comm.all_reduce(b.grad, self.group, "replica")
-        else:
-            b.handle = self.comm.reduce_scatter(self.shard_grad[i], b.grad, self.group, "replica")
+        else:  # in place: this rank's shard of b.grad receives the sum
+            b.handle = self.comm.reduce_scatter(b.grad[b.lo : b.hi], b.grad, self.group, "replica")
+
+    def _launch_every_micro_step(self, b):
+        scratch, first, b.grad, b.first = b.grad, b.first, None, False
+
+        def accumulate(b=b, scratch=scratch, first=first):
+            src = scratch[b.lo : b.hi]
+            b.shard_grad.copy_(src) if first else b.shard_grad.add_(src)
+
+        self.pending.append(self.comm.reduce_scatter(scratch[b.lo : b.hi], scratch, self.group, "replica", then=accumulate))
+
+    def _launch_exact(self, b):
+        scratch = self.scratch[b.index] if self.scratch is not None else None
+        if self.zero >= 2:
+            b.handle = self.comm.exact_reduce_scatter(b.shard_grad, b.grad, scratch, self.group, "replica", self.n)
+            return
+        h = self.comm.exact_reduce_scatter(b.grad[b.lo : b.hi], b.grad, scratch, self.group, "replica", self.n)
+        if self.zero == 0 and self.n > 1:  # rebuild the full gradient from the reduced shards
+            h = _Then(h, lambda b=b: self.comm.all_gather(b.grad, b.grad[b.lo : b.hi], self.group, "replica").wait())
+        b.handle = h
+
+    def _drain(self):
+        for h in self.pending:
+            h.wait()
+        self.pending = []
 
     def finish_reduction(self) -> float:
         """Wait for every bucket's reduction; returns the exposed communication time (seconds
         the step waited after the backward pass ended)."""
-        self.backward_end = time.time()
+        end = time.time()
+        self._drain()
         for b in self.buckets:
-            b.handle.wait()
-            b.handle = None
-        return time.time() - self.backward_end
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+        return time.time() - end
+
+    # -- ZeRO-3 parameter gathering -------------------------------------------------------------
+    def _gather(self, b, wait=True):
+        if not b.gathered and b.gather_handle is None:
+            b.full.untyped_storage().resize_(b.padded * 4)
+            b.gather_handle = self.comm.all_gather(b.full, b.data, self.group, "replica")
+        if wait and b.gather_handle is not None:
+            b.gather_handle.wait()
+            b.gather_handle = None
+            b.gathered = True
+
+    def _release(self, b):
+        if self.keep_gathered or not b.gathered:
+            return
+        b.full.untyped_storage().resize_(0)
+        b.gathered = False
+
+    def _install_zero3_hooks(self):
+        blocks = [b for b in self.buckets if b.modules]  # in backward order: last block first
+
+        for k, b in enumerate(blocks):
+            nxt = blocks[k - 1] if k > 0 else None  # the next bucket in forward order
+            prev = blocks[k + 1] if k + 1 < len(blocks) else None  # the next one in backward order
+
+            def pre(_mod, _args, b=b, nxt=nxt):
+                self._gather(b)
+                if nxt is not None and not self.backward_phase and torch.is_grad_enabled():
+                    self._gather(nxt, wait=False)
+
+            def post(_mod, _args, out, b=b, prev=prev, last=k == 0):
+                if self.backward_phase or not torch.is_grad_enabled():
+                    return
+                if not last:  # the last block is needed again at once by the backward pass
+                    self._release(b)
+
+                def regather(grad, b=b, prev=prev):
+                    self._gather(b)
+                    if prev is not None:
+                        self._gather(prev, wait=False)
+                    return grad
+
+                if out.requires_grad:
+                    out.register_hook(regather)
+
+            b.modules[0].register_forward_pre_hook(pre)
+            b.modules[-1].register_forward_hook(post)
+
+    @contextmanager
+    def gathered(self):
+        """Every parameter present in full (ZeRO-3): for evaluation, sampling, hashing, export."""
+        if self.zero != 3:
+            yield
+            return
+        for b in self.buckets:
+            self._gather(b)
+        self.keep_gathered = True
+        try:
+            yield
+        finally:
+            self.keep_gathered = False
+            for b in self.buckets:
+                self._release(b)
 
     # -- gradient norm and the parameter all-gather --------------------------------------------
     def grad_norm(self) -> float:
@@ -206,13 +354,10 @@ class DataParallel:
         # exact: float64 sums of Q-element chunks by pairwise trees; chunks gathered in canonical
         # order; per bucket a pairwise tree over its chunks; buckets added in order.
         local = torch.cat([pairwise_sum(g.double().pow(2).view(-1, Q).T) for _, _, g in self.owned()])
-        if self.zero >= 1:
-            gathered = self.comm.all_gather_object_floats(local, self.group, "replica")  # (n, chunks)
-        else:
-            gathered = local.unsqueeze(0)
+        gathered = self.comm.all_gather_object_floats(local, self.group, "replica") if self.zero >= 1 else local[None]
         total, col = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for b in self.buckets:
-            k = b.shard_size // Q if self.zero >= 1 else b.padded // Q
+            k = (b.shard_size if self.zero >= 1 else b.padded) // Q
             total += pairwise_sum(gathered[:, col : col + k].reshape(-1))
             col += k
         return math.sqrt(total.item())
@@ -222,24 +367,29 @@ class DataParallel:
             g.mul_(factor)
 
     def gather_params(self):
-        """ZeRO-1: every rank updated its shard; one all-gather per bucket brings them together."""
-        if self.zero == 0 or self.n == 1:
+        """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
+        ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass."""
+        if self.zero in (0, 3) or self.n == 1:
             return
-        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi].clone(), self.group, "replica") for b in self.buckets]
+        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], self.group, "replica") for b in self.buckets]
         for h in handles:
             h.wait()
 
     def model_state_bytes(self) -> int:
-        """Bytes of parameters and gradients held in this rank's flat buffers."""
-        n = sum(b.data.numel() + b.grad.numel() for b in self.buckets)
-        if self.shard_grad is not None:
-            n += sum(g.numel() for g in self.shard_grad)
+        """Bytes of parameters and gradients held in this rank's flat buffers (now)."""
+        n = 0
+        for b in self.buckets:
+            n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if self.zero == 3 else 0)
+            n += b.grad.numel() if self.zero <= 1 else b.shard_grad.numel()
         return 4 * n
 
 
-class _Deferred:
-    def __init__(self, fn):
-        self.fn = fn
+class _Then:
+    """A handle whose wait() also runs a follow-up step."""
+
+    def __init__(self, inner, fn):
+        self.inner, self.fn = inner, fn
 
     def wait(self):
+        self.inner.wait()
         self.fn()
