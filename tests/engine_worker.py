@@ -1,5 +1,5 @@
 """Run under torchrun by test_engine.py: one data-parallel step with many small buckets, then
-print what the test checks, as one JSON line per rank."""
+write what the test checks to OUT/rank<r>.json."""
 
 import json
 import math
@@ -22,7 +22,7 @@ def batch(step, seq, vocab=256, t=32):
     return x[:, :-1], x[:, 1:]
 
 
-def main(zero):
+def main(zero, out):
     rt = init_runtime("env")
     torch.manual_seed(0)
     cfg = model_config("tiny", 256, n_layer=3, n_embd=64, n_head=2, block_size=32)
@@ -39,25 +39,27 @@ def main(zero):
     for m in range(micro):
         engine.start_micro_step(m, micro)
         x, y = batch(0, rt.rank * micro + m)
-        (model(x, y) / (seqs * 32)).backward()
+        engine.backward(model(x, y) / (seqs * 32))
         launched_early.append(len(comm.records))
     last_grad = engine.last_grad_time
     engine.finish_reduction()
     first_launch = min(r.t_start for r in comm.records)
     norm = engine.grad_norm()
+    state_bytes = engine.model_state_bytes()
     # the single-process reference: the whole global batch, plain autograd
     for s in range(seqs):
         x, y = batch(0, s)
         (reference(x, y) / (seqs * 32)).backward()
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters())).item()
     P = sum(p.numel() for p in model.parameters())
-    print(json.dumps({
-        "rank": rt.rank, "n": n, "buckets": len(engine.buckets), "P": P, "state": opt.state_numel(),
+    with open(f"{out}/rank{rt.rank}.json", "w") as f:
+        f.write(json.dumps({
+        "rank": rt.rank, "n": n, "buckets": len(engine.buckets), "P": P, "state": opt.state_numel(), "state_bytes": state_bytes,
         "records_after_first_micro": launched_early[0], "first_launch": first_launch, "last_grad": last_grad,
         "norm": norm, "ref_norm": ref_norm,
-    }), flush=True)
+    }))
     rt.close()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), sys.argv[2])

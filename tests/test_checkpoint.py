@@ -35,7 +35,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, shakespeare):
 
 
 def test_exact_resume_on_another_layout(tmp_path, shakespeare):
-    """Saved by 2 ranks with ZeRO-1, resumed by 1 rank with ZeRO-0: the same bits as 1 rank throughout."""
+    """Saved by 2 ranks with ZeRO-1, resumed by 1 rank with ZeRO-0 and by 4 ranks with ZeRO-3:
+    the same bits as 1 rank throughout."""
     ref = tmp_path / "ref"
     run(shakespeare, ref, "--exact")
     two = tmp_path / "two"
@@ -45,6 +46,11 @@ def test_exact_resume_on_another_layout(tmp_path, shakespeare):
     interrupt(two, resumed)
     run(shakespeare, resumed, "--exact", "--resume", "auto")
     assert summary(resumed)["weights_sha256"] == summary(ref)["weights_sha256"]
+    resumed3 = tmp_path / "resumed3"
+    interrupt(two, resumed3)
+    p = run(shakespeare, resumed3, "--exact", "-z", 3, "--resume", "auto", nproc=4)
+    assert "step_00000004" in p.stdout
+    assert summary(resumed3)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
 def test_damaged_checkpoint_is_skipped(tmp_path, shakespeare):
