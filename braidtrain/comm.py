@@ -46,7 +46,9 @@ class Record:
 
 class Handle:
     """An in-flight collective. `wait()` returns once its result may be used; `then` (optional)
-    runs right after, on the waiting side (used to finish the exact reduce-scatter)."""
+    is the follow-up that consumes the result (the exact reduce-scatter's tree sum, ZeRO-2's
+    accumulation): on CUDA it is queued on the side stream right behind the collective, on a host
+    backend it runs at wait()."""
 
     def __init__(self, comm: "Comm", rec: Record, work, then=None, events=None):
         self.comm, self.rec, self.work, self.then, self.events = comm, rec, work, then, events
@@ -64,6 +66,10 @@ class Handle:
     def _mark(self):
         if self.rec.t_end is None:
             self.rec.t_end = time.time()
+
+    def ready(self) -> bool:
+        """True when wait() would not block the host."""
+        return self.done or self.work is None or self.work.is_completed()
 
     def wait(self):
         if self.done:
@@ -105,8 +111,10 @@ class Comm:
             with torch.cuda.stream(self.side):
                 start.record()
                 fn(group).wait()
+                if then is not None:
+                    then()
                 end.record()
-            h = Handle(self, rec, None, then, events=(start, end))
+            h = Handle(self, rec, None, None, events=(start, end))
         else:
             h = Handle(self, rec, fn(group), then)
         self.step_handles.append(h)

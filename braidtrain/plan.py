@@ -16,15 +16,24 @@ stays gathered for the whole micro-step because the tied head uses it again at t
     ZeRO-2   4P             4P/n + 2*bucket scratch  8P/n               4P + 12P/n + 2*bucket
     ZeRO-3   4P/n + W       4P/n + 2*bucket scratch  8P/n               16P/n + W + 2*bucket
 
-Activations per micro-batch (b sequences of t tokens, width h, L layers, vocabulary V), in bf16 on
-the GPU, twice that in fp32 on the CPU:
-    layers   34*t*b*h per layer (Korthikanti et al. 2022, Table 2, without the 5*a*t^2*b attention
-             matrix: flash / SDPA never stores it); recompute: 2*t*b*h per layer (the block input)
-             plus one layer's full 34*t*b*h, rebuilt during its backward
-    logits   b*t*V*(2 + 4 + 4): bf16 logits, their fp32 copy, fp32 log-probs kept by the cross-
-             entropy; plus 4*b*t*V for the fp32 gradient of the logits in the backward pass
+Activations per micro-batch (b sequences of t tokens, width h, L layers, padded vocabulary V), on
+the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt2 at b = 4 ... 16
+(vocabularies 50257 and 256, with and without recompute); at b = 1 it reads ~0.1 GB low:
+    layers   38*t*b*h per layer: Korthikanti et al. 2022 (Table 2) count 34, without the
+             5*a*t^2*b attention matrix (flash / SDPA never stores it), assume a 16-bit residual
+             stream; here it is fp32 (the embeddings are, and autocast leaves additions alone), so
+             both LayerNorm inputs are 4 bytes and there are no dropout masks:
+             ln_1 in 4, c_attn in 2, q k v 6, attention out 2, c_proj in 2, ln_2 in 4, c_fc in 2,
+             GELU in 8, GELU out 8 = 38
+             recompute: 4*t*b*h per layer (the fp32 block input), plus one block's 38*t*b*h while
+             it is rebuilt in the backward, after the logits' buffers are gone (the larger counts)
+    head     6*t*b*h: ln_f's fp32 input and the head matmul's bf16 input
+    logits   b*t*V*(4 + max(2 + 4, 4 + 4)): the fp32 log-probs the cross-entropy keeps, plus the
+             larger of the forward's bf16 logits and their fp32 copy and the backward's fp32
+             gradients of the log-probs and of the logits
     weights  2P: autocast's bf16 copies of the weights, cached for the forward and saved for the
              backward (also under ZeRO-3: releasing a gathered fp32 bucket does not free them)
+On the CPU (fp32, no autocast) the per token x channel terms count twice and there are no bf16 copies.
 
 Per GPU: allocated = parameters + gradients + optimizer + activations (what
 torch.cuda.max_memory_allocated sees); total = allocated + communication buffers (NCCL's own,
@@ -50,14 +59,16 @@ from pathlib import Path
 
 from braidtrain.errors import UserError
 
-# Calibration knobs: every number the estimates rest on, named once.
-ACT_PER_LAYER = 34  # bytes per (token x channel) in one layer, bf16 (Korthikanti et al. 2022)
-ACT_PER_LAYER_RECOMPUTE = 2  # the bf16 block input kept per layer under recompute
-LOGITS_FWD = 2 + 4 + 4  # bytes per (token x vocab): bf16 logits, fp32 copy, fp32 log-probs
-LOGITS_BWD = 4  # bytes per (token x vocab): fp32 gradient of the logits
+# Calibration knobs: every number the estimates rest on, named once (bytes per element).
+ACT_PER_LAYER = 38  # per token x channel of one block (the docstring counts them)
+ACT_KEPT_RECOMPUTE = 4  # per token x channel of one block under recompute: its fp32 input
+ACT_HEAD = 4 + 2  # per token x channel: ln_f's fp32 input, the head's bf16 input
+LOGITS_KEPT = 4  # per token x vocab: fp32 log-probs saved by the cross-entropy
+LOGITS_FWD = 2 + 4  # bf16 logits, their fp32 copy: freed once the loss is computed
+LOGITS_BWD = 4 + 4  # fp32 gradients of the log-probs and of the logits, early in the backward
 CONTEXT_BYTES = 1e9  # CUDA context, cuBLAS/cuDNN workspaces: outside torch's allocator
 ALLOCATOR_SLACK = 0.05  # fragmentation of the caching allocator, a fraction of what it holds
-NCCL_BYTES = 0.5e9  # NCCL's channel buffers per communicator (n > 1)
+NCCL_BYTES = 0.5e9  # NCCL's channel buffers per communicator (n > 1), outside torch's allocator
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GB = 1e9  # what metrics.jsonl's mem_gb uses
 
@@ -78,40 +89,37 @@ def model_state_bytes(P: int, n: int, zero: int, bucket_bytes: int, block_params
     }
 
 
-def param_numels(cfg) -> list[tuple[str, int]]:
-    """(unit, elements) in GPT.param_units order: the embedding group, then one entry per block."""
-    c = cfg.n_embd
-    embed = cfg.padded_vocab * c + cfg.block_size * c + 2 * c  # wte (tied head), wpe, ln_f
-    return [("embed", embed)] + [("block", 12 * c * c + 13 * c)] * cfg.n_layer
-
-
 def bucket_numels(cfg, bucket_mb: float) -> list[tuple[str, int]]:
-    """The engine's buckets (parallel/data.py), replayed on sizes, in launch order: whole blocks
-    from the last one backwards until a bucket holds >= bucket_mb; the embedding group alone, last."""
-    limit = max(1, int(bucket_mb * 2**20 / 4))
+    """The engine's buckets (parallel/data.py) replayed on sizes, in launch order: whole blocks
+    from the last one backwards until a bucket holds >= bucket_mb, then the embedding group
+    (wte, tied to the head, wpe, ln_f) alone: it is used at both ends, so its gradient is last."""
+    c, limit = cfg.n_embd, max(1, int(bucket_mb * 2**20 / 4))
     out, size = [], 0
-    for kind, k in reversed(param_numels(cfg)):
-        if kind == "embed":
-            out += [("block", size)] if size else []
-            out.append(("embed", k))
-            size = 0
-            continue
-        size += k
+    for _ in range(cfg.n_layer):
+        size += 12 * c * c + 13 * c
         if size >= limit:
             out.append(("block", size))
             size = 0
-    return out + ([("block", size)] if size else [])
+    embed = cfg.padded_vocab * c + cfg.block_size * c + 2 * c
+    return out + ([("block", size)] if size else []) + [("embed", embed)]
 
 
-def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, weight_params: int) -> dict:
-    """Named terms (see the module docstring), so each can be calibrated on its own."""
+def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int) -> dict:
+    """Named terms (see the module docstring), so each can be calibrated on its own; `peak` is
+    what they add up to at the worst moment, the start of the backward pass."""
     scale = 2 if cpu else 1  # fp32 on the CPU
-    tbh = t * b * cfg.n_embd
-    per_layer = ACT_PER_LAYER * tbh * scale
-    layers = (ACT_PER_LAYER_RECOMPUTE * tbh * scale * cfg.n_layer + per_layer) if recompute else per_layer * cfg.n_layer
-    V = cfg.padded_vocab
-    return {"layers": layers, "logits": b * t * V * (LOGITS_FWD + LOGITS_BWD),
-            "weights_bf16": 0 if cpu else 2 * weight_params}
+    tbh, btv = t * b * cfg.n_embd * scale, b * t * cfg.padded_vocab
+    terms = {
+        "layers": (ACT_KEPT_RECOMPUTE if recompute else ACT_PER_LAYER) * tbh * cfg.n_layer,
+        "block_recomputed": ACT_PER_LAYER * tbh if recompute else 0,
+        "head": ACT_HEAD * tbh,
+        "logits": LOGITS_KEPT * btv + max(LOGITS_FWD, LOGITS_BWD) * btv,
+        "weights_bf16": 0 if cpu else 2 * P,
+    }
+    # a block rebuilt by recompute lives after the logits' gradients are gone: the larger counts
+    transient = max(terms["logits"], terms["block_recomputed"])
+    terms["peak"] = terms["layers"] + terms["head"] + terms["weights_bf16"] + transient
+    return terms
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def estimate(s: Setup, lay: Layout) -> dict:
     state = model_state_bytes(P, n, lay.zero, 4 * max(k for _, k in buckets), max(blocks, default=0), embed)
     act = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, P)
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
-    mem["activations"] = sum(act.values())
+    mem["activations"] = act["peak"]
     allocated = sum(mem.values())
     mem["comm"] = NCCL_BYTES if n > 1 and not s.cpu else 0
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
@@ -210,29 +218,38 @@ def gpus_needed(s: Setup, limit: int = 1 << 16) -> int | None:
     return None
 
 
-def fix(s: Setup, e: dict) -> str:
-    """The smallest single changes that make a layout fit: a higher ZeRO stage, a smaller
-    micro-batch, recompute; failing those, larger GPUs or more of them."""
-    lay, opts = e["layout"], []
-    z = next((k for k in range(lay.zero + 1, 4) if estimate(s, replace(lay, zero=k))["fits"]), None)
-    if z is not None:
-        opts.append(f"ZeRO-{z}")
-    smaller = [b for b in MICRO_BATCHES if b < lay.b and s.d % (b * s.t * lay.dp) == 0]
-    b = next((b for b in reversed(smaller) if estimate(s, replace(lay, b=b))["fits"]), None)
-    if b is not None:
-        opts.append(f"b={b}")
-    if not lay.recompute and estimate(s, replace(lay, recompute=True))["fits"]:
-        opts.append("--recompute")
-    if not opts:
+def rank(rows: list[dict]) -> list[dict]:
+    """Fits first, then by step time. Times equal to 3 digits are a tie (the model cannot tell
+    them apart); then fewer micro-steps (larger GEMMs, which a constant --tflops does not see),
+    less sharding, less memory."""
+    return sorted(rows, key=lambda e: (not e["fits"], float(f"{e['step_s']:.3g}"), e["micro_steps"],
+                                       e["layout"].zero, e["mem"]["total"]))
+
+
+def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
+    """The smallest change that makes a layout fit: the fitting layouts that differ from it in
+    the fewest settings (the best of each kind of change); failing any, larger or more GPUs."""
+    lay = e["layout"]
+    changed = lambda f: tuple(k for k in ("zero", "b", "recompute") if getattr(f["layout"], k) != getattr(lay, k))
+    say = {"zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
+           "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
+    opts = []
+    if fitting:
+        fewest = min(len(changed(f)) for f in fitting)
+        for f in fitting:  # best first: the first of each kind of change is its best
+            ks = changed(f)
+            if len(ks) == fewest and not any(ks == o[0] for o in opts):
+                opts.append((ks, " ".join(say[k](f["layout"]) for k in ks)))
+        opts = [o[1] for o in opts]
+    else:
         opts.append(f"GPUs with >= {math.ceil(e['mem']['total'] / GB)} GB")
         m = gpus_needed(s)
-        if m:
-            opts.append(f"{m} GPUs with ZeRO-3 b=1 --recompute")
+        opts += [f"{m} GPUs with ZeRO-3 b=1 --recompute"] if m else []
     return f"{lay.name()} needs {e['mem']['total'] / GB:.1f} GB > {s.mem_gb:g} GB: use " + ", or ".join(opts)
 
 
-def nothing_fits(s: Setup) -> str:
-    lean = min((estimate(s, Layout(s.gpus, z, 1, True)) for z in range(4)), key=lambda e: e["mem"]["total"])
+def nothing_fits(s: Setup, grid: list[dict]) -> str:
+    lean = min(grid, key=lambda e: e["mem"]["total"])
     need = lean["mem"]["total"] / GB
     msg = (f"nothing fits on {s.gpus} x {s.mem_gb:g} GB: the leanest layout, {lean['layout'].name()}, "
            f"needs {need:.1f} GB per GPU; use GPUs with >= {math.ceil(need)} GB")
@@ -243,22 +260,24 @@ def nothing_fits(s: Setup) -> str:
 
 
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True)) -> dict:
-    rows = [estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes)]
-    if not rows:
+    """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
+    recommendation look at every layout."""
+    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes)])
+    grid = rank([estimate(s, lay) for lay in layouts(s)])
+    if not rows or not grid:
         unit = s.t * s.gpus
-        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus} for any allowed b: use -d {max(1, s.d // unit) * unit}")
-    # Step times within 0.1% are a tie (the model cannot tell them apart); then fewer micro-steps
-    # (larger GEMMs, which the constant --tflops does not see), then less memory.
-    rows.sort(key=lambda e: (not e["fits"], float(f"{e['step_s']:.3g}"), e["micro_steps"], e["mem"]["total"]))
+        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus} for any allowed b: "
+                        f"use -d {max(1, s.d // unit) * unit}")
+    fitting = [e for e in grid if e["fits"]]
     for e in rows:
-        e["fix"] = None if e["fits"] else fix(s, e)
-    best = rows[0]
-    if best["fits"]:
+        e["fix"] = None if e["fits"] else fix(s, e, fitting)
+    best = rows[0] if rows[0]["fits"] else fitting[0] if fitting else None
+    if best is None:
+        rec = nothing_fits(s, grid)
+    else:
         rec = (f"recommended: {best['layout'].name()} on {s.gpus} GPU(s), {best['micro_steps']} micro-step(s): "
                f"{best['mem']['total'] / GB:.1f} of {s.mem_gb:g} GB, {best['step_s']:.3f} s/step, "
-               f"{best['tokens_per_s']:,.0f} tokens/s")
-    else:
-        rec = nothing_fits(s)
+               f"{best['tokens_per_s']:,.0f} tokens/s" + ("" if best is rows[0] else " (none of the layouts asked for fits)"))
     return {"rows": rows, "recommendation": rec}
 
 
@@ -298,15 +317,15 @@ def table(result: dict, top: int) -> str:
 
 def parse_count(text: str) -> int:
     """124M, 1.5B, 7e9 -> an integer parameter count."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
+    m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)([kmbt]?)", text.strip().lower())
     if not m:
         raise UserError(f"--params {text!r} is not a count: use e.g. 124M, 1.5B or 7e9")
     return int(float(m[1]) * 10 ** (3 * " kmbt".index(m[2] or " ")))
 
 
 def assumed_shape(n_params: int, vocab: int, block_size: int):
-    """A GPT-2-shaped model of about n_params: head size 64, width = 64 x depth (GPT-2 small's
-    aspect ratio), then the head count that brings the parameter count closest."""
+    """A GPT-2-shaped model of about n_params: head size 64, width 64 x depth (GPT-2 small's
+    aspect ratio) for the depth, then the head count that comes closest."""
     from braidtrain.model.gpt import GPTConfig
 
     size = lambda L, k: GPTConfig(L, k, 64 * k, block_size, vocab).num_params()
@@ -318,50 +337,42 @@ def assumed_shape(n_params: int, vocab: int, block_size: int):
 def add_parser(sub):
     p = sub.add_parser("plan", help="memory and step time of every layout; --check one against a real run",
                        allow_abbrev=False)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", "-e", help="preset (tiny, gpt2 ... gpt2-xl) or llm.c's dN (default gpt2)")
-    g.add_argument("--params", help="a parameter count (124M, 1.5B) for an assumed GPT-2 shape, instead of --model")
+    a = p.add_argument
+    a("--model", "-e", help="preset (tiny, gpt2 ... gpt2-xl) or llm.c's dN (default gpt2)")
+    a("--params", help="a parameter count (124M, 1.5B) for an assumed GPT-2 shape, instead of --model")
     for k in ("n-layer", "n-head", "n-embd", "block-size"):
-        g.add_argument(f"--{k}", type=int)
-    g.add_argument("--vocab", type=int, default=50257, help="tokenizer vocabulary (default GPT-2's; --data's wins)")
-    g = p.add_argument_group("machine and batch")
-    g.add_argument("--gpus", type=int, default=1, help="GPUs (= dp for now)")
-    g.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU")
-    g.add_argument("--seq-len", "-t", type=int, default=1024)
-    g.add_argument("--total-batch", "-d", type=int, default=524288, help="tokens per optimizer step")
-    g.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default: H200 bf16, measured-looking)")
-    g.add_argument("--busbw", type=float, default=300.0, help="collective bus bandwidth, GB/s")
-    g.add_argument("--alpha-us", type=float, default=10.0, help="collective latency, microseconds")
-    g.add_argument("--bucket-mb", type=float, default=25.0)
-    g = p.add_argument_group("which layouts (default: all)")
-    g.add_argument("--zero", "-z", type=int, choices=[0, 1, 2, 3])
-    g.add_argument("--batch-size", "-b", type=int)
-    g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
-                   help="only layouts with (--recompute) or without (--no-recompute)")
-    g = p.add_argument_group("output and check")
-    g.add_argument("--top", type=int, default=12, help="rows of the table (0: all)")
-    g.add_argument("--json", action="store_true")
-    g.add_argument("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
-                   help="train two steps of this layout (or of -z/-b/--recompute) and compare memory")
-    g.add_argument("--data", "-i", help="token data for --check (braidtrain data prepare --out DIR)")
-    g.add_argument("--out", help="keep the --check run here (default: a temporary folder)")
+        a(f"--{k}", type=int)
+    a("--vocab", type=int, default=50257, help="tokenizer vocabulary (default GPT-2's; --data's wins)")
+    a("--gpus", type=int, default=1, help="GPUs (all data-parallel, for now)")
+    a("--gpu-mem", type=float, default=80.0, help="GB per GPU")
+    a("--seq-len", "-t", type=int, default=1024)
+    a("--total-batch", "-d", type=int, default=524288, help="tokens per optimizer step")
+    a("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default: H200, bf16)")
+    a("--busbw", type=float, default=300.0, help="collective bus bandwidth, GB/s")
+    a("--alpha-us", type=float, default=10.0, help="collective latency, microseconds")
+    a("--bucket-mb", type=float, default=25.0)
+    a("--zero", "-z", type=int, choices=[0, 1, 2, 3], help="only this ZeRO stage")
+    a("--batch-size", "-b", type=int, choices=MICRO_BATCHES, help="only this micro-batch")
+    a("--recompute", action=argparse.BooleanOptionalAction, help="only layouts with (without) recompute")
+    a("--top", type=int, default=12, help="rows of the table (0: all)")
+    a("--json", action="store_true")
+    a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
+      help="train two steps of this layout (or of -z, -b, --recompute) and compare estimated and measured memory")
+    a("--data", "-i", help="token data for --check (braidtrain data prepare --out DIR)")
+    a("--out", help="keep the --check run here (default: a temporary folder)")
     return p
 
 
 def setup_from(args) -> Setup:
-    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "top"):
-        if getattr(args, k) <= 0 and not (k == "top" and args.top == 0):
+    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab"):
+        if getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
-    if args.alpha_us < 0:
-        raise UserError(f"--alpha-us must be >= 0, got {args.alpha_us:g}")
-    if args.batch_size is not None and args.batch_size not in MICRO_BATCHES:
-        raise UserError(f"-b {args.batch_size}: use one of {', '.join(map(str, MICRO_BATCHES))}")
-    vocab = args.vocab
-    if args.data:
-        meta = Path(args.data) / "tokenizer.json"
-        vocab = json.loads(meta.read_text())["vocab_size"] if meta.is_file() else vocab
+    if args.alpha_us < 0 or args.top < 0:
+        raise UserError("--alpha-us and --top must be >= 0")
     if args.params and args.model:
         raise UserError("give --model or --params, not both")
+    meta = Path(args.data or "") / "tokenizer.json"  # the check's run trains with the data's vocabulary
+    vocab = json.loads(meta.read_text())["vocab_size"] if args.data and meta.is_file() else args.vocab
     if args.params:
         cfg = assumed_shape(parse_count(args.params), vocab, args.block_size or max(1024, args.seq_len))
     else:
@@ -375,35 +386,27 @@ def setup_from(args) -> Setup:
 
 
 def check_layout(args) -> Layout:
-    if args.check:
-        parts = [p.strip() for p in args.check.split(",")]
-        try:
-            zero, b = int(parts[0]), int(parts[1])
-        except (ValueError, IndexError):
-            raise UserError(f"--check {args.check!r}: use ZERO,B or ZERO,B,recompute (e.g. 1,8)") from None
-        if len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("recompute", "1", "on")):
-            raise UserError(f"--check {args.check!r}: the third field can only be 'recompute'")
-        rc = len(parts) == 3
-    elif args.zero is None or args.batch_size is None:
-        raise UserError("--check needs a layout: --check ZERO,B[,recompute], or -z ZERO -b B [--recompute]")
-    else:
-        zero, b, rc = args.zero, args.batch_size, bool(args.recompute)
-    if zero not in (0, 1, 2, 3) or b <= 0:
-        raise UserError(f"--check {zero},{b}: ZeRO stage 0-3 and a positive micro-batch")
-    return Layout(args.gpus, zero, b, rc)
+    if not args.check:  # the layout from the flags
+        if args.zero is None or args.batch_size is None:
+            raise UserError("--check needs a layout: --check ZERO,B[,recompute], or -z ZERO -b B [--recompute]")
+        return Layout(args.gpus, args.zero, args.batch_size, bool(args.recompute))
+    m = re.fullmatch(r"([0-3]),([1-9][0-9]*)(,recompute)?", args.check.replace(" ", ""))
+    if not m:
+        raise UserError(f"--check {args.check!r}: use ZERO,B or ZERO,B,recompute with ZERO 0-3 (e.g. 1,8)")
+    return Layout(args.gpus, int(m[1]), int(m[2]), bool(m[3]))
 
 
 def check(s: Setup, lay: Layout, data: str, out: str | None) -> dict:
-    """Two real training steps (the first optimizer step included) of this layout, then estimated
-    vs measured mem_gb. On a GPU mem_gb is torch's peak allocation, so the estimate compared is
-    `allocated`; on the CPU it is the model state at rest (params + grads + Adam m, v)."""
+    """Two real training steps of this layout (the first optimizer step, which creates Adam's
+    state, included), then estimated vs measured mem_gb. On a GPU that is torch's peak
+    allocation, compared with `allocated`; on the CPU it is the model state a rank holds between
+    steps (params + grads + Adam m, v), compared with the model state less its transient part."""
     import torch
 
-    s = replace(s, cpu=not torch.cuda.is_available())
+    s = replace(s, cpu=not torch.cuda.is_available())  # where `braidtrain train` will run
     if s.d % (lay.b * s.t * lay.dp):
-        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = {lay.b * s.t * lay.dp}")
-    e = estimate(s, lay)
-    c = s.cfg
+        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = {lay.b}*{s.t}*{lay.dp}")
+    e, c = estimate(s, lay), s.cfg
     cmd = ["-m", "braidtrain", "train", "--model", "gpt2", "--n-layer", c.n_layer, "--n-head", c.n_head,
            "--n-embd", c.n_embd, "--block-size", c.block_size, "-i", data, "-b", lay.b, "-t", s.t, "-d", s.d,
            "-z", lay.zero, "-x", 2, "--val-every", 0, "--sample-tokens", 0, "--no-progress",
@@ -414,44 +417,34 @@ def check(s: Setup, lay: Layout, data: str, out: str | None) -> dict:
         run_dir = Path(out or tmp)
         p = subprocess.run([sys.executable, *map(str, cmd), "--out", str(run_dir)], capture_output=True, text=True)
         if p.returncode:
-            errs = [l for l in p.stderr.splitlines() if "error" in l.lower()] or p.stderr.splitlines() or ["no output"]
-            raise UserError(f"the --check run failed (exit {p.returncode}): {errs[-1].strip()}")
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        measured = max(json.loads(l)["mem_gb"] for l in lines if l.strip())
+            lines = [l for l in p.stderr.splitlines() if "error" in l.lower()] or p.stderr.splitlines() or ["no output"]
+            raise UserError(f"the --check run failed (exit {p.returncode}): {lines[-1].strip()}")
+        measured = max(json.loads(l)["mem_gb"] for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip())
     st = e["state"]
-    if s.cpu:
-        what = "model state at rest (params + grads + optimizer)"
-        est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"]) / GB
-    else:
-        what = "peak allocated (model state + activations)"
-        est = e["allocated"] / GB
-    return {"layout": asdict(lay), "device": "cpu" if s.cpu else "cuda", "compared": what, "estimate": row_json(e),
-            "estimated_gb": est, "measured_gb": measured, "rel_error": (est - measured) / measured}
+    est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if s.cpu else e["allocated"]) / GB
+    return {"layout": asdict(lay), "device": "cpu" if s.cpu else "cuda", "estimated_gb": est,
+            "measured_gb": measured, "rel_error": (est - measured) / measured, "estimate": row_json(e),
+            "compared": "model state between steps" if s.cpu else "peak allocated (model state + activations)"}
 
 
 def run(args) -> int:
     s = setup_from(args)
     if args.check is not None:
         if not args.data:
-            raise UserError("--check trains for real: give the data with --data DIR (braidtrain data prepare --out DIR)")
+            raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out DIR)")
         r = check(s, check_layout(args), args.data, args.out)
-        if args.json:
-            print(json.dumps(r))
-        else:
-            print(f"check {Layout(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
-                  f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, "
-                  f"error {100 * r['rel_error']:+.1f}%")
+        print(json.dumps(r) if args.json else
+              f"check {Layout(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
+              f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error {100 * r['rel_error']:+.1f}%")
         return 0
-    rc = None if args.recompute is None else (args.recompute,)
-    result = plan(s, (args.zero,) if args.zero is not None else (0, 1, 2, 3),
-                  (args.batch_size,) if args.batch_size else MICRO_BATCHES, rc or (False, True))
+    pick = lambda v, all_: all_ if v is None else (v,)
+    result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)))
     c = s.cfg
-    shape = (f"{c.num_params() / 1e6:,.1f}M parameters (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
-             f"vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB, -t {s.t} -d {s.d}")
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},
                           "layouts": [row_json(e) for e in result["rows"]], "recommendation": result["recommendation"]}))
-    else:
-        print(shape)
-        print(table(result, args.top))
+        return 0
+    print(f"{c.num_params() / 1e6:,.1f}M parameters (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
+          f"vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB, -t {s.t} -d {s.d}")
+    print(table(result, args.top))
     return 0

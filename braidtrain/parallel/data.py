@@ -252,6 +252,16 @@ class DataParallel:
             b.shard_grad.copy_(src) if first else b.shard_grad.add_(src)
 
         self.pending.append(self.comm.reduce_scatter(scratch[b.lo : b.hi], scratch, self.group, "replica", then=accumulate))
+        # Free each scratch as soon as its collective has consumed it, not at the end of the
+        # backward: on CUDA the allocator may reuse it once the side stream is past this point;
+        # on a host backend, finish whatever collectives have already completed.
+        if scratch.is_cuda:
+            scratch.record_stream(self.comm.side)
+        else:
+            done = [h for h in self.pending if h.ready()]
+            for h in done:
+                h.wait()
+            self.pending = [h for h in self.pending if not h.done]
 
     def _launch_exact(self, b):
         scratch = self.scratch[b.index] if self.scratch is not None else None
