@@ -7,8 +7,26 @@ predicted). Parameter names follow HuggingFace's GPT-2 (h.0.attn.c_attn.weight .
 export simple; weights are stored as nn.Linear does ((out, in)), the transpose of HF's Conv1D.
 
 Initialisation does not depend on the layout: every parameter is drawn from its own generator,
-seeded by (seed, parameter name), as one full tensor. A later tensor-parallel layout slices the
-same full tensor, so tp=1 and tp=2 start from identical weights.
+seeded by (seed, parameter name), as one full tensor, and a tensor-parallel rank takes its slice of
+that same tensor (shard_spec says how), so tp=1 and tp=2 start from identical weights.
+
+Tensor parallelism (GPT(cfg, mesh) with the mesh's tp axis > 1; layers.py has the pieces), in
+Megatron-LM's layout (Shoeybi et al. 2019). Parameter names do not change, only the local shapes:
+
+    tp rank r holds                                    shard_spec
+    wte         vocab rows [r V/tp, (r+1) V/tp)        (0, contiguous)  also the tied head's shard
+    c_attn      its n_head/tp heads of q, k and v      (0, qkv)         column-parallel
+    attn.c_proj input features of those heads          (1, contiguous)  row-parallel
+    mlp.c_fc    output features [r 4C/tp, (r+1) 4C/tp) (0, contiguous)  column-parallel
+    mlp.c_proj  the same input features                (1, contiguous)  row-parallel
+    wpe, LayerNorms, row-parallel biases: all of it    replicated
+
+The vocabulary is padded to a multiple of 128*tp, so that every rank holds the same number of rows.
+With sequence parallelism (sp, Korthikanti et al. 2022) the residual stream between the tp regions
+-- embeddings, LayerNorms, residual additions -- holds only this rank's T/tp rows of the sequence:
+
+    x (B, T/tp, C) -> ln -> all-gather T -> c_attn | attention | c_proj -> reduce-scatter T -> + x
+                               (B, T, C)     (this rank's heads)          (B, T/tp, C)
 """
 
 from __future__ import annotations
@@ -23,6 +41,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from braidtrain.errors import UserError
+from braidtrain.model.layers import (REPLICATED, ColumnParallelLinear, RowParallelLinear, ShardSpec,
+                                     VocabParallelEmbedding, enter_tp, gather_last_dim, shard_of,
+                                     vocab_parallel_cross_entropy)
 
 PRESETS = {  # name: (n_layer, n_head, n_embd, block_size)
     "tiny": (4, 4, 128, 256),
@@ -45,7 +66,11 @@ class GPTConfig:
 
     @property
     def padded_vocab(self) -> int:
-        return (self.vocab_size + 127) // 128 * 128
+        return self.vocab_rows(1)
+
+    def vocab_rows(self, tp: int = 1) -> int:
+        """Rows of the embedding: the vocabulary padded to a multiple of 128*tp."""
+        return -(-self.vocab_size // (128 * tp)) * 128 * tp
 
     def num_params(self) -> int:
         """Parameters counted once (the tied head is the embedding)."""
@@ -76,50 +101,83 @@ def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=N
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.n_head = cfg.n_head // tp  # this rank's heads
+        self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, group, sp=sp)
+        self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, group, sp=sp)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        qkv = self.c_attn(x)  # (B, T, 3C/tp): this rank's heads of q, k, v; the whole T even under sp
+        B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(C, dim=2)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, group=None, sp: bool = False):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, group, sp=sp)
+        self.c_proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, group, sp=sp)
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp, group, sp)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, group, sp)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
+def _divisors(n: int) -> str:
+    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def check_tp(cfg: GPTConfig, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
+    """One-line UserErrors for a tensor-parallel degree this model cannot be split by."""
+    if cfg.n_head % tp:
+        raise UserError(f"tp={tp} does not divide n_head={cfg.n_head}: use tp in {_divisors(cfg.n_head)}")
+    if 4 * cfg.n_embd % tp:
+        raise UserError(f"tp={tp} does not divide the MLP width 4*n_embd={4 * cfg.n_embd}: "
+                        f"use tp in {_divisors(4 * cfg.n_embd)}")
+    if sp and tp > 1 and seq_len is not None and seq_len % tp:
+        raise UserError(f"sequence length {seq_len} is not divisible by tp={tp}: sequence parallelism "
+                        f"splits the sequence over the tp ranks; use a multiple of {tp} (or drop --sp)")
+
+
+def shard_spec(name: str) -> ShardSpec:
+    """How parameter `name`'s full tensor is split over the tp axis (the table in the docstring)."""
+    if name == "wte.weight" or name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
+        return ShardSpec(0, "contiguous")
+    if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+        return ShardSpec(0, "qkv")
+    if name.endswith("c_proj.weight"):
+        return ShardSpec(1, "contiguous")
+    return REPLICATED  # wpe, LayerNorms, the biases of the row-parallel c_proj
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, mesh=None, sp: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
+        self.tp = 1 if mesh is None else mesh.size("tp")
+        self.tp_rank = 0 if mesh is None else mesh.coord("tp")
+        check_tp(cfg, self.tp)
+        self.sp = sp and self.tp > 1
+        self.group = mesh.groups["tp"] if self.tp > 1 else None  # None: plain dense layers
+        self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(Block(cfg, self.tp, self.group, self.sp) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.recompute = False  # activation checkpointing: keep only each block's input
 
@@ -129,20 +187,51 @@ class GPT(nn.Module):
         units = [(None, ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"])]
         return units + [(blk, [f"h.{i}.{n}" for n, _ in blk.named_parameters()]) for i, blk in enumerate(self.h)]
 
+    def full_shape(self, name: str) -> tuple:
+        """The shape of parameter `name` unsharded (wte: the vocabulary padded for this tp)."""
+        shape, spec = list(self.get_parameter(name).shape), shard_spec(name)
+        if spec.kind != "replicated":
+            shape[spec.dim] *= self.tp
+        return tuple(shape)
+
+    def tp_partial_grads(self) -> list[str]:
+        """Parameters whose gradient on each tp rank is only a part, to be all-reduced over tp
+        before use (Megatron's "sequence-parallel" parameters). Under sp the tp-replicated
+        parameters -- LayerNorms, wpe, the row-parallel biases -- act on this rank's T/tp rows of
+        the sequence only, so each rank's gradient is the sum over its rows and the true gradient
+        is the sum over the tp ranks. Without sp they see the whole sequence on every rank and
+        their gradients are already complete (and equal) on each: nothing to do."""
+        if not self.sp:
+            return []
+        return [n for n, _ in self.named_parameters() if shard_spec(n).kind == "replicated"]
+
     def forward(self, idx, targets=None):
         """Returns the logits over the real vocabulary, or, given targets, the *sum* of the
-        cross-entropy over all tokens (the caller divides once by the global token count)."""
+        cross-entropy over all tokens (the caller divides once by the global token count).
+        Under tp every rank returns the same full sum (and the same full logits)."""
         T = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        pos = torch.arange(T, device=idx.device)
+        if self.sp:
+            check_tp(self.cfg, self.tp, self.sp, T)
+            pos = pos.chunk(self.tp)[self.tp_rank]  # the residual stream holds this rank's T/tp rows
+        x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)  # recomputed in the backward pass
             else:
                 x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)[..., : self.cfg.vocab_size]
+        if self.group is None:
+            logits = F.linear(self.ln_f(x), self.wte.weight)[..., : self.cfg.vocab_size]
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        # the tied head, column-parallel over the vocabulary: (B, T, V/tp) of this rank's rows
+        logits = F.linear(enter_tp(self.ln_f(x), self.group, self.sp), self.wte.weight)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            return gather_last_dim(logits, self.group)[..., : self.cfg.vocab_size]
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.wte.vocab_start,
+                                              self.cfg.vocab_size, self.group)
+        return losses.sum()
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -160,7 +249,12 @@ def init_std(cfg: GPTConfig, name: str) -> float | None:
 
 
 def full_init(cfg: GPTConfig, name: str, shape, seed: int) -> torch.Tensor:
-    """The full fp32 initial tensor of parameter `name`, the same on any rank and any layout."""
+    """The full fp32 initial tensor of parameter `name`, the same on any rank and any layout.
+    wte's rows beyond the tp=1 padding (tp > 1 pads the vocabulary further) are zeros, so the
+    rows of every layout agree; padding rows are never looked up nor predicted anyway."""
+    if name == "wte.weight" and shape[0] > cfg.padded_vocab:
+        extra = torch.zeros(shape[0] - cfg.padded_vocab, *shape[1:])
+        return torch.cat([full_init(cfg, name, (cfg.padded_vocab, *shape[1:]), seed), extra])
     std = init_std(cfg, name)
     if std is None:
         fill = 1.0 if (".ln_" in name or name.startswith("ln_f")) and name.endswith("weight") else 0.0
@@ -171,5 +265,7 @@ def full_init(cfg: GPTConfig, name: str, shape, seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def init_weights(model: GPT, seed: int) -> None:
+    """Each parameter is this tp rank's slice of its full, layout-independent initial tensor."""
     for name, p in model.named_parameters():
-        p.copy_(full_init(model.cfg, name, p.shape, seed))
+        full = full_init(model.cfg, name, model.full_shape(name), seed)
+        p.copy_(shard_of(full, shard_spec(name), model.tp_rank, model.tp))

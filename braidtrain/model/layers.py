@@ -1,0 +1,298 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053) and sequence parallelism
+(Korthikanti et al. 2022, arXiv:2205.05198): the collectives autograd must see, the parallel linear
+and embedding layers, the vocab-parallel cross-entropy, and the slicing of full tensors into shards.
+
+Everything takes the mesh's tp process group (`mesh.groups["tp"]`); None -- a one-rank tp axis --
+makes every collective the identity, so a tp=1 model runs the plain dense code. Activations are
+batch-first, (B, T, C): the sequence is tensor dim 1. The collectives call torch.distributed
+directly (comm.py's flight-log recording is the engine's; a later pass may route these through comm
+so that a hang inside a tp layer is named too)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# torch 2.13 names them *_single; 2.11 has only the *_tensor names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+SEQ = 1  # the sequence dim of a (B, T, C) activation
+
+
+# -- raw collectives along a tensor dim (the collectives themselves work on dim 0) ------------------
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    x = torch.clone(x, memory_format=torch.contiguous_format)  # never write into a caller's tensor
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _tp(group):
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def _all_gather_dim(x, dim, group):
+    """Concatenate every rank's x along `dim`, in tp-rank order."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((_tp(group)[0] * x.shape[0], *x.shape[1:]))
+    _all_gather(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x, dim, group):
+    """Sum x over the ranks and keep this rank's chunk along `dim`."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // _tp(group)[0], *x.shape[1:]))
+    _reduce_scatter(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+# -- the collectives autograd sees ---------------------------------------------------------------
+
+class CopyToTP(torch.autograd.Function):
+    """Megatron's f (Shoeybi et al. 2019, fig. 3): forward identity -- every tp rank already holds
+    the whole input of a column-parallel layer; backward all-reduce -- each rank's layer produced a
+    partial input gradient (from its own output features), the true gradient is their sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's g (Shoeybi et al. 2019, fig. 3): forward all-reduce -- the row-parallel layer's
+    partial sums become the full output on every rank; backward identity -- the output is replicated,
+    so its gradient already is the gradient of each rank's partial sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class AllGatherSeq(torch.autograd.Function):
+    """Sequence parallelism's g (Korthikanti et al. 2022, sec. 4.2.2): forward all-gather along the
+    sequence dim -- each rank's T/tp rows make the whole sequence for a column-parallel layer;
+    backward reduce-scatter -- partial input gradients summed (f's job), each rank keeps its rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_dim(x, SEQ, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim(grad, SEQ, ctx.group), None
+
+
+class ReduceScatterSeq(torch.autograd.Function):
+    """Sequence parallelism's g-bar (Korthikanti et al. 2022, sec. 4.2.2): forward reduce-scatter
+    along the sequence dim -- the row-parallel partial sums are added and each rank keeps T/tp rows
+    (the same bytes as half of an all-reduce); backward all-gather of the row gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim(x, SEQ, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, SEQ, ctx.group), None
+
+
+class GatherLastDim(torch.autograd.Function):
+    """Forward all-gather along the last dim (the output features of a column-parallel layer, e.g.
+    the vocab of the logits when sampling); backward keeps this rank's chunk -- every rank holds the
+    same full gradient, so no communication is needed (Shoeybi et al. 2019, sec. 3)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_dim(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp, rank = _tp(ctx.group)
+        return grad.chunk(tp, -1)[rank].contiguous(), None
+
+
+def enter_tp(x, group, sp):
+    """Into a tp region (the input of a column-parallel layer): the whole sequence on every rank."""
+    return x if group is None else (AllGatherSeq if sp else CopyToTP).apply(x, group)
+
+
+def leave_tp(x, group, sp):
+    """Out of a tp region (the partial sums of a row-parallel layer): summed, and under sp only
+    this rank's rows of the sequence kept."""
+    return x if group is None else (ReduceScatterSeq if sp else ReduceFromTP).apply(x, group)
+
+
+def gather_last_dim(x, group):
+    return x if group is None else GatherLastDim.apply(x, group)
+
+
+# -- layers ------------------------------------------------------------------------------------------
+# They subclass nn.Linear / nn.Embedding, holding only the local shard, so that at tp=1 they are
+# exactly those modules (same parameters, same numerics, same default init).
+
+class ColumnParallelLinear(nn.Linear):
+    """y = x W^T + b with W split along the output features (tensor dim 0 of the (out, in) weight):
+
+          W (out, in)        tp rank      y = [ y_0 | y_1 | ... ]   (each rank: its out/tp features)
+        [ rows 0   .. o/tp )   0
+        [ rows o/tp.. 2o/tp)   1          input x: replicated (f), or its T/tp rows gathered (sp)
+
+    The output stays split unless gather_output (then all-gathered along the last dim)."""
+
+    def __init__(self, in_features, out_features, group, bias=True, sp=False, gather_output=False):
+        tp, _ = _tp(group)
+        super().__init__(in_features, out_features // tp, bias=bias)
+        self.group, self.sp, self.gather_output = group, sp, gather_output
+
+    def forward(self, x):
+        if self.group is None:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias)
+        return gather_last_dim(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Linear):
+    """y = x W^T + b with W split along the input features (tensor dim 1 of the (out, in) weight):
+
+          W (out, in) = [ W_0 | W_1 | ... ]      rank r holds W_r (out, in/tp) and x_r (its in/tp
+                          in/tp columns each     features, from a column-parallel layer)
+
+    y = sum_r x_r W_r^T: all-reduced (g), or reduce-scattered along the sequence (sp). The bias is
+    added once, after the reduction (added before, it would be counted tp times)."""
+
+    def __init__(self, in_features, out_features, group, bias=True, sp=False):
+        tp, _ = _tp(group)
+        super().__init__(in_features // tp, out_features, bias=bias)
+        self.group, self.sp = group, sp
+
+    def forward(self, x):
+        if self.group is None:
+            return F.linear(x, self.weight, self.bias)
+        y = leave_tp(F.linear(x, self.weight), self.group, self.sp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each tp rank holds a contiguous range of the (padded) vocabulary's rows:
+
+          rows [0, V/tp) -> rank 0,  [V/tp, 2V/tp) -> rank 1, ...
+
+    A token outside this rank's range looks up row 0 and is zeroed, so the sum over ranks (all-reduce,
+    or reduce-scatter along the sequence under sp) is the full embedding (Shoeybi et al. 2019, sec. 3).
+    The same shard, as a (V/tp, C) weight, is the tied output head's column-parallel slice."""
+
+    def __init__(self, num_embeddings, embedding_dim, group, sp=False):
+        tp, rank = _tp(group)
+        super().__init__(num_embeddings // tp, embedding_dim)
+        self.group, self.sp = group, sp
+        self.vocab_start = rank * self.num_embeddings
+        self.vocab_end = self.vocab_start + self.num_embeddings
+
+    def forward(self, idx):
+        if self.group is None:
+            return F.embedding(idx, self.weight)
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_tp(out, self.group, self.sp)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy per token from logits split over the vocabulary (Shoeybi et al. 2019, sec. 3:
+    fusing the head with the loss cuts its communication from b*s*v to b*s). Forward: this rank's
+    logits (N, V/tp) for columns [vocab_start, vocab_start + V/tp); the max and then (sum of exp,
+    target logit) are all-reduced over tp -- 3N numbers, never the full logits. Columns at or beyond
+    `vocab_size` are padding rows of the embedding and are masked to -inf, so never predicted.
+    Backward: softmax - onehot on the local columns, no communication; it overwrites the saved
+    softmax (the model's largest activation) in place, so it runs once (no retain_graph)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, group):
+        n_local = logits.shape[-1]
+        logits = logits.to(torch.float32, copy=True)
+        logits[:, max(0, vocab_size - vocab_start):] = float("-inf")  # the padding this rank holds
+        logits -= _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
+        mine = (target >= vocab_start) & (target < vocab_start + n_local)
+        local_target = (target - vocab_start).masked_fill(~mine, 0)
+        target_logit = logits.gather(1, local_target.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        exp = logits.exp_()
+        sum_exp, target_logit = _all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)  # one collective
+        exp /= sum_exp.unsqueeze(-1)  # now the softmax
+        ctx.save_for_backward(exp, local_target, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        g = softmax  # in place (see above)
+        g[torch.arange(g.shape[0], device=g.device), local_target] -= mine.to(g.dtype)
+        g *= grad.unsqueeze(-1)
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, group):
+    """Per-token loss (N,) from this rank's (N, V/tp) logits; see VocabParallelCrossEntropy."""
+    if group is None:
+        return F.cross_entropy(logits[:, :vocab_size].float(), target, reduction="none")
+    return VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
+
+
+# -- shard specs: how a full tensor is split over tp -----------------------------------------------
+
+class ShardSpec(NamedTuple):
+    """How a parameter's full tensor is split over the tp axis: `kind` is "replicated" (every rank
+    holds it all; dim None), "contiguous" (tp equal chunks along tensor dim `dim`) or "qkv" (GPT-2's
+    c_attn, q, k and v packed along `dim`: each rank takes its chunk of each of the three)."""
+    dim: int | None
+    kind: str
+
+
+REPLICATED = ShardSpec(None, "replicated")
+
+
+def shard_of(full: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
+    """Tp rank `rank`'s shard of the full tensor, a new contiguous tensor. "qkv", tp=2, 4 heads:
+
+        full (3C, ...):   [ q: h0 h1 | h2 h3 ][ k: h0 h1 | h2 h3 ][ v: h0 h1 | h2 h3 ]
+        rank 0 (3C/2):    [ q: h0 h1 ][ k: h0 h1 ][ v: h0 h1 ]
+        rank 1 (3C/2):    [ q: h2 h3 ][ k: h2 h3 ][ v: h2 h3 ]
+    """
+    if spec.kind == "replicated":
+        return full.clone()
+    if spec.kind == "contiguous":
+        return full.chunk(tp, spec.dim)[rank].contiguous()
+    if spec.kind == "qkv":
+        d = spec.dim % full.dim()
+        return full.unflatten(d, (3, -1)).chunk(tp, d + 1)[rank].flatten(d, d + 1).contiguous()
+    raise ValueError(f"unknown shard kind {spec.kind!r}")
+
+
+def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from the shards of tp ranks 0, 1, ... (the inverse of shard_of)."""
+    if spec.kind == "replicated":
+        return pieces[0].clone()
+    if spec.kind == "contiguous":
+        return torch.cat(pieces, spec.dim)
+    if spec.kind == "qkv":
+        d = spec.dim % pieces[0].dim()
+        return torch.cat([p.unflatten(d, (3, -1)) for p in pieces], d + 1).flatten(d, d + 1)
+    raise ValueError(f"unknown shard kind {spec.kind!r}")
+
