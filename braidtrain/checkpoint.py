@@ -12,8 +12,13 @@ piece is named by (tensor name, element offset), any layout can find the element
 loading re-shards to whatever the current mesh, world size and ZeRO stage are.
 
 Publishing is atomic: everything is written into `step_N.tmp/`, fsynced, then rank 0 writes
-meta.json (with every file's sha256) and renames the folder. A folder without a valid meta.json,
-or whose files do not match their checksums, is skipped (with a warning) for the previous one.
+meta.json (with every file's sha256 and size) and renames the folder. A save that fails midway (a
+full disk, a killed rank) leaves only a `.tmp` folder, which nothing reads and the next successful
+save removes. A folder without a valid meta.json, or with a missing, truncated or damaged file, is
+skipped (with a warning saying which) for the previous one; nothing is loaded before it verified.
+
+There is no RNG state to save: initialisation draws each parameter from its own seeded generator,
+the data order is a pure function of (seed, step), and the model has no dropout.
 """
 
 from __future__ import annotations
@@ -61,16 +66,18 @@ def pieces(engine):
                 yield i, name, a - off, e - off, a
 
 
-def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict, rt, keep: int) -> float:
+def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict, rt, keep: int,
+         midway=None) -> float:
     """Collective: every rank calls it. `info` (config, model, tokenizer) goes into meta.json.
-    Returns the seconds it took."""
+    `midway(step)`, if given, runs after this rank's file is written, before anything is published
+    (the fault-injection test hook). Returns the seconds it took."""
     t0 = time.time()
     final = ckpt_dir / f"step_{step:08d}"
     tmp = ckpt_dir / f"step_{step:08d}.tmp"
     if rt.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    rt.barrier()
+    engine.comm.sync("barrier", "world", rt.barrier)
     tensors = {}
     for i, name, a, e, pos in pieces(engine):
         b = engine.buckets[i]
@@ -82,13 +89,19 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
         tensors[f"v/{name}/{a}"] = v[base : base + e - a].cpu().clone()
     fname = f"rank_{rt.rank:05d}.safetensors"
     path = tmp / fname
-    save_file(tensors, str(path))
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-    digest = _sha256(path)
+    try:
+        save_file(tensors, str(path))
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        digest = _sha256(path), path.stat().st_size
+        if midway is not None:
+            midway(step)
+    except OSError as e:  # a full disk, a quota: nothing was published, the previous checkpoint stands
+        raise UserError(f"rank {rt.rank} could not write checkpoint {final}: {e.strerror or e} "
+                        f"(the previous checkpoint is intact; free space, then --resume auto)") from None
     sums = [None] * rt.world_size
     if rt.world_size > 1:
-        dist.all_gather_object(sums, (fname, digest))
+        engine.comm.sync("all_gather_object", "world", lambda: dist.all_gather_object(sums, (fname, digest)))
     else:
         sums = [(fname, digest)]
     if rt.is_main:
@@ -99,7 +112,8 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
             **info,
             "shapes": {k: list(v) for k, v in model_shapes.items()},
             "layout": {"world_size": rt.world_size, "dp": engine.n, "zero": engine.zero},
-            "files": dict(sums),
+            "files": {f: d[0] for f, d in sums},
+            "sizes": {f: d[1] for f, d in sums},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         with open(tmp / "meta.json", "rb+") as f:
@@ -107,9 +121,9 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
-        for old in sorted(list_checkpoints(ckpt_dir))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    rt.barrier()
+        for old in sorted(list_checkpoints(ckpt_dir))[:-keep] + list(ckpt_dir.glob("step_*.tmp")):
+            shutil.rmtree(old, ignore_errors=True)  # old checkpoints, and what failed saves left
+    engine.comm.sync("barrier", "world", rt.barrier)
     return time.time() - t0
 
 
@@ -130,10 +144,13 @@ def verify(path: Path) -> dict:
         raise UserError(f"checkpoint {path}: meta.json is damaged") from None
     if meta.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: unknown format {meta.get('format')}")
+    sizes = meta.get("sizes", {})
     for fname, digest in meta["files"].items():
         f = path / fname
         if not f.is_file():
             raise UserError(f"checkpoint {path}: {fname} is missing")
+        if f.stat().st_size < sizes.get(fname, 0):
+            raise UserError(f"checkpoint {path}: {fname} is truncated ({f.stat().st_size} of {sizes[fname]} bytes)")
         if _sha256(f) != digest:
             raise UserError(f"checkpoint {path}: {fname} does not match its checksum (damaged or truncated)")
     return meta

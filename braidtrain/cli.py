@@ -53,7 +53,9 @@ def _train_parser(sub):
     g.add_argument("--out", "-o", help="run directory (default runs/<timestamp>)")
     g.add_argument("--ckpt-every", "-n", type=int)
     g.add_argument("--keep-ckpts", type=int)
-    g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder")
+    g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder; "
+                   "a group restarted by torchrun resumes by itself")
+    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 folder (braidtrain export writes one)")
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g = p.add_argument_group("parallelism")
@@ -72,6 +74,9 @@ def _train_parser(sub):
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: the local GPU, else cpu)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"])
     g.add_argument("--timeout", type=float, help="seconds before a rendezvous or collective is declared hung")
+    g.add_argument("--heartbeat-timeout", type=float,
+                   help="seconds without a peer's heartbeat before the survivors write their flight logs and exit "
+                        "(default 30; 0: off)")
     g = p.add_argument_group("llm.c flags accepted for compatibility and ignored")
     for flag in ("-s", "-h", "-f", "-w", "-k", "-a", "-ge"):
         g.add_argument(flag, dest=f"ignored_{flag[1:]}", metavar="X")
@@ -110,6 +115,27 @@ def cmd_plot(args) -> int:
     plot_runs(args.runs, args.out)
     print(f"wrote {args.out}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    from braidtrain.fault import diagnose
+
+    print("\n".join(diagnose(Path(args.run))))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from braidtrain.export import export
+
+    ckpt = export(args.run, args.out, args.format)
+    print(f"wrote {args.out} (HuggingFace GPT-2) from {ckpt}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from braidtrain import plan
+
+    return plan.run(args)
 
 
 def cmd_sample(args) -> int:
@@ -157,10 +183,20 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device")
+    p = parsers["doctor"] = sub.add_parser("doctor", help="read a run's flight logs: which rank stopped where")
+    p.add_argument("run")
+    p = parsers["export"] = sub.add_parser("export", help="write a run's newest checkpoint as a HuggingFace GPT-2 folder")
+    p.add_argument("run", help="a run directory, or one checkpoint folder")
+    p.add_argument("--format", default="hf", choices=["hf"])
+    p.add_argument("--out", required=True)
+    from braidtrain import plan  # light: torch loads only inside plan.run
+
+    parsers["plan"] = plan.add_parser(sub)
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, not the top level's
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
-    handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample}[args.cmd]
+    handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample, "doctor": cmd_doctor,
+               "export": cmd_export, "plan": cmd_plan}[args.cmd]
     try:
         return handler(args)
     except UserError as e:

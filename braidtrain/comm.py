@@ -1,8 +1,11 @@
 """Every collective of the project goes through here.
 
-Each call is recorded (sequence number, operation, axis, shape, dtype, bytes, launch and end time)
-in a ring buffer -- the flight log a hung or crashed rank leaves behind -- and summed per step into
-`comm_s`. The exact reduce-scatter of DESIGN.md ("Exact reduction") lives here too.
+Each call is recorded (sequence number, operation, axis, shape, dtype, bytes, step, launch and end
+time) in a ring buffer -- the flight log a hung or crashed rank leaves behind (fault.py writes it,
+`braidtrain doctor` reads it) -- and summed per step into `comm_s`. Every rank issues the same
+collectives in the same order, so sequence number k names the same collective on every rank; that is
+what lets doctor line the ranks' logs up. The exact reduce-scatter of DESIGN.md ("Exact reduction")
+lives here too.
 
 Streams: on CUDA, torch's NCCL process group already runs every collective on its own internal
 stream, made to wait (by an event) for the work queued before it on the compute stream; and
@@ -36,7 +39,8 @@ class Record:
     dtype: str
     nbytes: int
     t_start: float  # time.time() at launch
-    t_end: float | None = None  # when the result was ready (host clock), None while in flight
+    t_end: float | None = None  # when the result was ready (host clock), None while in flight or failed
+    step: int = 0  # the training step (1-based) it belongs to; 0 before the first
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -57,7 +61,7 @@ class Handle:
             # Host backends (gloo) complete on their own thread: record the real completion time
             # (some gloo collectives have no future; their end is then taken at wait()).
             try:
-                work.get_future().then(lambda _f: self._mark())
+                work.get_future().then(self._mark_if_ok)
             except RuntimeError:
                 pass
         elif events is None:
@@ -66,6 +70,13 @@ class Handle:
     def _mark(self):
         if self.rec.t_end is None:
             self.rec.t_end = time.time()
+
+    def _mark_if_ok(self, fut):
+        try:  # a collective that failed (a peer died) stays open in the flight log
+            fut.value()
+        except Exception:
+            return
+        self._mark()
 
     def ready(self) -> bool:
         """True when wait() would not block the host."""
@@ -91,15 +102,14 @@ class Comm:
         self.cuda = device.type == "cuda"
         self.records: deque[Record] = deque(maxlen=capacity)
         self.seq = 0
+        self.step = 0  # set by the training loop; stamped on each record
         self.step_handles: list[Handle] = []
         self.side = torch.cuda.Stream(device) if self.cuda else None
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _launch(self, op, axis, tensor, group, fn, then=None) -> Handle:
-        rec = Record(self.seq, op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                     tensor.numel() * tensor.element_size(), time.time())
-        self.seq += 1
-        self.records.append(rec)
+        rec = self._record(op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                           tensor.numel() * tensor.element_size())
         if group is None:  # a one-rank axis: nothing to exchange
             h = Handle(self, rec, None, then)
         elif self.cuda:
@@ -132,11 +142,39 @@ class Comm:
         self.step_handles = []
         return total
 
-    def dump(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            for r in self.records:
+    def _record(self, op, axis, shape, dtype, nbytes) -> Record:
+        rec = Record(self.seq, op, axis, shape, dtype, nbytes, time.time(), step=self.step)
+        self.seq += 1
+        self.records.append(rec)
+        return rec
+
+    def sync(self, op: str, axis: str, fn):
+        """Run a blocking collective that has no tensor of ours (a barrier, an object gather) and
+        record it like the others, so that the flight log has no holes."""
+        rec = self._record(op, axis, (), "object", 0)
+        out = fn()
+        rec.t_end = time.time()
+        return out
+
+    def dump(self, path: str, header: dict | None = None) -> None:
+        """Write the ring buffer as JSON lines (after an optional header line), atomically. Safe to
+        call from another thread while this one is blocked in a collective."""
+        for h in list(self.step_handles):  # CUDA: a finished collective has its end event done
+            if h.events is not None and h.rec.t_end is None:
+                try:
+                    if h.events[1].query():
+                        h.rec.t_end = h.rec.t_start + h.events[0].elapsed_time(h.events[1]) / 1000.0
+                except RuntimeError:
+                    pass
+        records = list(self.records)  # one C call under the GIL: a consistent copy
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            if header is not None:
+                f.write(json.dumps(header) + "\n")
+            for r in records:
                 f.write(r.to_json() + "\n")
+        os.replace(tmp, path)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t, group, axis, op=dist.ReduceOp.SUM) -> Handle:

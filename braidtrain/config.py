@@ -54,7 +54,8 @@ class Config:
     out: str | None = None  # default: runs/<timestamp>
     ckpt_every: int = 0  # 0: only the final checkpoint
     keep_ckpts: int = 2
-    resume: str | None = None  # "auto" or a checkpoint folder
+    resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
+    init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
     # parallelism
     zero: int = 0
@@ -71,6 +72,7 @@ class Config:
     device: str | None = None
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     timeout: float = 300.0
+    heartbeat_timeout: float = 30.0  # seconds of silence before a peer counts as lost; 0: no heartbeat
 
     def to_toml(self) -> str:
         lines = []
@@ -169,6 +171,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"unknown dtype '{cfg.dtype}': use auto, fp32 or bf16")
     if cfg.timeout <= 0:
         raise UserError(f"timeout must be positive, got {cfg.timeout}")
+    if not cfg.heartbeat_timeout >= 0:
+        raise UserError(f"heartbeat_timeout must be >= 0 (0 turns the heartbeat off), got {cfg.heartbeat_timeout}")
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,12 @@ class Runtime:
     device: torch.device
     backend: str
     init_method: str
-    store: "dist.Store | None" = None  # keys here are private to this run (prefixed)
+    store: "dist.Store | None" = None  # keys here are private to this run and attempt (prefixed)
+    # keys that outlive a restart of the group: torchrun's agent keeps its store across restarts
+    launch_store: "dist.Store | None" = None
+    attempt: int = 0  # torchrun's restart count (TORCHELASTIC_RESTART_COUNT); 0 for other launchers
     _owns_group: bool = field(default=False, repr=False)
+    _store_addr: tuple | None = field(default=None, repr=False)  # (host, port, key prefix of `store`)
 
     @property
     def is_main(self) -> bool:
@@ -70,6 +74,13 @@ class Runtime:
     def log(self, *args) -> None:
         if self.is_main:
             print(*args, flush=True)
+
+    def connect(self, timeout_s: float) -> "dist.Store":
+        """A second client connection to the store, with the same keys as `store`: for a thread (the
+        heartbeat) that must neither share the main thread's connection nor wait behind it."""
+        host, port, prefix = self._store_addr
+        client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
+        return dist.PrefixStore(prefix, client)
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -102,12 +113,17 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
     else:
         raise UserError(f"unknown init method {init_method!r}: use one of env, tcp, fs, mpi")
 
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if init_method == "env" else "0"
+    if not attempt.isdigit():
+        raise UserError(f"TORCHELASTIC_RESTART_COUNT must be an integer, got {attempt!r}")
     dev, backend = _pick_device(device, local)
-    rt = Runtime(rank, world, local, dev, backend, init_method)
+    rt = Runtime(rank, world, local, dev, backend, init_method, attempt=int(attempt))
     if world == 1:
         return rt  # nothing to agree on; no process group, no store
-    store, prefix = connect()  # prefix: this run's own key space in the store
-    run = dist.PrefixStore(prefix, store)
+    store, prefix = connect()  # prefix: this launch's own key space in the store
+    # torchrun's agent keeps its store across restarts, so each attempt gets its own key space
+    launch = dist.PrefixStore(prefix, store)
+    run = dist.PrefixStore(attempt, launch)
     _check_in(run, rank, world, deadline, timeout_s)
     if init_method == "fs" and rank == 0:  # everyone is in: don't leave a stale file for the next run
         os.remove(os.path.join(fs_path, FS_FILE))
@@ -118,7 +134,8 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
                                 **({"device_id": dev} if backend == "nccl" else {}))
     except (RuntimeError, ValueError) as e:
         raise UserError(f"rank {rank}: setting up the {backend} process group failed: {_first_line(e)}") from None
-    rt.store, rt._owns_group = dist.PrefixStore("app", run), True
+    rt.store, rt.launch_store, rt._owns_group = dist.PrefixStore("app", run), launch, True
+    rt._store_addr = (store.host, store.port, f"{prefix}/{attempt}/app")
     return rt
 
 
@@ -128,8 +145,7 @@ def _from_env(deadline, timeout_s):
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or set by hand
         names = "RANK", "WORLD_SIZE", "LOCAL_RANK"
-        # The agent's store outlives worker restarts, so each attempt gets its own key space.
-        prefix = f"braidtrain/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        prefix = f"braidtrain/{env.get('TORCHELASTIC_RUN_ID', 'run')}"  # init_runtime adds the attempt
         who = "RANK/WORLD_SIZE are set"
     elif "SLURM_PROCID" in env:
         names, prefix, who = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), "braidtrain/slurm", "under Slurm"

@@ -7,6 +7,10 @@ One step, on every rank:
         (on the last micro-batch, each bucket's reduction starts as soon as its gradients are in)
     wait for the reductions -> global grad norm -> clip -> AdamW on what this rank owns
     -> (ZeRO-1) all-gather the updated parameters -> log
+
+Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
+the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
+from the newest checkpoint (docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import json
 import os
 import time
+import tomllib
 from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
@@ -22,11 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from braidtrain import checkpoint
+from braidtrain import checkpoint, export
 from braidtrain.comm import Comm, pairwise_sum
 from braidtrain.config import Config, plan_batch
 from braidtrain.data import Loader, TokenData, get_tokenizer, resolve_files, tokenizer_for, unigram_entropy
 from braidtrain.errors import UserError
+from braidtrain.fault import Fault, Guard, crash_reason
 from braidtrain.mesh import build_mesh
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
 from braidtrain.model.gpt import GPT, init_weights, model_config
@@ -49,12 +55,43 @@ def check_exact(dp: int, micro: int, unit: int) -> None:
         )
 
 
-def resolve_out(cfg: Config, rt) -> Path:
-    """The run directory, the same on every rank (rank 0 picks the timestamp)."""
-    out = [cfg.out or f"runs/{datetime.now().strftime('%Y%m%d-%H%M%S')}"]
+def resolve_out(cfg: Config, rt, comm: Comm) -> tuple[Path, float]:
+    """The run directory, the same on every rank: rank 0 picks the timestamp, and a group that
+    torchrun restarts finds the one its first attempt picked (torchrun's store outlives the
+    restart). Also this session's id, rank 0's clock now: it tells doctor which flight logs
+    belong to one incident."""
+    out = cfg.out
+    if out is None and rt.is_main:
+        out = f"runs/{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        if rt.launch_store is not None:
+            out = rt.launch_store.compare_set("out", "", out).decode()  # the first attempt's wins
+    got = [out, time.time()]
     if rt.world_size > 1:
-        dist.broadcast_object_list(out, src=0)
-    return Path(out[0])
+        comm.sync("broadcast_object", "world", lambda: dist.broadcast_object_list(got, src=0))
+    return Path(got[0]), got[1]
+
+
+def what_changed(meta: dict, layout: dict, cfg: Config) -> str:
+    """'world_size 4 -> 2, zero 1 -> 3, ...': how this run differs from the one that saved."""
+    diff = [f"{k} {meta['layout'].get(k)} -> {v}" for k, v in layout.items() if meta["layout"].get(k) != v]
+    saved = tomllib.loads(meta.get("config", ""))
+    now = tomllib.loads(cfg.to_toml())
+    diff += [f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
+             if k not in layout and k != "resume" and saved.get(k) != now.get(k)]
+    return ", ".join(diff)
+
+
+def hf_model_config(cfg: Config, vocab: int):
+    """--init-from: the model's shape is the HF folder's; explicit sizes must agree with it."""
+    c = export.read_config(cfg.init_from)
+    dims = {"n_layer": c["n_layer"], "n_head": c["n_head"], "n_embd": c["n_embd"], "block_size": c["n_positions"]}
+    for k, v in dims.items():
+        if getattr(cfg, k) not in (None, v):
+            raise UserError(f"--{k.replace('_', '-')} {getattr(cfg, k)} disagrees with --init-from {cfg.init_from} ({k} = {v}): drop it")
+    if c["vocab_size"] != vocab:
+        raise UserError(f"--init-from {cfg.init_from} has a vocabulary of {c['vocab_size']} tokens but the data's "
+                        f"tokenizer has {vocab}: use data prepared with the model's tokenizer")
+    return model_config(cfg.model, vocab, **dims)
 
 
 def gather_loss(comm: Comm, engine: DataParallel, local: list[torch.Tensor]) -> float:
@@ -72,6 +109,9 @@ class Trainer:
             gpus_per_node=cfg.gpus_per_node, server=cfg.server, fs_path=cfg.fs_path,
             device=cfg.device, timeout_s=cfg.timeout,
         )
+        if cfg.resume is None and rt.attempt > 0:  # torchrun restarted the group: carry on
+            cfg.resume = "auto"
+        self.fault = Fault.from_env(rt.rank, rt.attempt)  # test hook; None in real runs
         self.device = rt.device
         if cfg.exact:
             # same kernels, same reduction orders on every rank and every layout
@@ -88,7 +128,10 @@ class Trainer:
         val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
         self.tok_name = cfg.tokenizer or tokenizer_for(train_files) or "gpt2"
         vocab = get_tokenizer(self.tok_name).vocab_size if self.tok_name != "gpt2" else 50257
-        self.mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
+        if cfg.init_from:
+            self.mcfg = hf_model_config(cfg, vocab)
+        else:
+            self.mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
         if cfg.seq_len > self.mcfg.block_size:
             raise UserError(f"-t {cfg.seq_len} is longer than the model's context ({self.mcfg.block_size}): use -t {self.mcfg.block_size} or less")
         self.mesh = build_mesh(rt.rank, rt.world_size)
@@ -105,6 +148,8 @@ class Trainer:
 
         model = GPT(self.mcfg)
         init_weights(model, cfg.seed)
+        if cfg.init_from:  # before the engine: under ZeRO-3 a rank then holds only its shard
+            model.load_state_dict(export.load_hf(cfg.init_from, self.mcfg))
         model.recompute = cfg.recompute
         self.model = model.to(self.device)
         self.comm = Comm(self.device)
@@ -113,19 +158,37 @@ class Trainer:
         self.opt = AdamW(self.engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
 
-        self.out = resolve_out(cfg, rt)
+        self.out, session = resolve_out(cfg, rt, self.comm)
         self.ckpt_dir = self.out / "checkpoints"
-        self.start_step = 0
-        if cfg.resume:
-            path = checkpoint.find_resume(cfg.resume, self.ckpt_dir, rt.log)
-            if path is not None:
-                meta = checkpoint.load(path, self.engine, self.opt, self.shapes)
-                self.start_step = meta["step"]
-                rt.log(f"resumed from {path} (step {self.start_step}, saved by {meta['layout']})")
-        if rt.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.toml").write_text(cfg.to_toml())
-        rt.barrier()
+        self.guard = Guard(rt, self.comm, self.out / "flight", session, cfg.heartbeat_timeout)
+        self.guard.start()
+        try:
+            self.resume()
+            if rt.is_main:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "config.toml").write_text(cfg.to_toml())
+            self.comm.sync("barrier", "world", rt.barrier)
+        except BaseException:
+            self.guard.close(clean=False)
+            raise
+
+    def resume(self) -> None:
+        cfg, rt = self.cfg, self.rt
+        self.start_step, self.load_s = 0, None
+        if not cfg.resume:
+            return
+        if rt.attempt > 0:
+            rt.log(f"torchrun restart {rt.attempt}: resuming from the newest valid checkpoint in {self.ckpt_dir}")
+        path = checkpoint.find_resume(cfg.resume, self.ckpt_dir, rt.log)
+        if path is None:
+            return
+        t0 = time.time()
+        meta = checkpoint.load(path, self.engine, self.opt, self.shapes)
+        self.start_step, self.load_s = meta["step"], time.time() - t0
+        layout = {"world_size": rt.world_size, "dp": self.dp, "zero": cfg.zero}
+        changed = what_changed(meta, layout, cfg)
+        rt.log(f"resumed from {path} (step {self.start_step}) in {self.load_s:.2f} s"
+               + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
 
     def autocast(self):
         if self.bf16:
@@ -139,12 +202,15 @@ class Trainer:
         b = cfg.batch_size
         first = self.engine.rank * plan.seqs_per_rank
         losses = []
+        self.comm.step = step + 1  # stamped on this step's flight records
         for micro in range(plan.micro_steps):
             x, y = self.loader.batch(step, first + micro * b, b)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             engine.start_micro_step(micro, plan.micro_steps)
             with self.autocast():
                 loss_sum = self.model(x, y)
+            if self.fault and micro == 0:
+                self.fault.mid_step(step + 1)
             engine.backward(loss_sum / plan.total_tokens)
             losses.append(loss_sum.detach())
         exposed = engine.finish_reduction()
@@ -187,9 +253,22 @@ class Trainer:
 
     def save(self, step: int) -> float:
         info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.tok_name}
-        return checkpoint.save(self.ckpt_dir, step, self.engine, self.opt, info, self.shapes, self.rt, self.cfg.keep_ckpts)
+        return checkpoint.save(self.ckpt_dir, step, self.engine, self.opt, info, self.shapes, self.rt, self.cfg.keep_ckpts,
+                               midway=self.fault.mid_save if self.fault else None)
 
     def run(self) -> dict:
+        try:
+            summary = self._run()
+        except Exception as e:  # the flight log says where this rank was; then the error goes on
+            self.guard.dump(crash_reason(e))
+            raise
+        # Past the last collective: peers may stop watching us (and we them), so that ranks that
+        # finish at different times -- or rank 0 taking the store down with it -- are no alarm.
+        self.comm.sync("barrier", "world", self.rt.barrier)
+        self.guard.close(clean=True)
+        return summary
+
+    def _run(self) -> dict:
         cfg, rt = self.cfg, self.rt
         log = MetricsLog(self.out / "metrics.jsonl", self.start_step) if rt.is_main else None
         rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on {self.device.type}), "
@@ -200,6 +279,8 @@ class Trainer:
         try:
             for step in range(self.start_step, cfg.max_steps):
                 rec = self.step(step)
+                if step == self.start_step and self.load_s is not None:
+                    rec["load_s"] = self.load_s
                 last = step + 1 == cfg.max_steps
                 if cfg.val_every and ((step + 1) % cfg.val_every == 0 or last):
                     val = rec["val_loss"] = self.validate()
@@ -258,4 +339,5 @@ def train(cfg: Config) -> dict:
     try:
         return trainer.run()
     finally:
+        trainer.guard.close(clean=False)  # a no-op after a clean finish
         trainer.rt.close()

@@ -1,0 +1,354 @@
+"""When something goes wrong: the heartbeat, the flight log, `braidtrain doctor`, and a test hook.
+
+A hung collective is the worst way for a run to fail: the survivors wait, silently, until the
+collective timeout (10-30 minutes by default), and nobody can say afterwards who stopped where.
+So every rank runs a `Guard`:
+
+  heartbeat  thread `beat` writes hb/<rank> = its clock into the run's store every interval and
+             reads the values of the next few ranks (a ring: each rank is watched by up to
+             WATCHERS others, so the store's load grows with N, not N^2). Thread `watch` judges:
+             a peer whose value has not changed for `timeout` seconds *on my clock* (so clock skew
+             between hosts does not matter), or a store that has not answered for as long (rank 0,
+             or torchrun's agent, died or froze), is lost. The judge never touches the store itself
+             -- a frozen store host can block a store call forever -- so detection takes at most
+             timeout + interval whatever the store does. Both threads are independent of the main
+             loop (a long checkpoint save or validation cannot starve them; they wait with the GIL
+             released) and are daemons (they never keep a finished process alive).
+  peer lost  the first rank to notice publishes hb/abort so that the others do not each wait out
+             their own timeout, writes its flight log, and leaves with os._exit(EXIT_PEER_LOST):
+             the main thread is stuck in a collective and cannot be unwound. torchrun sees a failed
+             worker and restarts the group, which resumes from the newest checkpoint.
+  signals    SIGTERM (torchrun stopping the group, a scheduler's preemption) and SIGINT write the
+             flight log and exit 128 + signal. Python runs signal handlers only in the main thread,
+             between bytecodes -- never while it is blocked in a collective -- so the handler is a
+             no-op whose only job is to make Python's C-level handler write the signal number to a
+             wakeup pipe; the watch thread reads the pipe and acts.
+  crashes    an exception in the training loop writes the flight log (main thread) and propagates.
+
+The flight log is `<run>/flight/rank_NNNNN.jsonl`: a header line (rank, world size, step, attempt,
+session, time, reason), then comm.py's ring buffer of collective records, oldest first.
+`diagnose` (the `doctor` subcommand) lines the ranks' logs up by sequence number. A rank that was
+frozen (SIGSTOP) or killed (SIGKILL) cannot write anything: it is named by the absence of its file
+and by the collective the others were left waiting in.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from braidtrain.errors import UserError
+
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a temporary failure, worth a restart
+WATCHERS = 8  # each rank watches the next WATCHERS ranks of the ring
+
+
+def _noop(_signum, _frame):
+    pass  # see "signals" above: the watch thread does the work
+
+
+class Guard:
+    """Heartbeat, signal handling and flight-log dumps for one rank (see the module docstring).
+    `comm.step` tells the dumps which step the rank was in."""
+
+    def __init__(self, rt, comm, flight_dir: Path, session: float, heartbeat_timeout: float):
+        self.rt, self.comm, self.session = rt, comm, session
+        self.path = Path(flight_dir) / f"rank_{rt.rank:05d}.jsonl"
+        self.timeout = heartbeat_timeout
+        self.interval = min(1.0, heartbeat_timeout / 5)
+        world = rt.world_size
+        self.heartbeat = heartbeat_timeout > 0 and world > 1
+        self.watched = [(rt.rank + i) % world for i in range(1, min(world, WATCHERS + 1))]
+        self.lock = threading.RLock()  # one dump-and-exit at a time; the first failure wins
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.saved_signals = None
+        self.clean = False
+
+    # -- life cycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        now = time.monotonic()
+        self.seen = {p: now for p in self.watched}  # when each peer's heartbeat last changed (my clock)
+        self.done: set[int] = set()  # peers that finished cleanly
+        self.store_ok = now  # when the store last answered
+        self.abort = None  # a peer's verdict, read from hb/abort
+        self.wake_r = None
+        if threading.current_thread() is threading.main_thread():
+            self.wake_r, wake_w = os.pipe()
+            os.set_blocking(wake_w, False)
+            old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+            self.saved_signals = (old_fd, wake_w, {s: signal.signal(s, _noop) for s in (signal.SIGTERM, signal.SIGINT)})
+        targets = [self._watch] + ([self._beat] if self.heartbeat else [])
+        self.threads = [threading.Thread(target=t, name=f"braidtrain-{t.__name__[1:]}", daemon=True) for t in targets]
+        for t in self.threads:
+            t.start()
+
+    def close(self, clean: bool) -> None:
+        """Stop both threads. `clean`: this rank is past its last collective, so its peers may stop
+        watching it (hb/<rank> = "done"); after a failure it must look dead instead."""
+        if self.stop.is_set():
+            return
+        self.clean = clean
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=2.0)  # the beat thread may be stuck on a dead store: it is a daemon
+        if self.saved_signals is not None:
+            old_fd, wake_w, handlers = self.saved_signals
+            signal.set_wakeup_fd(old_fd)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            os.close(wake_w)
+            os.close(self.wake_r)
+            self.saved_signals = None
+
+    # -- flight log -------------------------------------------------------------------------------
+    def dump(self, reason: str) -> Path:
+        with self.lock:
+            header = {"flight": 1, "rank": self.rt.rank, "world_size": self.rt.world_size, "step": self.comm.step,
+                      "attempt": self.rt.attempt, "session": self.session, "time": time.time(), "reason": reason,
+                      "next_seq": self.comm.seq, "pid": os.getpid()}
+            self.comm.dump(str(self.path), header)
+            return self.path
+
+    def fatal(self, reason: str, code: int) -> None:
+        """Write the flight log, say why in one line, and leave now (the main thread may be stuck)."""
+        with self.lock:
+            try:
+                where = f"flight log {self.dump(reason)}"
+            except OSError as e:
+                where = f"could not write the flight log: {e}"
+            print(f"braidtrain: rank {self.rt.rank}: {reason}; {where}; exiting", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
+
+    # -- the two threads --------------------------------------------------------------------------
+    def _beat(self) -> None:
+        """Store I/O only; may block on a frozen store (the watch thread then sees store_ok age)."""
+        keys = {p: f"hb/{p}" for p in self.watched}
+        present, last, client = set(), {}, None
+        while not self.stop.wait(self.interval):
+            try:
+                client = client or self.rt.connect(self.timeout)
+                client.set(f"hb/{self.rt.rank}", f"{time.time():.3f}")
+                present |= {p for p in self.watched if p not in present and client.check([keys[p]])}
+                watched = [p for p in self.watched if p in present]
+                now = time.monotonic()
+                for p, v in zip(watched, client.multi_get([keys[p] for p in watched]) if watched else []):
+                    if v == b"done":
+                        self.done.add(p)
+                    elif v != last.get(p):
+                        last[p], self.seen[p] = v, now
+                if client.check(["hb/abort"]):
+                    self.abort = client.get("hb/abort").decode()
+                self.store_ok = time.monotonic()
+            except Exception:  # the store is gone or slow: reconnect next time; the judge counts
+                client = None
+        if self.clean and client is not None:
+            try:
+                client.set(f"hb/{self.rt.rank}", "done")
+            except Exception:
+                pass
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            if self.wake_r is None:  # not the main thread: no signal handling
+                self.stop.wait(self.interval)
+            elif select.select([self.wake_r], [], [], self.interval)[0]:
+                for signum in os.read(self.wake_r, 64):
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        self.fatal(f"signal {signal.Signals(signum).name}", 128 + signum)
+            if self.heartbeat and not self.stop.is_set():
+                if self.abort:
+                    self.fatal(f"peer lost: {self.abort}", EXIT_PEER_LOST)
+                verdict = self._verdict()
+                if verdict:
+                    self._publish(f"rank {self.rt.rank} saw: {verdict}")
+                    self.fatal(f"peer lost: {verdict}", EXIT_PEER_LOST)
+
+    def _verdict(self) -> str | None:
+        now = time.monotonic()
+        if now - self.store_ok > self.timeout:
+            return (f"the rendezvous store has not answered for {now - self.store_ok:.1f} s "
+                    f"(its host, rank 0 or torchrun's agent, died or froze)")
+        stale = [(p, now - t) for p, t in list(self.seen.items()) if p not in self.done and now - t > self.timeout]
+        if stale:
+            return "; ".join(f"rank {p} sent no heartbeat for {age:.1f} s (dead or frozen)" for p, age in stale)
+        return None
+
+    def _publish(self, msg: str) -> None:
+        """hb/abort = msg, so that every rank dumps now. Best effort, from a throwaway thread with
+        its own connection: the store may be the very thing that is gone."""
+        def post():
+            try:
+                self.rt.connect(self.timeout).compare_set("hb/abort", "", msg)
+            except Exception:
+                pass
+        t = threading.Thread(target=post, daemon=True)
+        t.start()
+        t.join(2.0)
+
+
+def crash_reason(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    kind = "timeout" if "timed out" in text.lower() or "timeout" in text.lower() else "crash"
+    return f"{kind}: {type(e).__name__}: {text}"[:500]
+
+
+# ------------------------------------------------------------------------------------ test hook
+
+FAULT_KINDS = {
+    "kill": "SIGKILL this rank in the middle of the step (after its first micro-batch's forward)",
+    "stop": "SIGSTOP (freeze) this rank at the same point",
+    "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
+    "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
+}
+
+
+class Fault:
+    """BRAIDTRAIN_FAULT="KIND:step=S[:rank=R][:seconds=X]" -- a *test hook*, for the fault-tolerance
+    tests and benchmarks only. It fires once, at step S (1-based), on rank R (default: every rank),
+    and only on torchrun's first attempt, so that the restarted group runs clean."""
+
+    def __init__(self, spec: str):
+        kind, *fields = spec.split(":")
+        if kind not in FAULT_KINDS:
+            raise UserError(f"BRAIDTRAIN_FAULT={spec!r}: unknown kind {kind!r}: use one of {', '.join(FAULT_KINDS)}")
+        opts = {}
+        for f in fields:
+            k, _, v = f.partition("=")
+            if k not in ("step", "rank", "seconds") or not (v.replace(".", "", 1) if k == "seconds" else v).isdigit():
+                raise UserError(f"BRAIDTRAIN_FAULT={spec!r}: expected KIND:step=S[:rank=R][:seconds=X], got {f!r}")
+            opts[k] = float(v) if k == "seconds" else int(v)
+        if "step" not in opts:
+            raise UserError(f"BRAIDTRAIN_FAULT={spec!r}: say at which step, e.g. {kind}:step=4")
+        self.kind, self.step, self.rank, self.seconds = kind, opts["step"], opts.get("rank"), opts.get("seconds", 5.0)
+
+    @staticmethod
+    def from_env(rank: int, attempt: int) -> "Fault | None":
+        spec = os.environ.get("BRAIDTRAIN_FAULT")
+        if not spec:
+            return None
+        fault = Fault(spec)  # parsed on every rank and attempt: a typo is an error everywhere
+        return fault if attempt == 0 and fault.rank in (None, rank) else None
+
+    def _announce(self, what: str) -> None:
+        print(f"braidtrain: fault injected: {what} at step {self.step} (t={time.time():.3f})", file=sys.stderr, flush=True)
+
+    def mid_step(self, step: int) -> None:
+        if step == self.step and self.kind in ("kill", "stop"):
+            sig = signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP
+            self._announce(f"{sig.name} pid {os.getpid()}")
+            os.kill(os.getpid(), sig)
+
+    def mid_save(self, step: int) -> None:
+        if step == self.step and self.kind == "save":
+            self._announce("checkpoint save fails")
+            raise OSError(errno.ENOSPC, f"No space left on device (injected by BRAIDTRAIN_FAULT, step {step})")
+        if step == self.step and self.kind == "slow-save":
+            self._announce(f"checkpoint save sleeps {self.seconds:g} s")
+            time.sleep(self.seconds)
+
+
+# ------------------------------------------------------------------------------------ doctor
+
+def read_logs(flight_dir: Path) -> tuple[dict[int, dict], dict[int, list[dict]], list[str]]:
+    """(headers, records, problems) of the latest session's logs; older sessions' files are ignored
+    (their rank counts as silent), unreadable ones are reported."""
+    logs, problems = {}, []
+    for f in sorted(flight_dir.glob("rank_*.jsonl")):
+        try:
+            lines = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+            if not lines or lines[0].get("flight") != 1:
+                raise ValueError("no header line")
+            logs[f] = lines
+        except (ValueError, OSError) as e:
+            problems.append(f"{f.name} is unreadable ({e}); its rank counts as silent")
+    if not logs:
+        raise UserError(f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a peer")
+    latest = max(l[0]["session"] for l in logs.values())
+    headers, records = {}, {}
+    for f, lines in logs.items():
+        h = lines[0]
+        if h["session"] != latest:
+            problems.append(f"{f.name} is from an earlier session ({_when(h['session'])}); ignored")
+            continue
+        headers[h["rank"]], records[h["rank"]] = h, lines[1:]
+    return headers, records, problems
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    return f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
+
+
+def _desc(r: dict) -> str:
+    return f"{r['op']} {r['axis']}, step {r['step']}"
+
+
+def diagnose(run: Path) -> list[str]:
+    """What the flight logs of a run say, as lines of text: who stopped where, or who disagreed."""
+    flight = Path(run) / "flight"
+    if not flight.is_dir():
+        raise UserError(f"{run}: no flight/ folder (no rank of this run has failed, been signalled or lost a peer)")
+    headers, records, out = read_logs(flight)
+    any_h = next(iter(headers.values()))
+    world = any_h["world_size"]
+    silent = [r for r in range(world) if r not in headers]
+    out.insert(0, f"flight logs of {_when(any_h['session'])} (attempt {any_h['attempt']}, world size {world}): "
+                  f"{len(headers)} written" + (f", none from {_ranks(silent)}" if silent else ""))
+    by_reason: dict[str, list[int]] = {}
+    for r, h in headers.items():
+        by_reason.setdefault(h["reason"], []).append(r)
+    out += [f"  {_ranks(rs)}: {reason} (step {headers[rs[0]]['step']})" for reason, rs in sorted(by_reason.items())]
+
+    seqs = {r: {x["seq"]: x for x in recs} for r, recs in records.items()}
+    # 1. The same sequence number must be the same collective everywhere.
+    common = set.intersection(*(set(s) for s in seqs.values())) if len(seqs) > 1 else set()
+    for k in sorted(common):
+        sig: dict[tuple, list[int]] = {}
+        for r, s in seqs.items():
+            x = s[k]
+            sig.setdefault((x["op"], x["axis"], tuple(x["shape"]), x["dtype"]), []).append(r)
+        if len(sig) > 1:
+            what = "; ".join(f"{_ranks(rs)} issued {op} {axis} {dtype}{list(shape)}" for (op, axis, shape, dtype), rs in sig.items())
+            return out + [f"mismatch at collective #{k} (step {seqs[min(seqs)][k]['step']}): {what}"]
+    # 2. Who was left waiting, and who never came.
+    issued = {r: max(s) if s else -1 for r, s in seqs.items()}
+    waiting = {r: min(k for k, x in s.items() if x["t_end"] is None) for r, s in seqs.items()
+               if any(x["t_end"] is None for x in s.values())}
+    finished = [k for r, s in seqs.items() for k, x in s.items() if x["t_end"] is not None]
+    reached = max(finished, default=-1)  # completed somewhere, so every member rank issued it
+    if not waiting:
+        if silent:
+            return out + [f"{_ranks(silent)} wrote no flight log; the others were not inside a collective "
+                          f"(last completed: #{reached})"]
+        return out + ["no problem found: every rank's last collective completed"]
+    k = min(waiting.values())
+    rec = next(seqs[r][k] for r in waiting if k in seqs[r])
+    behind = [r for r in seqs if issued[r] < k]
+    lines = []
+    for r in behind:
+        last = seqs[r].get(issued[r])
+        lines.append(f"rank {r} stopped at collective #{issued[r]}" + (f" ({_desc(last)})" if last else ""))
+    for r in silent:
+        prev = next((s[reached] for s in seqs.values() if reached in s), None)
+        lines.append(f"rank {r} stopped after collective #{reached}" + (f" ({_desc(prev)})" if prev else "")
+                     + " and wrote no flight log (frozen or killed)")
+    waiters = [r for r in waiting if waiting[r] == k]
+    tail = f"{_ranks(waiters)} waited in #{k} ({_desc(rec)})"
+    if not lines:  # everyone issued it and it still did not complete: the transport, not a rank
+        return out + [f"every rank issued collective #{k} ({_desc(rec)}) but it did not complete on "
+                      f"{_ranks(waiters)}: look at the network / NCCL rather than at one rank"]
+    return out + ["; ".join(lines) + "; " + tail]
