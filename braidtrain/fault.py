@@ -136,7 +136,8 @@ class Guard:
         present, last, client = set(), {}, None
         while not self.stop.wait(self.interval):
             try:
-                client = client or self.rt.connect(self.timeout)
+                if client is None:
+                    client = self.rt.connect(self.timeout)
                 client.set(f"hb/{self.rt.rank}", f"{time.time():.3f}")
                 present |= {p for p in self.watched if p not in present and client.check([keys[p]])}
                 watched = [p for p in self.watched if p in present]
