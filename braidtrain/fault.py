@@ -63,9 +63,10 @@ class Guard:
         self.rt, self.comm, self.session = rt, comm, session
         self.path = Path(flight_dir) / f"rank_{rt.rank:05d}.jsonl"
         self.timeout = heartbeat_timeout
-        self.interval = min(1.0, heartbeat_timeout / 5)
         world = rt.world_size
         self.heartbeat = heartbeat_timeout > 0 and world > 1
+        # how often to beat and judge; signals wake the watch thread at once whatever it is
+        self.interval = min(1.0, heartbeat_timeout / 5) if self.heartbeat else 1.0
         self.watched = [(rt.rank + i) % world for i in range(1, min(world, WATCHERS + 1))]
         self.lock = threading.RLock()  # one dump-and-exit at a time; the first failure wins
         self.stop = threading.Event()
