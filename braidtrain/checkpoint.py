@@ -23,7 +23,9 @@ the data order is a pure function of (seed, step), and the model has no dropout.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import json
 import os
 import shutil
@@ -36,8 +38,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from braidtrain.errors import UserError
+from braidtrain.model.layers import shard_of, unshard
 
-FORMAT = 1
+FORMAT = 2
 
 
 def _sha256(path: Path) -> str:
@@ -57,13 +60,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def pieces(engine):
-    """(bucket index, name, start, end, bucket position) for the elements of each parameter that
-    fall in this rank's shard [lo, hi) of its bucket: what this rank writes."""
+    """(bucket index, key, start, end, bucket position) for the elements of each parameter that
+    fall in this rank's shard [lo, hi) of its bucket: what this rank writes. The key names the
+    tensor and its tp shard, "<name>/t<tp rank>"; tp-replicated parameters are written by tp
+    rank 0 only, as "<name>/t0"."""
     for i, b in enumerate(engine.buckets):
         for (name, p), off in zip(b.params, b.offsets):
+            if name in engine.replicated and engine.tp_rank > 0:
+                continue
+            tag = 0 if name in engine.replicated else engine.tp_rank
             a, e = max(off, b.lo), min(off + p.numel(), b.hi)
             if a < e:
-                yield i, name, a - off, e - off, a
+                yield i, f"{name}/t{tag}", a - off, e - off, a
 
 
 def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict, rt, keep: int,
@@ -111,7 +119,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
             "optimizer_step": opt.step_count,
             **info,
             "shapes": {k: list(v) for k, v in model_shapes.items()},
-            "layout": {"world_size": rt.world_size, "dp": engine.n, "zero": engine.zero},
+            "layout": {"world_size": rt.world_size, "dp": engine.n, "zero": engine.zero, "tp": engine.tp},
             "files": {f: d[0] for f, d in sums},
             "sizes": {f: d[1] for f, d in sums},
         }
@@ -172,16 +180,16 @@ def find_resume(spec: str, ckpt_dir: Path, warn) -> Path | None:
     return None
 
 
-def load(path: Path, engine, opt, model_shapes: dict) -> dict:
-    """Fill this rank's parameters (all of them) and optimizer state (its shard) from any layout."""
+def load(path: Path, engine, opt, model) -> dict:
+    """Fill this rank's parameters (all of them, or its ZeRO-3 shard) and optimizer state (its
+    shard) from a checkpoint saved by any layout: any world size, ZeRO stage or tp degree."""
     meta = json.loads((path / "meta.json").read_text())
-    saved = {k: tuple(v) for k, v in meta["shapes"].items()}
-    want = {k: tuple(v) for k, v in model_shapes.items()}
-    if saved != want:
-        diff = sorted(set(saved.items()) ^ set(want.items()))[:2]
-        raise UserError(f"checkpoint {path} was saved from a different model (e.g. {diff}): use the same model config")
-    read = Reader(path, meta)
-
+    want = dataclasses.asdict(model.cfg)
+    if meta["model"] != want:
+        diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
+        raise UserError(f"checkpoint {path} was saved from a different model ({diff} saved vs now): "
+                        "use the same model config")
+    read = Reader(path, meta, model)
     with torch.no_grad():
         for i, b in enumerate(engine.buckets):
             m, v, _ = opt.groups[i]
@@ -200,40 +208,72 @@ def load(path: Path, engine, opt, model_shapes: dict) -> dict:
 
 
 class Reader:
-    """Reads elements [a, e) of any saved tensor, assembled from whichever rank files hold them."""
+    """Elements [a, e) of this rank's (flattened) tensor `name`, from whichever rank files hold
+    them. Saved with the same tp degree: read straight from the pieces of this tp rank's shard.
+    Saved with another: rebuild the full tensor from the saved tp shards (model/layers.unshard),
+    fit the vocabulary padding of wte to this layout (the padding rows are zeros beyond the tp=1
+    padding, and never trained), and cut this rank's shard (shard_of)."""
 
-    def __init__(self, path: Path, meta: dict):
-        self.index: dict[str, list[tuple[int, str, str]]] = {}  # name -> [(start, file, "<name>/<start>")]
-        self.handles = {}
+    def __init__(self, path: Path, meta: dict, model=None):
+        from braidtrain.model.gpt import GPTConfig, shard_spec
+
+        self.meta, self.spec = meta, shard_spec
+        self.saved_tp = meta["layout"].get("tp", 1)
+        self.tp, self.tp_rank = (model.tp, model.tp_rank) if model is not None else (1, 0)
+        cfg = model.cfg if model is not None else GPTConfig(**meta["model"])
+        self.rows = cfg.vocab_rows(self.tp)  # wte rows in this layout
+        self.index: dict[str, list[tuple[int, str, str]]] = {}  # "<name>/t<r>" -> [(start, file, key rest)]
+        self.handles, self.cache = {}, {}
         for fname in meta["files"]:
             h = self.handles[fname] = safe_open(str(path / fname), framework="pt")
             for key in h.keys():
                 kind, rest = key.split("/", 1)
                 if kind == "param":
-                    name, start = rest.rsplit("/", 1)
-                    self.index.setdefault(name, []).append((int(start), fname, rest))
+                    tensor, start = rest.rsplit("/", 1)
+                    self.index.setdefault(tensor, []).append((int(start), fname, rest))
 
-    def __call__(self, kind: str, name: str, a: int, e: int) -> torch.Tensor:
+    def _pieces(self, kind, tensor, a, e) -> torch.Tensor:
         out = torch.empty(e - a)
-        for start, fname, rest in self.index[name]:
+        for start, fname, rest in self.index[tensor]:
             t = self.handles[fname].get_slice(f"{kind}/{rest}")
             lo, hi = max(a, start), min(e, start + t.get_shape()[0])
             if lo < hi:
                 out[lo - a : hi - a] = t[lo - start : hi - start]
         return out
 
+    def full(self, kind: str, name: str, rows: int | None = None) -> torch.Tensor:
+        """The whole unsharded tensor (wte with `rows` rows of vocabulary, if given)."""
+        spec, shape = self.spec(name), self.meta["shapes"][name]
+        n = math.prod(shape)
+        if spec.kind == "replicated":
+            return self._pieces(kind, f"{name}/t0", 0, n).view(shape)
+        parts = [self._pieces(kind, f"{name}/t{r}", 0, n).view(shape) for r in range(self.saved_tp)]
+        full = unshard(parts, spec)
+        if rows is not None and full.shape[0] != rows:  # wte: fit the vocabulary padding
+            fitted = full.new_zeros(rows, *full.shape[1:])
+            k = min(rows, full.shape[0])
+            fitted[:k] = full[:k]
+            full = fitted
+        return full
+
+    def __call__(self, kind: str, name: str, a: int, e: int) -> torch.Tensor:
+        spec = self.spec(name)
+        if spec.kind == "replicated":
+            return self._pieces(kind, f"{name}/t0", a, e)
+        if self.saved_tp == self.tp:
+            return self._pieces(kind, f"{name}/t{self.tp_rank}", a, e)
+        if (kind, name) not in self.cache:
+            full = self.full(kind, name, self.rows if name == "wte.weight" else None)
+            self.cache = {(kind, name): shard_of(full, spec, self.tp_rank, self.tp).reshape(-1)}
+        return self.cache[(kind, name)][a:e]
+
 
 def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Every full parameter of a checkpoint (for sampling and export, in one process), and its meta."""
     meta = verify(path)
     read = Reader(path, meta)
-    params = {}
-    for name, shape in meta["shapes"].items():
-        n = 1
-        for d in shape:
-            n *= d
-        params[name] = read("param", name, 0, n).view(*shape)
-    return params, meta
+    return {name: read.full("param", name, read.rows if name == "wte.weight" else None)
+            for name in meta["shapes"]}, meta
 
 
 def latest(run: Path) -> Path:
@@ -245,8 +285,19 @@ def latest(run: Path) -> Path:
 
 
 def weights_sha256(model) -> str:
-    """sha256 over every full parameter as fp32 bytes, in canonical (named_parameters) order."""
+    """sha256 over every full parameter as fp32 bytes, in canonical (named_parameters) order.
+    Under tp the shards are gathered and joined first (collective over the tp group), and wte is
+    cut to the tp=1 vocabulary padding, so the hash does not depend on the layout."""
     h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(p.detach().float().cpu().clone().numpy().tobytes())  # a copy: numpy pins storage
+    tp = getattr(model, "tp", 1)
+    for name, p in model.named_parameters():
+        t = p.detach().float()
+        spec = model.shard_spec(name) if tp > 1 else None
+        if spec is not None and spec.kind != "replicated":
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=model.group)
+            t = unshard(parts, spec)
+        if name == "wte.weight":
+            t = t[: model.cfg.padded_vocab]
+        h.update(t.cpu().clone().numpy().tobytes())  # a copy: numpy pins storage
     return h.hexdigest()

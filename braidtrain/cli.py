@@ -60,6 +60,8 @@ def _train_parser(sub):
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g = p.add_argument_group("parallelism")
     g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters")
+    g.add_argument("--tp", type=int, help="tensor-parallel degree (consecutive ranks split each layer)")
+    g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside the tp group")
     g.add_argument("--exact", action="store_true", default=None, help="bitwise-identical results on any layout")
     g.add_argument("--bucket-mb", type=float)
     g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")

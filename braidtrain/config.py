@@ -59,6 +59,8 @@ class Config:
     progress: bool = True
     # parallelism
     zero: int = 0
+    tp: int = 1  # tensor-parallel degree (ranks that split each layer); dp = world / tp
+    sp: bool = False  # sequence parallelism within the tp group
     exact: bool = False
     recompute: bool = False
     bucket_mb: float = 25.0
@@ -149,7 +151,7 @@ def validate(cfg: Config) -> None:
     """Checks that need neither the data nor the world size."""
     if cfg.max_steps <= 0 and cfg.max_steps != -1:
         raise UserError(f"max_steps must be positive (or -1 for one epoch), got {cfg.max_steps}")
-    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts"]
+    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts", "tp"]
     positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "total_batch") if getattr(cfg, k) is not None]
     for key in positive:
         if getattr(cfg, key) <= 0:

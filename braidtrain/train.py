@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from braidtrain import checkpoint, export
 from braidtrain.comm import Comm, pairwise_sum
@@ -35,7 +36,8 @@ from braidtrain.errors import UserError
 from braidtrain.fault import Fault, Guard, crash_reason
 from braidtrain.mesh import build_mesh
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
-from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.model.gpt import GPT, check_tp, init_weights, model_config
+from braidtrain.model.layers import shard_of
 from braidtrain.optim import AdamW, clip_factor, lr_at
 from braidtrain.parallel.data import DataParallel
 from braidtrain.runtime import init_runtime
@@ -94,6 +96,18 @@ def hf_model_config(cfg: Config, vocab: int):
     return model_config(cfg.model, vocab, **dims)
 
 
+def tp_shards(model, full: dict) -> dict:
+    """This tp rank's shards of full tensors (wte padded with zero rows to this layout's vocabulary)."""
+    if model.tp == 1:
+        return full
+    out = {}
+    for name, t in full.items():
+        if name == "wte.weight":
+            t = torch.cat([t, t.new_zeros(model.cfg.vocab_rows(model.tp) - t.shape[0], t.shape[1])])
+        out[name] = shard_of(t, model.shard_spec(name), model.tp_rank, model.tp)
+    return out
+
+
 def gather_loss(comm: Comm, engine: DataParallel, local: list[torch.Tensor]) -> float:
     """Sum of per-micro-batch loss sums over all ranks, along one fixed tree (any layout, same bits)."""
     t = torch.stack(local).double() if local else torch.zeros(0, dtype=torch.float64)
@@ -134,7 +148,8 @@ class Trainer:
             self.mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
         if cfg.seq_len > self.mcfg.block_size:
             raise UserError(f"-t {cfg.seq_len} is longer than the model's context ({self.mcfg.block_size}): use -t {self.mcfg.block_size} or less")
-        self.mesh = build_mesh(rt.rank, rt.world_size)
+        check_tp(self.mcfg, cfg.tp, cfg.sp, cfg.seq_len)
+        self.mesh = build_mesh(rt.rank, rt.world_size, tp=cfg.tp)
         self.dp = self.mesh.size("replica")
         self.plan = plan_batch(cfg, self.dp)
         if cfg.exact:
@@ -146,10 +161,10 @@ class Trainer:
         if cfg.max_steps == -1:  # llm.c's default: one epoch of the training data
             cfg.max_steps = max(1, self.loader.n_chunks // self.plan.seqs_per_step)
 
-        model = GPT(self.mcfg)
+        model = GPT(self.mcfg, mesh=self.mesh, sp=cfg.sp)
         init_weights(model, cfg.seed)
         if cfg.init_from:  # before the engine: under ZeRO-3 a rank then holds only its shard
-            model.load_state_dict(export.load_hf(cfg.init_from, self.mcfg))
+            model.load_state_dict(tp_shards(model, export.load_hf(cfg.init_from, self.mcfg)))
         model.recompute = cfg.recompute
         self.model = model.to(self.device)
         self.comm = Comm(self.device)
@@ -183,9 +198,9 @@ class Trainer:
         if path is None:
             return
         t0 = time.time()
-        meta = checkpoint.load(path, self.engine, self.opt, self.shapes)
+        meta = checkpoint.load(path, self.engine, self.opt, self.model)
         self.start_step, self.load_s = meta["step"], time.time() - t0
-        layout = {"world_size": rt.world_size, "dp": self.dp, "zero": cfg.zero}
+        layout = {"world_size": rt.world_size, "dp": self.dp, "zero": cfg.zero, "tp": cfg.tp}
         changed = what_changed(meta, layout, cfg)
         rt.log(f"resumed from {path} (step {self.start_step}) in {self.load_s:.2f} s"
                + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
@@ -323,9 +338,14 @@ def generate(model, prompt: list[int], n: int, *, temperature: float = 0.8, top_
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
+    # sequence parallelism needs a length divisible by tp: pad on the right, which (causal
+    # attention) leaves the logits of the real positions unchanged
+    mult = model.tp if getattr(model, "sp", False) else 1
     for _ in range(n):
+        ctx = idx[:, -(model.cfg.block_size // mult * mult) :]
+        pad = -ctx.shape[1] % mult
         with autocast():
-            logits = model(idx[:, -model.cfg.block_size :])[:, -1, :].float() / temperature
+            logits = model(F.pad(ctx, (0, pad)))[:, ctx.shape[1] - 1, :].float() / temperature
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits[logits < kth] = -float("inf")
         nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)

@@ -181,6 +181,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.recompute = False  # activation checkpointing: keep only each block's input
 
+    shard_spec = staticmethod(shard_spec)  # how each parameter is split over tp (for the engine)
+
     def param_units(self):
         """Parameter groups for the data-parallel engine, in forward order: the embedding group
         (module None: the tied wte is used at both ends, with wpe and ln_f), then each block."""

@@ -103,6 +103,15 @@ class DataParallel:
         self.group = mesh.groups["replica"]
         self.n = mesh.size("replica")
         self.rank = mesh.ranks["replica"].index(mesh.rank)
+        # Tensor parallelism: the tp ranks of one replica slot hold different shards of the
+        # sharded parameters and identical copies of the replicated ones (LayerNorms, wpe, the
+        # row-parallel biases). The norm counts those copies once (tp rank 0's); under sp their
+        # gradients are partial sums over this rank's part of the sequence, added over tp.
+        self.tp_group, self.tp = mesh.groups["tp"], mesh.size("tp")
+        self.tp_rank = mesh.coord("tp")
+        spec = getattr(model, "shard_spec", None)
+        self.replicated = {n for n, _ in model.named_parameters() if self.tp > 1 and spec(n).kind == "replicated"}
+        self.partial = set(model.tp_partial_grads()) if self.tp > 1 and hasattr(model, "tp_partial_grads") else set()
         limit = max(1, int(bucket_mb * 2**20 / 4))
         groups, cur, mods, size = [], [], [], 0  # groups: (params, modules), in backward order
         for mod, params in reversed(units(model)):  # last block first: the backward's order
@@ -153,15 +162,19 @@ class DataParallel:
         """The bucket positions [lo, hi) whose optimizer state this rank holds."""
         return (0, b.padded) if self.zero == 0 else (b.lo, b.hi)
 
-    def decay_segments(self, b) -> list[tuple[int, int]]:
-        """Ranges, relative to what this rank owns of bucket b, of 2-D weights (weight decay)."""
+    def segments(self, b, keep) -> list[tuple[int, int]]:
+        """Ranges, relative to what this rank owns of bucket b, of the parameters keep(name, p) selects."""
         lo, hi = self.owned_range(b)
         out = []
-        for (_, p), off in zip(b.params, b.offsets):
+        for (name, p), off in zip(b.params, b.offsets):
             a, e = max(off, lo), min(off + p.numel(), hi)
-            if p.dim() >= 2 and a < e:
+            if keep(name, p) and a < e:
                 out.append((a - lo, e - lo))
         return out
+
+    def decay_segments(self, b) -> list[tuple[int, int]]:
+        """Where weight decay applies: 2-D weights."""
+        return self.segments(b, lambda _n, p: p.dim() >= 2)
 
     # -- a micro-step ---------------------------------------------------------------------------
     def start_micro_step(self, micro: int, n_micro: int):
@@ -287,7 +300,21 @@ class DataParallel:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
+        if self.partial:
+            self._sum_partials_over_tp()
         return time.time() - end
+
+    def _sum_partials_over_tp(self):
+        """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
+        a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank."""
+        owned = [(g, self.segments(b, lambda n, _p: n in self.partial)) for b, _, g in self.owned()]
+        flat = torch.cat([g[a:e] for g, segs in owned for a, e in segs])
+        rows = self.comm.all_gather_object_floats(flat, self.tp_group, "tp")
+        total, pos = pairwise_sum(rows), 0
+        for g, segs in owned:
+            for a, e in segs:
+                g[a:e].copy_(total[pos : pos + e - a])
+                pos += e - a
 
     # -- ZeRO-3 parameter gathering -------------------------------------------------------------
     def _gather(self, b, wait=True):
@@ -352,24 +379,38 @@ class DataParallel:
                 self._release(b)
 
     # -- gradient norm and the parameter all-gather --------------------------------------------
+    def _norm_view(self, b, g):
+        """The gradient as the norm sees it: tp-replicated parameters only on tp rank 0."""
+        if self.tp_rank == 0 or not self.replicated:
+            return g
+        g = g.clone()
+        for a, e in self.segments(b, lambda n, _p: n in self.replicated):
+            g[a:e] = 0
+        return g
+
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradient, each parameter counted once."""
+        owned = [(b, self._norm_view(b, g)) for b, _, g in self.owned()]
         if not self.exact:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            for _, _, g in self.owned():
+            for _, g in owned:
                 sq += g.float().pow(2).sum()
             if self.zero >= 1 and self.n > 1:
                 self.comm.all_reduce(sq, self.group, "replica").wait()
+            if self.tp > 1:
+                self.comm.all_reduce(sq, self.tp_group, "tp").wait()
             return math.sqrt(sq.item())
         # exact: float64 sums of Q-element chunks by pairwise trees; chunks gathered in canonical
-        # order; per bucket a pairwise tree over its chunks; buckets added in order.
-        local = torch.cat([pairwise_sum(g.double().pow(2).view(-1, Q).T) for _, _, g in self.owned()])
+        # order; per bucket a pairwise tree over its chunks; buckets added in order; tp ranks too.
+        local = torch.cat([pairwise_sum(g.double().pow(2).view(-1, Q).T) for _, g in owned])
         gathered = self.comm.all_gather_object_floats(local, self.group, "replica") if self.zero >= 1 else local[None]
-        total, col = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        total, col = torch.zeros(1, dtype=torch.float64, device=self.device), 0
         for b in self.buckets:
             k = (b.shard_size if self.zero >= 1 else b.padded) // Q
             total += pairwise_sum(gathered[:, col : col + k].reshape(-1))
             col += k
+        if self.tp > 1:
+            total = pairwise_sum(self.comm.all_gather_object_floats(total, self.tp_group, "tp"))  # tp-rank order
         return math.sqrt(total.item())
 
     def scale_grads(self, factor: float):
