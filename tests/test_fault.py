@@ -130,6 +130,29 @@ def test_frozen_rank_is_detected_and_named(tmp_path, shakespeare, ref):
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
+def test_frozen_store_host_is_detected(tmp_path, shakespeare):
+    """Started by hand (-pi tcp), rank 0 hosts the store; freezing it freezes the store too, which
+    can block a store call forever. Rank 1 must still give up within its heartbeat timeout."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run, e = tmp_path / "run", dict(env(), BRAIDTRAIN_FAULT="stop:rank=0:step=3")
+    procs = [subprocess.Popen([sys.executable, "-m", "braidtrain", "train", *map(str, COMMON), "-i", str(shakespeare),
+                               "--out", str(run), "-pi", "tcp", "-ps", f"127.0.0.1:{port}", "-pn", "2", "-pr", str(r),
+                               "--heartbeat-timeout", "3", "--timeout", "120"],
+                              cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        _, err = procs[1].communicate(timeout=90)
+    finally:
+        procs[0].kill()  # frozen: only SIGKILL ends it
+        procs[0].communicate()
+    assert procs[1].returncode == 75, err
+    assert "rank 1: peer lost: the rendezvous store has not answered" in err
+    assert "rank 0 stopped after collective #" in doctor(run)
+
+
 def test_slow_save_is_not_a_lost_peer(tmp_path, shakespeare):
     """A rank that spends 6 s in a checkpoint save, with a 2 s heartbeat timeout: its heartbeat
     thread beats on, so nobody gives up, and the run ends cleanly, without flight logs."""
