@@ -1,13 +1,24 @@
 """`braidtrain plan`: per-GPU memory and step time of every layout, ranked, and checked for real.
 
-A layout is one point of the mesh (dp only, for now) x ZeRO stage x micro-batch b x recompute.
-Each new axis (tp, pp, cp, ep) is one more loop in `layouts` and one more term in `estimate`.
+A layout is one point of the mesh (dp x tp, with sequence parallelism on or off when tp > 1) x
+ZeRO stage x micro-batch b x recompute. Each new axis (pp, cp, ep) is one more loop in `meshes`
+and one more term in `estimate`.
 
-Model state per GPU (P parameters counted once, n = dp; fp32 master weights and gradients, fp32
-Adam m and v; bf16 autocast on the GPU). `bucket` is the largest bucket in bytes (bucket_mb of
-2^20 bytes, rounded up to whole units); `W` the ZeRO-3 working set in bytes: two block buckets in
-fp32 (the one in use and the prefetched one) plus the embedding group wte + wpe + ln_f, which
-stays gathered for the whole micro-step because the tied head uses it again at the end.
+Tensor parallelism (model/gpt.py's table) splits each tp rank's parameters into a sharded part,
+divided by tp -- wte (the vocabulary padded to vocab_rows(tp), a multiple of 128*tp), c_attn,
+c_fc, and the weights of both c_proj -- and a replicated part R that every tp rank holds whole:
+wpe, the LayerNorms, the c_proj biases (R = block_size*h + 2h + 6h*L). Per tp rank
+
+    P_tp = (vocab_rows(tp)*h + L*(12h^2 + 7h)) / tp + R          (P_1 = P, the count below)
+
+and ZeRO shards P_tp over the replica group, the n = dp ranks of one tp slot, as before.
+
+Model state per GPU (P_tp parameters, n = dp; fp32 master weights and gradients, fp32 Adam m and
+v; bf16 autocast on the GPU). `bucket` is the largest bucket in bytes (bucket_mb of 2^20 bytes,
+rounded up to whole units); `W` the ZeRO-3 working set in bytes: two block buckets in fp32 (the one
+in use and the prefetched one) plus the embedding group wte + wpe + ln_f, which stays gathered for
+the whole micro-step because the tied head uses it again at the end. Buckets hold this tp rank's
+shards (block: (12h^2 + 7h)/tp + 6h; embedding group: vocab_rows(tp)*h/tp + block_size*h + 2h).
 
     stage    parameters     gradients                optimizer (m, v)   total
     ZeRO-0   4P             4P                       8P                 16P
@@ -15,34 +26,73 @@ stays gathered for the whole micro-step because the tied head uses it again at t
                             place: the shard is a view)
     ZeRO-2   4P             4P/n + 2*bucket scratch  8P/n               4P + 12P/n + 2*bucket
     ZeRO-3   4P/n + W       4P/n + 2*bucket scratch  8P/n               16P/n + W + 2*bucket
+                                                                        (P here is P_tp)
 
 Activations per micro-batch (b sequences of t tokens, width h, L layers, padded vocabulary V), on
 the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt2 at b = 4 ... 16
-(vocabularies 50257 and 256, with and without recompute); at b = 1 it reads ~0.1 GB low:
+(vocabularies 50257 and 256, with and without recompute; tp = 1); at b = 1 it reads ~0.1 GB low:
     layers   38*t*b*h per layer: Korthikanti et al. 2022 (Table 2) count 34, without the
              5*a*t^2*b attention matrix (flash / SDPA never stores it), assume a 16-bit residual
              stream; here it is fp32 (the embeddings are, and autocast leaves additions alone), so
              both LayerNorm inputs are 4 bytes and there are no dropout masks:
              ln_1 in 4, c_attn in 2, q k v 6, attention out 2, c_proj in 2, ln_2 in 4, c_fc in 2,
              GELU in 8, GELU out 8 = 38
-             recompute: 4*t*b*h per layer (the fp32 block input), plus one block's 38*t*b*h while
-             it is rebuilt in the backward, after the logits' buffers are gone (the larger counts)
-    head     6*t*b*h: ln_f's fp32 input and the head matmul's bf16 input
-    logits   b*t*V*(4 + max(2 + 4, 4 + 4)): the fp32 log-probs the cross-entropy keeps, plus the
-             larger of the forward's bf16 logits and their fp32 copy and the backward's fp32
+             tp, no sp: the 26 inside the tp regions (q k v, attention out, c_proj in, GELU in and
+             out) are this rank's heads / MLP columns, divided by tp; the 12 at their edges are
+             whole on every rank: both LayerNorm inputs (4 + 4) and the bf16 inputs of c_attn and
+             c_fc (2 + 2), which every rank saves for its column-parallel matmul. Table 2's
+             10 + 24/tp, here (12 + 26/tp)*t*b*h.
+             tp with sp: the LayerNorm inputs hold t/tp rows; but c_attn and c_fc still save the
+             bf16 copy of their all-gathered input, the whole sequence (layers.py keeps no
+             local-rows-only copy to re-gather in the backward, as Megatron does): (4 + 34/tp)*t*b*h
+             (Table 2's 34/tp, had the gathered inputs been re-gathered).
+             recompute: 4*t*b*h per layer (the fp32 block input; /tp under sp), plus one block's
+             activations (the counts above) while it is rebuilt in the backward, after the logits'
+             buffers are gone (the larger counts)
+    head     6*t*b*h: ln_f's fp32 input (/tp under sp) and the head matmul's bf16 input (whole
+             under tp, with or without sp)
+    logits   tp = 1: b*t*V*(4 + max(2 + 4, 4 + 4)): the fp32 log-probs the cross-entropy keeps, plus
+             the larger of the forward's bf16 logits and their fp32 copy and the backward's fp32
              gradients of the log-probs and of the logits
-    weights  2P: autocast's bf16 copies of the weights, cached for the forward and saved for the
-             backward (also under ZeRO-3: releasing a gathered fp32 bucket does not free them)
+             tp > 1: b*t*(V_tp/tp)*(4 + 2), V_tp = vocab_rows(tp): the vocab-parallel cross-entropy
+             never gathers the logits and works in place: it keeps its fp32 softmax (4), which the
+             backward overwrites with the gradient; next to it the forward's bf16 logits, then the
+             backward's bf16 copy of the gradient (2)
+    weights  2*P_tp: autocast's bf16 copies of the weights, cached for the forward and saved for
+             the backward (also under ZeRO-3: releasing a gathered fp32 bucket does not free them)
 On the CPU (fp32, no autocast) the per token x channel terms count twice and there are no bf16 copies.
+Measured for tp on one H200 (2026-11-29, torch 2.11), through the tp code path with a one-rank group
+(gpt2, b = 8, with and without sp and recompute): the vocab-parallel cross-entropy peaks 2.472 GB
+below the dense one (the terms above: 2.473), and the tp collectives come in the dtypes and numbers
+listed below; the division by tp itself awaits a machine of two or more GPUs.
 
 Per GPU: allocated = parameters + gradients + optimizer + activations (what
-torch.cuda.max_memory_allocated sees); total = allocated + communication buffers (NCCL's own,
-outside torch's allocator) + overhead (CUDA context and workspaces, plus allocator slack).
+torch.cuda.max_memory_allocated sees); total = allocated + communication buffers (NCCL's own per
+communicator -- the replica group's if dp > 1, the tp group's if tp > 1 -- outside torch's
+allocator) + overhead (CUDA context and workspaces, plus allocator slack).
 
-Step time = compute + exposed communication. Compute = flops_per_token(t) * d / (dp * achieved
-FLOP/s), x 4/3 with recompute (a second forward). Collectives follow an alpha-beta model per
-bucket message: alpha + k * bytes / busbw, k = 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter
-and all-gather (the bus-bandwidth convention of nccl-tests).
+Step time = compute + exposed communication. Compute = flops_per_token(t) * d / (dp * tp *
+achieved FLOP/s), x 4/3 with recompute (a second forward). Collectives follow an alpha-beta model
+per message: alpha + k * bytes / busbw, k = 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and
+all-gather, bytes the whole (reduced or gathered) tensor (the bus-bandwidth convention of
+nccl-tests). dp: the gradient buckets (this tp rank's shards, 4*P_tp bytes in all) over the replica
+group at --busbw, overlapped with the backward as each stage allows (see `estimate`). tp, at
+--tp-busbw (default --busbw: a tp group is consecutive ranks, one node's NVLink), every message on
+the critical path, per micro-step with x = b*t*h:
+    per layer, no sp  forward: 2 all-reduces of the row-parallel outputs, bf16 (2x bytes each);
+                      backward: 2 all-reduces of the column-parallel input gradients, fp32 (4x:
+                      the LayerNorm outputs are fp32, so are their gradients)
+    per layer, sp     forward: 2 all-gathers of the LayerNorm outputs (fp32, 4x) + 2
+                      reduce-scatters of the row-parallel outputs (bf16, 2x); backward: the
+                      transposes, 2 reduce-scatters (4x) + 2 all-gathers (2x). With and without sp
+                      a layer moves the same bus volume, 24x(tp-1)/tp bytes
+    recompute         the layers' forward messages once more (the rebuilt forward)
+    ends              fp32 (4x): the embedding's forward all-reduce (sp: reduce-scatter forward,
+                      all-gather backward) and the head input's backward all-reduce (sp:
+                      all-gather forward, reduce-scatter backward); the cross-entropy's two
+                      all-reduces of 1 and 2 floats per token
+    once a step, sp   the replicated parameters' partial gradients (this rank's ZeRO share of R),
+                      all-gathered over tp and summed
 """
 
 from __future__ import annotations
@@ -61,11 +111,16 @@ from braidtrain.errors import UserError
 
 # Calibration knobs: every number the estimates rest on, named once (bytes per element).
 ACT_PER_LAYER = 38  # per token x channel of one block (the docstring counts them)
+ACT_TP_WHOLE = 4 + 2 + 4 + 2  # of those, whole on every tp rank without sp: ln_1 in, c_attn in, ln_2 in, c_fc in
+ACT_SP_WHOLE = 2 + 2  # whole under sp: c_attn's and c_fc's bf16 copies of their all-gathered input
 ACT_KEPT_RECOMPUTE = 4  # per token x channel of one block under recompute: its fp32 input
-ACT_HEAD = 4 + 2  # per token x channel: ln_f's fp32 input, the head's bf16 input
+ACT_HEAD_LN = 4  # per token x channel: ln_f's fp32 input (t/tp rows under sp)
+ACT_HEAD_IN = 2  # per token x channel: the head matmul's bf16 input (whole under tp)
 LOGITS_KEPT = 4  # per token x vocab: fp32 log-probs saved by the cross-entropy
 LOGITS_FWD = 2 + 4  # bf16 logits, their fp32 copy: freed once the loss is computed
 LOGITS_BWD = 4 + 4  # fp32 gradients of the log-probs and of the logits, early in the backward
+LOGITS_TP = 4 + 2  # vocab-parallel, per token x local vocab: fp32 softmax (in place) + bf16 logits / gradient
+TP_LOW, TP_HIGH = 2, 4  # tp message bytes per element: bf16 matmul outputs; fp32 LayerNorm outputs, embeddings
 CONTEXT_BYTES = 1e9  # CUDA context, cuBLAS/cuDNN workspaces: outside torch's allocator
 ALLOCATOR_SLACK = 0.05  # fragmentation of the caching allocator, a fraction of what it holds
 NCCL_BYTES = 0.5e9  # NCCL's channel buffers per communicator (n > 1), outside torch's allocator
@@ -75,10 +130,11 @@ GB = 1e9  # what metrics.jsonl's mem_gb uses
 
 def model_state_bytes(P: int, n: int, zero: int, bucket_bytes: int, block_params: int, embed_params: int) -> dict:
     """Per-GPU bytes of parameters, gradients and optimizer state (the table above).
-    bucket_bytes: the largest bucket; block_params: elements of the largest block bucket;
-    embed_params: elements of wte + wpe + ln_f. `transient` is the part of params + grads that
-    exists only during the forward/backward pass (scratch, working set): a rank at rest, as
-    measured between steps on the CPU, holds the rest."""
+    P: parameters this rank holds before ZeRO (P_tp under tp); bucket_bytes: the largest bucket;
+    block_params: elements of the largest block bucket; embed_params: elements of wte + wpe + ln_f
+    (all three this tp rank's). `transient` is the part of params + grads that exists only during
+    the forward/backward pass (scratch, working set): a rank at rest, as measured between steps on
+    the CPU, holds the rest."""
     scratch = 2 * bucket_bytes if zero >= 2 else 0  # buckets whose reduce-scatter is in flight
     working = 4 * (2 * block_params + embed_params) if zero == 3 else 0
     return {
@@ -89,37 +145,85 @@ def model_state_bytes(P: int, n: int, zero: int, bucket_bytes: int, block_params
     }
 
 
-def bucket_numels(cfg, bucket_mb: float) -> list[tuple[str, int]]:
+def param_counts(cfg, tp: int = 1) -> dict:
+    """Parameters one tp rank holds (model/gpt.py's shard_spec): `replicated` (wpe, ln_f, and per
+    block ln_1, ln_2 and the two c_proj biases) whole, `sharded` (wte padded to vocab_rows(tp),
+    c_attn, c_fc, the c_proj weights) divided by tp; `block` and `embed` are one block's and the
+    embedding group's share of `rank`, the sum."""
+    c, L = cfg.n_embd, cfg.n_layer
+    block_sharded, block_replicated = 12 * c * c + 7 * c, 6 * c
+    embed_replicated = cfg.block_size * c + 2 * c
+    block = block_sharded // tp + block_replicated
+    embed = cfg.vocab_rows(tp) * c // tp + embed_replicated
+    return {"rank": embed + L * block, "block": block, "embed": embed,
+            "replicated": embed_replicated + L * block_replicated,
+            "sharded": (cfg.vocab_rows(tp) * c + L * block_sharded) // tp}
+
+
+def bucket_numels(cfg, bucket_mb: float, tp: int = 1) -> list[tuple[str, int]]:
     """The engine's buckets (parallel/data.py) replayed on sizes, in launch order: whole blocks
     from the last one backwards until a bucket holds >= bucket_mb, then the embedding group
-    (wte, tied to the head, wpe, ln_f) alone: it is used at both ends, so its gradient is last."""
-    c, limit = cfg.n_embd, max(1, int(bucket_mb * 2**20 / 4))
+    (wte, tied to the head, wpe, ln_f) alone: it is used at both ends, so its gradient is last.
+    Sizes are one tp rank's (its shards and the replicated parameters)."""
+    counts = param_counts(cfg, tp)
+    limit = max(1, int(bucket_mb * 2**20 / 4))
     out, size = [], 0
     for _ in range(cfg.n_layer):
-        size += 12 * c * c + 13 * c
+        size += counts["block"]
         if size >= limit:
             out.append(("block", size))
             size = 0
-    embed = cfg.padded_vocab * c + cfg.block_size * c + 2 * c
-    return out + ([("block", size)] if size else []) + [("embed", embed)]
+    return out + ([("block", size)] if size else []) + [("embed", counts["embed"])]
 
 
-def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int) -> dict:
+def layer_activation(tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token x channel one block keeps for its backward (the docstring's layers term):
+    the part every tp rank holds whole, plus the rest divided by tp."""
+    whole = ACT_SP_WHOLE if sp else ACT_TP_WHOLE
+    return whole + (ACT_PER_LAYER - whole) / tp
+
+
+def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False) -> dict:
     """Named terms (see the module docstring), so each can be calibrated on its own; `peak` is
-    what they add up to at the worst moment, the start of the backward pass."""
+    what they add up to at the worst moment, the start of the backward pass. P: the parameters
+    this rank holds (P_tp)."""
     scale = 2 if cpu else 1  # fp32 on the CPU
-    tbh, btv = t * b * cfg.n_embd * scale, b * t * cfg.padded_vocab
+    tbh = t * b * cfg.n_embd * scale
+    rows = tp if sp else 1  # the residual stream holds t/tp rows under sp
+    layer = layer_activation(tp, sp) * tbh
+    if tp == 1:
+        logits = b * t * cfg.padded_vocab * (LOGITS_KEPT + max(LOGITS_FWD, LOGITS_BWD))
+    else:
+        logits = b * t * cfg.vocab_rows(tp) // tp * LOGITS_TP
     terms = {
-        "layers": (ACT_KEPT_RECOMPUTE if recompute else ACT_PER_LAYER) * tbh * cfg.n_layer,
-        "block_recomputed": ACT_PER_LAYER * tbh if recompute else 0,
-        "head": ACT_HEAD * tbh,
-        "logits": LOGITS_KEPT * btv + max(LOGITS_FWD, LOGITS_BWD) * btv,
+        "layers": (ACT_KEPT_RECOMPUTE * tbh / rows if recompute else layer) * cfg.n_layer,
+        "block_recomputed": layer if recompute else 0,
+        "head": ACT_HEAD_LN * tbh / rows + ACT_HEAD_IN * tbh,
+        "logits": logits,
         "weights_bf16": 0 if cpu else 2 * P,
     }
     # a block rebuilt by recompute lives after the logits' gradients are gone: the larger counts
     transient = max(terms["logits"], terms["block_recomputed"])
     terms["peak"] = terms["layers"] + terms["head"] + terms["weights_bf16"] + transient
     return terms
+
+
+def tp_messages(cfg, b: int, t: int, sp: bool, cpu: bool = False) -> dict:
+    """The tp group's collectives of one micro-step, (kind, bytes) each (the docstring's list):
+    `layer_fwd` and `layer_bwd` per block, `ends` those of the embedding, head and loss."""
+    x = b * t * cfg.n_embd
+    lo, hi = (4, 4) if cpu else (TP_LOW, TP_HIGH)  # no bf16 on the CPU
+    if sp:
+        layer_fwd = [("all_gather", hi * x), ("reduce_scatter", lo * x)] * 2  # attention, MLP
+        layer_bwd = [("reduce_scatter", hi * x), ("all_gather", lo * x)] * 2
+        ends = [("reduce_scatter", 4 * x), ("all_gather", 4 * x),  # forward: embedding, head input
+                ("reduce_scatter", 4 * x), ("all_gather", 4 * x)]  # backward: head input, embedding
+    else:
+        layer_fwd = [("all_reduce", lo * x)] * 2
+        layer_bwd = [("all_reduce", hi * x)] * 2
+        ends = [("all_reduce", 4 * x), ("all_reduce", 4 * x)]  # embedding forward, head input backward
+    ends += [("all_reduce", 4 * b * t), ("all_reduce", 8 * b * t)]  # the loss: max, (sum of exp, target)
+    return {"layer_fwd": layer_fwd, "layer_bwd": layer_bwd, "ends": ends}
 
 
 @dataclass(frozen=True)
@@ -130,10 +234,11 @@ class Setup:
     t: int
     d: int
     tflops: float = 400.0
-    busbw: float = 300.0  # GB/s
+    busbw: float = 300.0  # GB/s, the replica (dp) group's
     alpha_us: float = 10.0
     bucket_mb: float = 25.0
     cpu: bool = False  # the --check on a CPU: fp32, gloo, no CUDA context
+    tp_busbw: float | None = None  # GB/s, the tp group's; None: busbw
 
 
 @dataclass(frozen=True)
@@ -142,26 +247,50 @@ class Layout:
     zero: int
     b: int
     recompute: bool
-    # tp, pp, cp, ep: one field each, one loop in layouts(), one term in estimate()
+    tp: int = 1
+    sp: bool = False
+    # pp, cp, ep: one field each, one loop in meshes(), one term in estimate()
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp
 
     def name(self) -> str:
-        return f"ZeRO-{self.zero} b={self.b}" + (" --recompute" if self.recompute else "")
+        return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "")
+                + (" --sp" if self.sp else "") + (" --recompute" if self.recompute else ""))
 
 
-def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True)):
-    for dp in (s.gpus,):  # with tp/pp/cp: dp = gpus // (tp * pp * cp), one loop per axis
+def tp_degrees(cfg, gpus: int) -> list[int]:
+    """The tp degrees a model can be split by on this many GPUs (model/gpt.py's check_tp): divisors
+    of the GPU count that divide n_head and the MLP width 4*n_embd."""
+    return [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and cfg.n_head % tp == 0 and 4 * cfg.n_embd % tp == 0]
+
+
+def meshes(s: Setup, tps=None, sps=(False, True)):
+    """(dp, tp, sp) for every mesh of s.gpus; tps: only these tp degrees (None: all), sps: these sp
+    settings (sp needs tp > 1 and t divisible by tp). pp, cp: one loop each, dp = gpus // (tp*pp*cp)."""
+    for tp in tp_degrees(s.cfg, s.gpus):
+        if tps is not None and tp not in tps:
+            continue
+        for sp in (False, True) if tp > 1 else (False,):
+            if sp in sps and not (sp and s.t % tp):
+                yield s.gpus // tp, tp, sp
+
+
+def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True)):
+    for dp, tp, sp in meshes(s, tps, sps):
         for zero in zeros if dp > 1 or len(zeros) == 1 else (0,):  # dp = 1: nothing to shard
             for b in bs:
                 if s.d % (b * s.t * dp) == 0:
                     for rc in recomputes:
-                        yield Layout(dp, zero, b, rc)
+                        yield Layout(dp, zero, b, rc, tp, sp)
 
 
-def collective_s(s: Setup, kind: str, nbytes: float, n: int) -> float:
+def collective_s(s: Setup, kind: str, nbytes: float, n: int, busbw: float | None = None) -> float:
     if n == 1:
         return 0.0
     k = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-    return s.alpha_us * 1e-6 + k * nbytes / (s.busbw * 1e9)
+    return s.alpha_us * 1e-6 + k * nbytes / ((busbw or s.busbw) * 1e9)
 
 
 def exposed(times: list[float], window: float) -> float:
@@ -171,23 +300,36 @@ def exposed(times: list[float], window: float) -> float:
     return times[-1] + max(0.0, sum(times[:-1]) - window) if times else 0.0
 
 
+def tp_comm_s(s: Setup, lay: Layout) -> float:
+    """Seconds of tp communication in one micro-step, all of it on the critical path: a layer
+    cannot go on before its all-reduce (or all-gather) is back."""
+    if lay.tp == 1:
+        return 0.0
+    m = tp_messages(s.cfg, lay.b, s.t, lay.sp, s.cpu)
+    t = lambda msgs: sum(collective_s(s, kind, nb, lay.tp, s.tp_busbw) for kind, nb in msgs)
+    passes = 2 if lay.recompute else 1  # recompute runs each block's forward (and its messages) again
+    return s.cfg.n_layer * (passes * t(m["layer_fwd"]) + t(m["layer_bwd"])) + t(m["ends"])
+
+
 def estimate(s: Setup, lay: Layout) -> dict:
-    cfg, n = s.cfg, lay.dp
-    P = cfg.num_params()
-    buckets = bucket_numels(cfg, s.bucket_mb)
+    cfg, n, tp = s.cfg, lay.dp, lay.tp
+    counts = param_counts(cfg, tp)
+    P = counts["rank"]  # this tp rank's parameters, then sharded over the replica group by ZeRO
+    buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = next(k for kind, k in buckets if kind == "embed")
     state = model_state_bytes(P, n, lay.zero, 4 * max(k for _, k in buckets), max(blocks, default=0), embed)
-    act = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, P)
+    act = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, P, tp, lay.sp)
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
     mem["activations"] = act["peak"]
     allocated = sum(mem.values())
-    mem["comm"] = NCCL_BYTES if n > 1 and not s.cpu else 0
+    communicators = (n > 1) + (tp > 1)  # the replica group's, the tp group's
+    mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
     mem["total"] = sum(mem.values())
 
     micro = max(1, s.d // (lay.b * s.t * n))
-    compute = cfg.flops_per_token(s.t) * s.d / (n * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
+    compute = cfg.flops_per_token(s.t) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
     fwd = compute / micro * (1 / 4 if lay.recompute else 1 / 3)  # the forward is 1 of 3 (of 4) passes
     bwd = compute / micro - fwd
     msg = [4 * k for _, k in buckets]  # fp32 buckets, in launch order
@@ -202,18 +344,34 @@ def estimate(s: Setup, lay: Layout) -> dict:
         # prefetched one bucket ahead, so mostly only the first gather (the embedding group, held
         # all micro-step) and the last reduce-scatter are exposed; reduce-scatter every micro-step
         comm = micro * (exposed(ag, fwd) + exposed(ag[:-1] + rs, bwd))
-    step = compute + comm
+    tp_comm = micro * tp_comm_s(s, lay)
+    if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
+        owned = counts["replicated"] / (n if lay.zero >= 1 else 1)
+        tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
+    step = compute + comm + tp_comm
     return {"layout": lay, "micro_steps": micro, "mem": mem, "allocated": allocated, "state": state,
-            "activations": act, "compute_s": compute, "comm_s": comm, "step_s": step,
-            "tokens_per_s": s.d / step, "fits": mem["total"] <= s.mem_gb * GB}
+            "activations": act, "compute_s": compute, "dp_comm_s": comm, "tp_comm_s": tp_comm,
+            "comm_s": comm + tp_comm, "step_s": step, "tokens_per_s": s.d / step,
+            "fits": mem["total"] <= s.mem_gb * GB}
 
 
-def gpus_needed(s: Setup, limit: int = 1 << 16) -> int | None:
-    """The fewest GPUs (doubling) on which the leanest layout, ZeRO-3 b=1 --recompute, fits."""
+def lean_layout(s: Setup, gpus: int) -> Layout | None:
+    """The leanest layout on this many GPUs that fits: ZeRO-3 b=1 --recompute, with the smallest
+    tp (and sp where it can) that fits; None if none does."""
+    for tp in tp_degrees(s.cfg, gpus):
+        lay = Layout(gpus // tp, 3, 1, True, tp, tp > 1 and s.t % tp == 0)
+        if estimate(replace(s, gpus=gpus), lay)["fits"]:
+            return lay
+    return None
+
+
+def gpus_needed(s: Setup, limit: int = 1 << 16) -> Layout | None:
+    """The fewest GPUs (doubling) on which a leanest layout fits, and that layout."""
     m = s.gpus * 2
     while m <= limit:
-        if estimate(replace(s, gpus=m), Layout(m, 3, 1, True))["fits"]:
-            return m
+        lay = lean_layout(s, m)
+        if lay is not None:
+            return lay
         m *= 2
     return None
 
@@ -221,17 +379,21 @@ def gpus_needed(s: Setup, limit: int = 1 << 16) -> int | None:
 def rank(rows: list[dict]) -> list[dict]:
     """Fits first, then by step time. Times equal to 3 digits are a tie (the model cannot tell
     them apart); then fewer micro-steps (larger GEMMs, which a constant --tflops does not see),
-    less sharding, less memory."""
+    less sharding (tp first: its GEMMs are smaller too), less memory."""
     return sorted(rows, key=lambda e: (not e["fits"], float(f"{e['step_s']:.3g}"), e["micro_steps"],
-                                       e["layout"].zero, e["mem"]["total"]))
+                                       e["layout"].tp, e["layout"].zero, e["mem"]["total"]))
+
+
+SETTINGS = ("tp", "sp", "zero", "b", "recompute")  # what a fix may change (dp follows from tp)
 
 
 def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     """The smallest change that makes a layout fit: the fitting layouts that differ from it in
     the fewest settings (the best of each kind of change); failing any, larger or more GPUs."""
     lay = e["layout"]
-    changed = lambda f: tuple(k for k in ("zero", "b", "recompute") if getattr(f["layout"], k) != getattr(lay, k))
-    say = {"zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
+    changed = lambda f: tuple(k for k in SETTINGS if getattr(f["layout"], k) != getattr(lay, k))
+    say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
+           "zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
            "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
     opts = []
     if fitting:
@@ -244,7 +406,7 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     else:
         opts.append(f"GPUs with >= {math.ceil(e['mem']['total'] / GB)} GB")
         m = gpus_needed(s)
-        opts += [f"{m} GPUs with ZeRO-3 b=1 --recompute"] if m else []
+        opts += [f"{m.gpus} GPUs with {m.name()}"] if m else []
     return f"{lay.name()} needs {e['mem']['total'] / GB:.1f} GB > {s.mem_gb:g} GB: use " + ", or ".join(opts)
 
 
@@ -255,18 +417,19 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
            f"needs {need:.1f} GB per GPU; use GPUs with >= {math.ceil(need)} GB")
     m = gpus_needed(s)
     if m:
-        msg += f", or {m} GPUs with ZeRO-3 b=1 --recompute" + (f" (-d a multiple of {s.t * m})" if s.d % (s.t * m) else "")
+        unit = s.t * m.dp
+        msg += f", or {m.gpus} GPUs with {m.name()}" + (f" (-d a multiple of {unit})" if s.d % unit else "")
     return msg
 
 
-def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True)) -> dict:
+def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True)) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout."""
-    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes)])
+    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps)])
     grid = rank([estimate(s, lay) for lay in layouts(s)])
     if not rows or not grid:
         unit = s.t * s.gpus
-        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus} for any allowed b: "
+        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus}/tp for any allowed b and tp: "
                         f"use -d {max(1, s.d // unit) * unit}")
     fitting = [e for e in grid if e["fits"]]
     for e in rows:
@@ -290,18 +453,22 @@ def row_json(e: dict) -> dict:
     return {**asdict(e["layout"]), "micro_steps": e["micro_steps"], "fits": e["fits"],
             "mem_gb": {k: v / GB for k, v in e["mem"].items()}, "allocated_gb": e["allocated"] / GB,
             "activations_gb": {k: v / GB for k, v in e["activations"].items()},
-            "compute_s": e["compute_s"], "exposed_comm_s": e["comm_s"], "step_s": e["step_s"],
+            "compute_s": e["compute_s"], "exposed_comm_s": e["comm_s"], "dp_exposed_comm_s": e["dp_comm_s"],
+            "tp_comm_s": e["tp_comm_s"], "step_s": e["step_s"],
             "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix")}
 
 
 def table(result: dict, top: int) -> str:
-    head = ["dp", "zero", "b", "micro", "recomp", "mem GB", "params", "grads", "optim", "activ", "comm",
-            "ovhd", "step s", "tokens/s", "fits"]
-    lines = [head]
+    """The ranked rows; the tp and sp columns only when a row shown has tp > 1."""
     shown = result["rows"][:top] if top > 0 else result["rows"]
+    tp = any(e["layout"].tp > 1 for e in shown)
+    head = ["dp", *(["tp", "sp"] if tp else []), "zero", "b", "micro", "recomp", "mem GB", "params", "grads",
+            "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
+    lines = [head]
     for e in shown:
         lay, m = e["layout"], e["mem"]
-        lines.append([lay.dp, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
+        mesh = [lay.tp, "on" if lay.sp else "off"] if tp else []
+        lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
@@ -343,29 +510,33 @@ def add_parser(sub):
     for k in ("n-layer", "n-head", "n-embd", "block-size"):
         a(f"--{k}", type=int)
     a("--vocab", type=int, default=50257, help="tokenizer vocabulary (default GPT-2's; --data's wins)")
-    a("--gpus", type=int, default=1, help="GPUs (all data-parallel, for now)")
+    a("--gpus", type=int, default=1, help="GPUs (dp x tp)")
     a("--gpu-mem", type=float, default=80.0, help="GB per GPU")
     a("--seq-len", "-t", type=int, default=1024)
     a("--total-batch", "-d", type=int, default=524288, help="tokens per optimizer step")
     a("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default: H200, bf16)")
-    a("--busbw", type=float, default=300.0, help="collective bus bandwidth, GB/s")
+    a("--busbw", type=float, default=300.0, help="collective bus bandwidth of the dp (replica) group, GB/s")
+    a("--tp-busbw", type=float, help="bus bandwidth of the tp group, GB/s (default --busbw: one node's NVLink)")
     a("--alpha-us", type=float, default=10.0, help="collective latency, microseconds")
     a("--bucket-mb", type=float, default=25.0)
     a("--zero", "-z", type=int, choices=[0, 1, 2, 3], help="only this ZeRO stage")
     a("--batch-size", "-b", type=int, choices=MICRO_BATCHES, help="only this micro-batch")
     a("--recompute", action=argparse.BooleanOptionalAction, help="only layouts with (without) recompute")
+    a("--tp", type=int, help="only this tensor-parallel degree (dp = gpus / tp)")
+    a("--sp", action=argparse.BooleanOptionalAction, help="only layouts with (without) sequence parallelism")
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--json", action="store_true")
     a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
-      help="train two steps of this layout (or of -z, -b, --recompute) and compare estimated and measured memory")
+      help="train two steps of this layout (or of -z, -b, --recompute; with --tp, --sp) and compare estimated "
+           "and measured memory")
     a("--data", "-i", help="token data for --check (braidtrain data prepare --out DIR)")
     a("--out", help="keep the --check run here (default: a temporary folder)")
     return p
 
 
 def setup_from(args) -> Setup:
-    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab"):
-        if getattr(args, k) <= 0:
+    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp"):
+        if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     if args.alpha_us < 0 or args.top < 0:
         raise UserError("--alpha-us and --top must be >= 0")
@@ -381,38 +552,61 @@ def setup_from(args) -> Setup:
         cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size)
     if args.seq_len > cfg.block_size:
         raise UserError(f"-t {args.seq_len} is longer than the model's context ({cfg.block_size}): use -t {cfg.block_size} or less")
-    return Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
-                 args.alpha_us, args.bucket_mb)
+    s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
+              args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw)
+    check_mesh(s, args.tp, args.sp)
+    return s
+
+
+def check_mesh(s: Setup, tp: int | None, sp: bool | None) -> None:
+    """One-line UserErrors for a --tp / --sp the GPUs or the model cannot take."""
+    from braidtrain.model.gpt import check_tp
+
+    if tp is not None:
+        if s.gpus % tp:
+            raise UserError(f"--tp {tp} does not divide --gpus {s.gpus}: use tp in {tp_degrees(s.cfg, s.gpus)}")
+        check_tp(s.cfg, tp, bool(sp), s.t)
+    if sp and tp == 1:
+        raise UserError("--sp splits the sequence over the tp ranks: it needs --tp 2 or more (or drop --sp)")
+    if sp and not any(True for _ in meshes(s, None if tp is None else (tp,), (True,))):
+        raise UserError(f"--sp: no tp > 1 divides the GPUs ({s.gpus}), n_head ({s.cfg.n_head}) and -t {s.t}")
 
 
 def check_layout(args) -> Layout:
+    """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp."""
+    tp = args.tp or 1
+    mesh = dict(dp=args.gpus // tp, tp=tp, sp=bool(args.sp))
     if not args.check:  # the layout from the flags
         if args.zero is None or args.batch_size is None:
-            raise UserError("--check needs a layout: --check ZERO,B[,recompute], or -z ZERO -b B [--recompute]")
-        return Layout(args.gpus, args.zero, args.batch_size, bool(args.recompute))
+            raise UserError("--check needs a layout: --check ZERO,B[,recompute], or -z ZERO -b B [--recompute] "
+                            "(and --tp N [--sp])")
+        return Layout(zero=args.zero, b=args.batch_size, recompute=bool(args.recompute), **mesh)
     m = re.fullmatch(r"([0-3]),([1-9][0-9]*)(,recompute)?", args.check.replace(" ", ""))
     if not m:
         raise UserError(f"--check {args.check!r}: use ZERO,B or ZERO,B,recompute with ZERO 0-3 (e.g. 1,8)")
-    return Layout(args.gpus, int(m[1]), int(m[2]), bool(m[3]))
+    return Layout(zero=int(m[1]), b=int(m[2]), recompute=bool(m[3]), **mesh)
 
 
 def check(s: Setup, lay: Layout, data: str, out: str | None) -> dict:
     """Two real training steps of this layout (the first optimizer step, which creates Adam's
     state, included), then estimated vs measured mem_gb. On a GPU that is torch's peak
     allocation, compared with `allocated`; on the CPU it is the model state a rank holds between
-    steps (params + grads + Adam m, v), compared with the model state less its transient part."""
+    steps (params + grads + Adam m, v), compared with the model state less its transient part.
+    Under tp both are one rank's: its shards and the replicated parameters (rank 0's mem_gb)."""
     import torch
 
     s = replace(s, cpu=not torch.cuda.is_available())  # where `braidtrain train` will run
     if s.d % (lay.b * s.t * lay.dp):
         raise UserError(f"-d {s.d} is not a multiple of b*t*dp = {lay.b}*{s.t}*{lay.dp}")
+    check_mesh(replace(s, gpus=lay.gpus), lay.tp, lay.sp)
     e, c = estimate(s, lay), s.cfg
     cmd = ["-m", "braidtrain", "train", "--model", "gpt2", "--n-layer", c.n_layer, "--n-head", c.n_head,
            "--n-embd", c.n_embd, "--block-size", c.block_size, "-i", data, "-b", lay.b, "-t", s.t, "-d", s.d,
            "-z", lay.zero, "-x", 2, "--val-every", 0, "--sample-tokens", 0, "--no-progress",
-           "--bucket-mb", s.bucket_mb] + (["--recompute"] if lay.recompute else [])
-    if lay.dp > 1:
-        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.dp}"] + cmd
+           "--bucket-mb", s.bucket_mb] + (["--tp", lay.tp] if lay.tp > 1 else []) + (["--sp"] if lay.sp else [])
+    cmd += ["--recompute"] if lay.recompute else []
+    if lay.gpus > 1:
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(out or tmp)
         p = subprocess.run([sys.executable, *map(str, cmd), "--out", str(run_dir)], capture_output=True, text=True)
@@ -438,7 +632,8 @@ def run(args) -> int:
               f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error {100 * r['rel_error']:+.1f}%")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
-    result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)))
+    result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
+                  None if args.tp is None else (args.tp,), pick(args.sp, (False, True)))
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},

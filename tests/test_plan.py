@@ -20,15 +20,19 @@ from braidtrain.cli import Parser
 from braidtrain.comm import Comm
 from braidtrain.errors import UserError
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import GPT, model_config
+from braidtrain.model.gpt import GPT, model_config, shard_spec
 from braidtrain.parallel.data import DataParallel
 from helpers import ROOT, braidtrain, prepare_bytes
 
 
-def run_plan(*argv, capsys) -> str:
+def parse(*argv):
     parser = Parser(prog="braidtrain")
     plan.add_parser(parser.add_subparsers(dest="cmd", required=True, parser_class=Parser))
-    assert plan.run(parser.parse_args(["plan", *map(str, argv)])) == 0
+    return parser.parse_args(["plan", *map(str, argv)])
+
+
+def run_plan(*argv, capsys) -> str:
+    assert plan.run(parse(*argv)) == 0
     return capsys.readouterr().out
 
 
@@ -119,7 +123,8 @@ def test_a_layout_that_does_not_fit_gets_single_setting_fixes(capsys):
 def test_json_parses_and_every_layout_has_the_breakdown(capsys):
     data = json.loads(run_plan("--model", "gpt2", "--gpus", 8, "--json", capsys=capsys))
     assert data["model"]["params"] == 124_475_904 and data["recommendation"].startswith("recommended:")
-    assert len(data["layouts"]) == 4 * 7 * 2
+    # meshes (dp, tp, sp): (8, 1, off), (4, 2, off/on), (2, 4, off/on); tp=8 does not divide 12 heads
+    assert len(data["layouts"]) == 4 * 7 * 2 * 5
     for row in data["layouts"]:
         mem = row["mem_gb"]
         parts = ("params", "grads", "optimizer", "activations", "comm", "overhead")
@@ -142,9 +147,126 @@ def test_plan_is_wired_into_the_cli():
     assert "recommended:" in p.stdout
 
 
+# ----------------------------------------------------------------------------- tensor parallelism
+
+def meshes_of(data) -> set:
+    return {(r["dp"], r["tp"], r["sp"]) for r in data["layouts"]}
+
+
+def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
+    data = json.loads(run_plan("--model", "gpt2", "--gpus", 8, "--json", capsys=capsys))
+    assert meshes_of(data) == {(8, 1, False), (4, 2, False), (4, 2, True), (2, 4, False), (2, 4, True)}
+    for row in data["layouts"]:
+        assert (row["tp_comm_s"] > 0) == (row["tp"] > 1)
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["dp_exposed_comm_s"] + row["tp_comm_s"])
+    out = run_plan("--model", "gpt2", "--gpus", 8, "--tp", 2, "--sp", "--top", 0, capsys=capsys)
+    lines = out.splitlines()
+    assert lines[1].split()[:4] == ["dp", "tp", "sp", "zero"]  # the mesh columns, when tp rows are shown
+    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    assert len(rows) == 4 * 7 * 2 and all(r[:3] == ["4", "2", "on"] for r in rows)
+    assert lines[-1].startswith("recommended: ZeRO-") and " tp=2 --sp" in lines[-1]
+
+
+def replicated_by_hand(cfg):
+    """wpe, ln_f, and per block ln_1, ln_2 (weight + bias each) and the biases of both c_proj."""
+    c = cfg.n_embd
+    return cfg.block_size * c + 2 * c + cfg.n_layer * (2 * 2 * c + 2 * c)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_divides_the_sharded_model_state_by_hand(tp):
+    cfg = model_config("tiny", 50257)  # 50304 rows at tp 1; 128*tp-padding adds rows at tp 2, 4
+    P, R, c = cfg.num_params(), replicated_by_hand(cfg), cfg.n_embd
+    extra = (cfg.vocab_rows(tp) - cfg.padded_vocab) * c  # wte's further padding rows
+    assert cfg.vocab_rows(tp) % (128 * tp) == 0 and extra > 0
+    per_rank = (P + extra - R) // tp + R
+    # the model's own shard specs agree: replicated parameters whole, the rest divided by tp
+    model = GPT(cfg)
+    by_spec = sum(p.numel() if shard_spec(n).kind == "replicated" else p.numel() // tp for n, p in model.named_parameters())
+    assert by_spec + extra // tp == per_rank == plan.param_counts(cfg, tp)["rank"]
+    assert sum(p.numel() for n, p in model.named_parameters() if shard_spec(n).kind == "replicated") == R
+
+    s = plan.Setup(cfg, gpus=tp, mem_gb=80, t=256, d=256 * 8)
+    dense, split = (plan.estimate(s, plan.Layout(dp, 0, 8, False, t)) for dp, t in ((tp, 1), (1, tp)))
+    assert [dense["state"][k] for k in ("params", "grads", "optimizer")] == [4 * P, 4 * P, 8 * P]
+    assert [split["state"][k] for k in ("params", "grads", "optimizer")] == [4 * per_rank, 4 * per_rank, 8 * per_rank]
+    # ZeRO-0: 16 bytes per parameter; the sharded part divides by tp, the replicated part stays
+    saved = 16 * P - sum(split["state"][k] for k in ("params", "grads", "optimizer"))
+    assert saved == 16 * ((P - R) - (P + extra - R) // tp)
+    assert split["mem"]["total"] < dense["mem"]["total"]
+    assert split["mem"]["comm"] == plan.NCCL_BYTES and dense["mem"]["comm"] == plan.NCCL_BYTES  # tp's; dp's
+    # ZeRO over the replica group divides the per-tp-rank state further, as at tp 1
+    s8 = plan.replace(s, gpus=2 * tp)
+    z1 = plan.estimate(s8, plan.Layout(2, 1, 8, False, tp))
+    assert z1["state"]["optimizer"] == 8 * per_rank // 2
+    assert z1["mem"]["comm"] == 2 * plan.NCCL_BYTES  # a communicator for each group: replica and tp
+
+
+def test_tp_activations_by_hand():
+    cfg, b, t = model_config("gpt2", 50257), 4, 1024
+    L, x, P = cfg.n_layer, b * t * cfg.n_embd, 1000
+    act = lambda tp, sp, rc=False: plan.activation_bytes(cfg, b, t, rc, False, P, tp, sp)
+    assert act(1, False)["layers"] == 38 * x * L and act(1, False)["logits"] == 12 * b * t * 50304
+    # tp: LayerNorm inputs (4 + 4) and the column-parallel inputs (2 + 2) whole, 26 of 38 split
+    assert act(2, False)["layers"] == (12 + 26 / 2) * x * L
+    assert act(4, False)["layers"] == (12 + 26 / 4) * x * L
+    # sp: the LayerNorm inputs split too; the all-gathered bf16 inputs of c_attn, c_fc stay whole
+    assert act(4, True)["layers"] == (4 + 34 / 4) * x * L
+    assert act(4, True)["head"] == (4 / 4 + 2) * x and act(4, False)["head"] == 6 * x
+    # recompute under sp keeps each block's fp32 input, t/tp rows of it
+    assert act(4, True, True)["layers"] == 4 * x / 4 * L and act(4, True, True)["block_recomputed"] == (4 + 34 / 4) * x
+    # vocab-parallel cross-entropy: 4 + 2 bytes per token x local vocabulary row, never gathered
+    assert act(4, False)["logits"] == b * t * (cfg.vocab_rows(4) // 4) * 6 == b * t * 50688 // 4 * 6
+
+
+def test_tp_communication_by_hand():
+    cfg, b, t, d = model_config("gpt2", 50257), 8, 1024, 8 * 1024 * 4
+    L, x = cfg.n_layer, b * t * cfg.n_embd
+    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=d, busbw=300.0, alpha_us=10.0, tp_busbw=100.0)
+    ar = lambda nbytes: 10e-6 + 2 * (2 - 1) / 2 * nbytes / 100e9  # all-reduce over 2 ranks at --tp-busbw
+    per_micro = L * (2 * ar(2 * x) + 2 * ar(4 * x)) + 2 * ar(4 * x) + ar(4 * b * t) + ar(8 * b * t)
+    e = plan.estimate(s, plan.Layout(1, 0, b, False, 2))
+    assert e["micro_steps"] == 4 and e["dp_comm_s"] == 0  # dp = 1: no gradient reduction
+    assert e["tp_comm_s"] == pytest.approx(4 * per_micro, rel=1e-12)
+    assert e["step_s"] == pytest.approx(e["compute_s"] + 4 * per_micro, rel=1e-12)
+    # recompute runs the layers' forward messages again
+    rc = plan.estimate(s, plan.Layout(1, 0, b, True, 2))
+    assert rc["tp_comm_s"] == pytest.approx(4 * (per_micro + L * 2 * ar(2 * x)), rel=1e-12)
+    # sp: all-gather + reduce-scatter pairs move the same bus volume (alpha aside)
+    s0 = plan.replace(s, alpha_us=0.0)
+    no_sp, sp = (plan.tp_comm_s(s0, plan.Layout(1, 0, b, False, 2, v)) for v in (False, True))
+    assert sp == pytest.approx(no_sp, rel=1e-12)
+    # ... and once a step sp adds the replicated parameters' partial gradients, gathered over tp
+    R = replicated_by_hand(cfg)
+    e_sp = plan.estimate(s0, plan.Layout(1, 0, b, False, 2, True))
+    assert e_sp["tp_comm_s"] == pytest.approx(4 * sp + (2 - 1) / 2 * (4 * R * 2) / 100e9, rel=1e-12)
+    # the dp reduction moves the per-tp-rank parameter bytes: under ZeRO-1 on dp = 2 the exposed part
+    # is the last reduce-scatter (the embedding group) and the all-gather of every bucket, at --busbw
+    counts = plan.param_counts(cfg, 2)
+    assert sum(k for _, k in plan.bucket_numels(cfg, s.bucket_mb, 2)) == counts["rank"]
+    z1 = plan.estimate(plan.replace(s, gpus=4, alpha_us=0.0), plan.Layout(2, 1, b, False, 2))
+    assert z1["dp_comm_s"] == pytest.approx(1 / 2 * 4 * (counts["embed"] + counts["rank"]) / 300e9, rel=1e-12)
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_never_planned(capsys):
+    # gpt2-xl has 25 heads: on 8 GPUs no tp > 1 divides both
+    xl = json.loads(run_plan("--model", "gpt2-xl", "--gpus", 8, "--gpu-mem", 141, "--json", capsys=capsys))
+    assert {r["tp"] for r in xl["layouts"]} == {1}
+    # 6 heads on 4 GPUs: tp 2, never 4
+    six = json.loads(run_plan("--model", "gpt2", "--n-head", 6, "--gpus", 4, "--json", capsys=capsys))
+    assert meshes_of(six) == {(4, 1, False), (2, 2, False), (2, 2, True)}
+    # 12 heads, -t 1022: tp 4 splits the heads but not the sequence, so tp 4 without sp only
+    odd = json.loads(run_plan("--model", "gpt2", "--gpus", 4, "-t", 1022, "-d", 1022 * 64, "--json", capsys=capsys))
+    assert meshes_of(odd) == {(4, 1, False), (2, 2, False), (2, 2, True), (1, 4, False)}
+    for argv, words in ((["--gpus", 8, "--tp", 8], "n_head=12"), (["--gpus", 8, "--tp", 3], "does not divide --gpus 8"),
+                        (["--gpus", 8, "--tp", 1, "--sp"], "--tp 2 or more"), (["--gpus", 1, "--sp"], "no tp > 1")):
+        with pytest.raises(UserError, match=words):
+            run_plan("--model", "gpt2", *argv, capsys=capsys)
+
+
 # ----------------------------------------------------------------------------- --check
 
-CHECKS = [(1, 0), (2, 0), (2, 1)]  # (processes, ZeRO stage)
+CHECKS = [(1, 0, 1), (2, 0, 1), (2, 1, 1), (2, 0, 2)]  # (processes, ZeRO stage, tp); tp 2 with --sp
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +274,15 @@ def checks(tmp_path_factory, monkeypatch_module):
     data = prepare_bytes(tmp_path_factory.mktemp("plan") / "shakespeare")
 
     def one(case):
-        n, zero = case
+        n, zero, tp = case
         s = plan.Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
-        return plan.check(s, plan.Layout(n, zero, 2, False), str(data), None)
+        if tp == 1:
+            return plan.check(s, plan.Layout(n, zero, 2, False), str(data), None)
+        # from the command line, as a user asks for it: the mesh comes from --tp and --sp
+        args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
+                     "--tp", tp, "--sp", "--data", data)
+        assert plan.check_layout(args) == plan.Layout(n // tp, zero, 2, False, tp, True)
+        return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
 
     with ThreadPoolExecutor(len(CHECKS)) as pool:
         return dict(zip(CHECKS, pool.map(one, CHECKS)))
@@ -169,8 +297,8 @@ def monkeypatch_module():
         yield mp
 
 
-@pytest.mark.parametrize("case", CHECKS, ids=lambda c: f"{c[0]}proc-zero{c[1]}")
+@pytest.mark.parametrize("case", CHECKS, ids=lambda c: f"{c[0]}proc-zero{c[1]}" + (f"-tp{c[2]}-sp" if c[2] > 1 else ""))
 def test_check_model_state_matches_a_real_cpu_run(checks, case):
     r = checks[case]
-    assert r["device"] == "cpu" and r["layout"]["zero"] == case[1]
+    assert r["device"] == "cpu" and r["layout"]["zero"] == case[1] and r["layout"]["tp"] == case[2]
     assert abs(r["rel_error"]) < 0.05, r
