@@ -228,7 +228,7 @@ class Trainer:
                 self.fault.mid_step(step + 1)
             engine.backward(loss_sum / plan.total_tokens)
             losses.append(loss_sum.detach())
-        exposed = engine.finish_reduction()
+        engine.finish_reduction()
         norm = engine.grad_norm()
         factor = clip_factor(norm, cfg.grad_clip)
         if factor != 1.0:
@@ -247,7 +247,7 @@ class Trainer:
             mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
         return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm),
                 "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt,
-                "comm_s": self.comm.step_comm_seconds(), "exposed_comm_s": exposed}
+                "comm_s": self.comm.step_comm_seconds(), "exposed_comm_s": engine.exposed_comm_s()}
 
     @torch.no_grad()
     def validate(self) -> float:

@@ -137,6 +137,7 @@ class DataParallel:
         self._pool: dict[int, list[torch.Tensor]] = {}
         self.pending: list = []  # ZeRO-2/3: reductions of earlier micro-steps still in flight
         self.last_grad_time = 0.0
+        self._exposed = 0.0  # seconds, or a pair of CUDA events (see finish_reduction)
         self.backward_phase = False
         self.keep_gathered = False
         if zero == 3:
@@ -291,10 +292,15 @@ class DataParallel:
             h.wait()
         self.pending = []
 
-    def finish_reduction(self) -> float:
-        """Wait for every bucket's reduction; returns the exposed communication time (seconds
-        the step waited after the backward pass ended)."""
-        end = time.time()
+    def finish_reduction(self) -> None:
+        """Wait for every bucket's reduction (on CUDA: make the compute stream wait for it).
+        The time this exposes -- how long the step waited after its backward pass -- is taken
+        here, by host clock or by a pair of CUDA events, and read by exposed_comm_s()."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self._exposed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._exposed[0].record()
+        start = time.time()
         self._drain()
         for b in self.buckets:
             if b.handle is not None:
@@ -302,7 +308,16 @@ class DataParallel:
                 b.handle = None
         if self.partial:
             self._sum_partials_over_tp()
-        return time.time() - end
+        if cuda:
+            self._exposed[1].record()
+        else:
+            self._exposed = time.time() - start
+
+    def exposed_comm_s(self) -> float:
+        """Seconds of the last finish_reduction(); on CUDA, call once the step's work is done."""
+        if isinstance(self._exposed, tuple):
+            return self._exposed[0].elapsed_time(self._exposed[1]) / 1000.0
+        return self._exposed
 
     def _sum_partials_over_tp(self):
         """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
