@@ -215,7 +215,7 @@ class Comm:
         return self._launch("exact_reduce_scatter", axis, inp, group,
                             lambda g: dist.all_to_all_single(scratch, inp, group=g, async_op=True), then=tree_sum)
 
-    def all_gather_object_floats(self, values: torch.Tensor, group, axis) -> torch.Tensor:
+    def gather_rows(self, values: torch.Tensor, group, axis) -> torch.Tensor:
         """All-gather a small float tensor (same length on every rank); returns (n_ranks, len)."""
         if group is None:
             return values.unsqueeze(0)

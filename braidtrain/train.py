@@ -111,7 +111,7 @@ def tp_shards(model, full: dict) -> dict:
 def gather_loss(comm: Comm, engine: DataParallel, local: list[torch.Tensor]) -> float:
     """Sum of per-micro-batch loss sums over all ranks, along one fixed tree (any layout, same bits)."""
     t = torch.stack(local).double() if local else torch.zeros(0, dtype=torch.float64)
-    rows = comm.all_gather_object_floats(t, engine.group, "replica")
+    rows = comm.gather_rows(t, engine.group, "replica")
     return pairwise_sum(rows.reshape(-1)).item()
 
 

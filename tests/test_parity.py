@@ -23,7 +23,8 @@ def reference(tmp_path_factory, shakespeare):
     return train(tmp_path_factory.mktemp("ref"), shakespeare, 1)
 
 
-@pytest.mark.parametrize("nproc,zero", [(n, z) for n in (2, 4) for z in (0, 1, 2, 3)] + [(2, "3r")])
+# every stage on 2 ranks, the sharded ones on 4 too (4 ranks at ZeRO-0 adds no new path)
+@pytest.mark.parametrize("nproc,zero", [(2, z) for z in (0, 1, 2, 3)] + [(4, z) for z in (1, 2, 3)] + [(2, "3r")])
 def test_default_mode_matches_single_process(tmp_path, shakespeare, reference, nproc, zero):
     extra = ("-z", 3, "--recompute") if zero == "3r" else ("-z", zero)
     rows, _ = train(tmp_path, shakespeare, nproc, *extra)
@@ -40,7 +41,7 @@ def exact_reference(tmp_path_factory, shakespeare):
     return train(tmp_path_factory.mktemp("exact"), shakespeare, 1, "--exact", steps=6)
 
 
-@pytest.mark.parametrize("nproc,zero", [(n, z) for n in (1, 2, 4) for z in (0, 1, 2, 3) if (n, z) != (1, 0)] + [(8, 0), (8, 3)])
+@pytest.mark.parametrize("nproc,zero", [(n, z) for n in (1, 2, 4) for z in (0, 1, 2, 3) if (n, z) != (1, 0)] + [(8, 3)])
 def test_exact_mode_is_bitwise_identical(tmp_path, shakespeare, exact_reference, nproc, zero):
     rows, summ = train(tmp_path, shakespeare, nproc, "--exact", "-z", zero, steps=6)
     ref_rows, ref_summ = exact_reference

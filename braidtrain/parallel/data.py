@@ -324,7 +324,7 @@ class DataParallel:
         a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank."""
         owned = [(g, self.segments(b, lambda n, _p: n in self.partial)) for b, _, g in self.owned()]
         flat = torch.cat([g[a:e] for g, segs in owned for a, e in segs])
-        rows = self.comm.all_gather_object_floats(flat, self.tp_group, "tp")
+        rows = self.comm.gather_rows(flat, self.tp_group, "tp")
         total, pos = pairwise_sum(rows), 0
         for g, segs in owned:
             for a, e in segs:
@@ -418,14 +418,14 @@ class DataParallel:
         # exact: float64 sums of Q-element chunks by pairwise trees; chunks gathered in canonical
         # order; per bucket a pairwise tree over its chunks; buckets added in order; tp ranks too.
         local = torch.cat([pairwise_sum(g.double().pow(2).view(-1, Q).T) for _, g in owned])
-        gathered = self.comm.all_gather_object_floats(local, self.group, "replica") if self.zero >= 1 else local[None]
+        gathered = self.comm.gather_rows(local, self.group, "replica") if self.zero >= 1 else local[None]
         total, col = torch.zeros(1, dtype=torch.float64, device=self.device), 0
         for b in self.buckets:
             k = (b.shard_size if self.zero >= 1 else b.padded) // Q
             total += pairwise_sum(gathered[:, col : col + k].reshape(-1))
             col += k
         if self.tp > 1:
-            total = pairwise_sum(self.comm.all_gather_object_floats(total, self.tp_group, "tp"))  # tp-rank order
+            total = pairwise_sum(self.comm.gather_rows(total, self.tp_group, "tp"))  # tp-rank order
         return math.sqrt(total.item())
 
     def scale_grads(self, factor: float):
