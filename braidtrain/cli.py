@@ -134,6 +134,12 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from braidtrain import bench
+
+    return bench.run(args)
+
+
 def cmd_plan(args) -> int:
     from braidtrain import plan
 
@@ -191,14 +197,15 @@ def main(argv=None) -> int:
     p.add_argument("run", help="a run directory, or one checkpoint folder")
     p.add_argument("--format", default="hf", choices=["hf"])
     p.add_argument("--out", required=True)
-    from braidtrain import plan  # light: torch loads only inside plan.run
+    from braidtrain import bench, plan  # light: torch loads only inside run()
 
     parsers["plan"] = plan.add_parser(sub)
+    parsers["bench"] = bench.add_parser(sub)
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, not the top level's
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample, "doctor": cmd_doctor,
-               "export": cmd_export, "plan": cmd_plan}[args.cmd]
+               "export": cmd_export, "plan": cmd_plan, "bench": cmd_bench}[args.cmd]
     try:
         return handler(args)
     except UserError as e:

@@ -198,6 +198,18 @@ class Comm:
         return self._launch("all_to_all", axis, inp, group,
                             lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
 
+    def send_recv(self, send, recv, to: int, frm: int, group, axis) -> Handle:
+        """Send `send` to group rank `to` while receiving `recv` from group rank `frm`, posted
+        together (batch_isend_irecv) so that a ring of them cannot deadlock."""
+        def fn(g):
+            ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(g, to), g),
+                   dist.P2POp(dist.irecv, recv, dist.get_global_rank(g, frm), g)]
+            return _AllWorks(dist.batch_isend_irecv(ops))
+
+        if group is None:
+            recv.copy_(send)
+        return self._launch("send_recv", axis, send, group, fn)
+
     def exact_reduce_scatter(self, out, inp, scratch, group, axis, n: int) -> Handle:
         """Sum `inp` (n equal slices, one per rank) over the group into this rank's slice `out`,
         bitwise the same for any power-of-two n: all-to-all moves slice r of every rank to rank r
@@ -223,6 +235,24 @@ class Comm:
         out = torch.empty(n * values.numel(), dtype=values.dtype, device=values.device)
         self.all_gather(out, values, group, axis).wait()
         return out.view(n, -1)
+
+
+class _AllWorks:
+    """Several works (a batch of point-to-point ops) waited on as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+    def get_future(self):
+        raise RuntimeError("no single future")  # Handle then takes the end time at wait()
 
 
 def pairwise_sum(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""`braidtrain bench comm`: what the collectives of this machine and backend deliver.
+
+Run under torchrun (one process a GPU, or CPU processes with gloo). For each operation and message
+size from --min-bytes to --max-bytes (x4 a row), after warm-up iterations, the mean time of
+--iters iterations, then nccl-tests' accounting (its PERFORMANCE.md): algbw = S / t with S the
+size of the whole message -- the buffer of an all-reduce, the concatenated buffer of a
+reduce-scatter, all-gather and all-to-all --, and busbw = algbw x the bus factor, which makes
+the figures of different operations comparable with the link speed:
+
+    all_reduce 2(n-1)/n    reduce_scatter, all_gather, all_to_all (n-1)/n    send_recv 1
+    exact_reduce_scatter (n-1)/n  (its all-to-all; the pairwise sum is local)
+
+Each operation's result is checked once against what it must be before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from braidtrain.errors import UserError
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
+
+
+def bus_factor(op: str, n: int) -> float:
+    if n == 1:
+        return 0.0  # nothing crosses a link
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="measure collectives (bench comm)")
+    bsub = p.add_subparsers(dest="what", required=True, parser_class=sub._parser_class)  # one-line errors too
+    c = bsub.add_parser("comm", help="all_reduce, reduce_scatter, all_gather, all_to_all, send_recv, exact reduce-scatter")
+    c.add_argument("--min-bytes", type=_size, default=_size("1K"))
+    c.add_argument("--max-bytes", type=_size, default=_size("1G"))
+    c.add_argument("--iters", type=int, default=20)
+    c.add_argument("--warmup", type=int, default=5)
+    c.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    c.add_argument("--json", dest="json_path", help="also write the rows to this file (rank 0)")
+    c.add_argument("--device", help="cpu or cuda (default: the local GPU, else cpu)")
+    return p
+
+
+def _size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().rstrip("B")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, IndexError):
+        # argparse turns this into its one-line error (a UserError here would escape as a traceback)
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size: use e.g. 4096, 64K, 16M or 1G") from None
+
+
+def sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], max(4, lo)
+    while s <= hi:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def _setup(op, nbytes, n, r, device):
+    """Buffers for one op and size, filled so that the result is known: rank r holds r + 1."""
+    import torch
+
+    count = max(n, nbytes // 4 // n * n)  # fp32 elements, divisible by n
+    x = torch.full((count,), float(r + 1), device=device)
+    total = n * (n + 1) / 2
+    if op == "all_reduce":
+        return (x,), lambda: bool((x == total).all()) if n > 1 else True, count * 4
+    if op in ("reduce_scatter", "exact_reduce_scatter"):
+        out = torch.empty(count // n, device=device)
+        scratch = torch.empty(count, device=device)
+        return (out, x, scratch), lambda: bool((out == total).all()), count * 4
+    if op == "all_gather":
+        out = torch.empty(count, device=device)
+        inp = torch.full((count // n,), float(r + 1), device=device)
+        want = torch.arange(1, n + 1, device=device, dtype=torch.float32).repeat_interleave(count // n)
+        return (out, inp), lambda: bool((out == want).all()), count * 4
+    if op == "all_to_all":
+        out = torch.empty(count, device=device)
+        want = torch.arange(1, n + 1, device=device, dtype=torch.float32).repeat_interleave(count // n)
+        return (out, x), lambda: bool((out == want).all()), count * 4
+    recv = torch.empty(count, device=device)  # send_recv: a ring, rank r sends to r + 1
+    return (x, recv), lambda: bool((recv == float((r - 1) % n + 1)).all()), count * 4
+
+
+def _launch(comm, op, bufs, group, n, r):
+    if op == "all_reduce":
+        return comm.all_reduce(bufs[0], group, "world")
+    if op == "reduce_scatter":
+        return comm.reduce_scatter(bufs[0], bufs[1], group, "world")
+    if op == "exact_reduce_scatter":
+        return comm.exact_reduce_scatter(bufs[0], bufs[1], bufs[2] if n > 1 else None, group, "world", n)
+    if op == "all_gather":
+        return comm.all_gather(bufs[0], bufs[1], group, "world")
+    if op == "all_to_all":
+        return comm.all_to_all(bufs[0], bufs[1], group, "world")
+    return comm.send_recv(bufs[0], bufs[1], (r + 1) % n, (r - 1) % n, group, "world")
+
+
+def run(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from braidtrain.comm import Comm
+    from braidtrain.runtime import init_runtime
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise UserError(f"unknown operation {bad[0]!r}: use some of {', '.join(OPS)}")
+    if args.min_bytes > args.max_bytes or args.iters < 1 or args.warmup < 0:
+        raise UserError("need --min-bytes <= --max-bytes, --iters >= 1 and --warmup >= 0")
+    rt = init_runtime("env", device=args.device)
+    try:
+        n, r = rt.world_size, rt.rank
+        group = dist.group.WORLD if n > 1 else None
+        comm = Comm(rt.device)
+        sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
+        rows = []
+        for op in ops:
+            for nbytes in sizes(args.min_bytes, args.max_bytes):
+                bufs, check, S = _setup(op, nbytes, n, r, rt.device)
+                _launch(comm, op, bufs, group, n, r).wait()
+                sync()
+                ok = check()
+                for _ in range(args.warmup):
+                    _launch(comm, op, bufs, group, n, r).wait()
+                sync()
+                rt.barrier()
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    _launch(comm, op, bufs, group, n, r).wait()
+                sync()
+                t = (time.perf_counter() - t0) / args.iters
+                comm.step_handles.clear()
+                t = rt.cpu_sum(t) / n  # the mean over ranks, the same on every rank
+                ok = rt.cpu_sum(0.0 if ok else 1.0) == 0.0
+                algbw = S / t / 1e9
+                rows.append({"op": op, "bytes": S, "time_us": t * 1e6, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * bus_factor(op, n), "correct": ok, "ranks": n,
+                             "backend": rt.backend})
+        if rt.is_main:
+            print(f"{'op':<22}{'bytes':>12}{'time us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}  ok")
+            for row in rows:
+                print(f"{row['op']:<22}{row['bytes']:>12,}{row['time_us']:>12.1f}{row['algbw_GBps']:>12.3f}"
+                      f"{row['busbw_GBps']:>12.3f}  {'yes' if row['correct'] else 'NO'}")
+            if args.json_path:
+                with open(args.json_path, "w") as f:
+                    json.dump(rows, f, indent=1)
+        return 0 if all(row["correct"] for row in rows) else 1
+    finally:
+        rt.close()
