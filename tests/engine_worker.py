@@ -2,9 +2,7 @@
 write what the test checks to OUT/rank<r>.json."""
 
 import json
-import math
 import sys
-import time
 
 import torch
 
