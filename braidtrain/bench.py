@@ -1,4 +1,5 @@
 """`braidtrain bench comm`: what the collectives of this machine and backend deliver.
+`braidtrain bench train`: braidtrain's layouts against torch DDP and FSDP2, side by side.
 
 Run under torchrun (one process a GPU, or CPU processes with gloo). For each operation and message
 size from --min-bytes to --max-bytes (x4 a row), after warm-up iterations, the mean time of
@@ -11,16 +12,37 @@ the figures of different operations comparable with the link speed:
     exact_reduce_scatter (n-1)/n  (its all-to-all; the pairwise sum is local)
 
 Each operation's result is checked once against what it must be before it is timed.
+
+bench train runs each variant as its own torchrun job on the same --nproc processes -- each
+braidtrain layout through the real `braidtrain train` command, each torch variant through
+braidtrain/torchref.py -- with the same model, batch, data and optimizer settings, and reads what
+they wrote. Separate jobs: one variant's compile caches, memory pool or deterministic-algorithm
+switch cannot colour another's figures. The first --warmup steps (compilation, allocator warm-up)
+are not timed; tokens/s is the timed tokens over the timed seconds; MFU is the model's FLOPs
+(GPTConfig.flops_per_token: 6 per weight per token plus attention's 12·L·T·C) at that rate over
+the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation on rank 0;
+exposed communication is the time the step waited for the gradient reduction after its backward
+pass (braidtrain only). The final loss of every variant is shown: they train the same model on
+the same sequences, so the losses must agree to bf16 rounding -- a variant that does less work
+shows it there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from braidtrain.errors import UserError
 
+LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
+TORCH = ("ddp", "ddp-compile", "fsdp2")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
 
@@ -31,7 +53,7 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="measure collectives (bench comm)")
+    p = sub.add_parser("bench", help="measure collectives (bench comm) or training against torch DDP/FSDP2 (bench train)")
     bsub = p.add_subparsers(dest="what", required=True, parser_class=sub._parser_class)  # one-line errors too
     c = bsub.add_parser("comm", help="all_reduce, reduce_scatter, all_gather, all_to_all, send_recv, exact reduce-scatter")
     c.add_argument("--min-bytes", type=_size, default=_size("1K"))
@@ -41,6 +63,25 @@ def add_parser(sub):
     c.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     c.add_argument("--json", dest="json_path", help="also write the rows to this file (rank 0)")
     c.add_argument("--device", help="cpu or cuda (default: the local GPU, else cpu)")
+    t = bsub.add_parser("train", help="braidtrain layouts against torch DDP (eager, compiled) and FSDP2, one job each")
+    t.add_argument("--model", default="gpt2")
+    for k in ("--n-layer", "--n-head", "--n-embd"):
+        t.add_argument(k, type=int)
+    t.add_argument("--train-data", "-i", default="data/shakespeare_gpt2")
+    t.add_argument("--batch-size", "-b", type=int, default=16)
+    t.add_argument("--seq-len", "-t", type=int, default=1024)
+    t.add_argument("--total-batch", "-d", type=int, help="tokens per step (default: 8 micro-steps a rank)")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--warmup", type=int, default=5, help="steps not timed (compilation, warm-up)")
+    t.add_argument("--nproc", type=int, help="processes (default: the local GPUs, else 1)")
+    t.add_argument("--layout", action="append", metavar="FLAGS",
+                   help="braidtrain train flags of one layout, e.g. '-z 1 --compile' (repeatable; default: "
+                        + "; ".join(LAYOUTS) + ")")
+    t.add_argument("--torch", default=",".join(TORCH), help="torch variants, a subset of " + ",".join(TORCH) + " ('' for none)")
+    t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
+    t.add_argument("--json", dest="json_path", help="also write the rows to this file")
+    t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
+    t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (default: a temporary folder)")
     return p
 
 
@@ -103,6 +144,10 @@ def _launch(comm, op, bufs, group, n, r):
 
 
 def run(args) -> int:
+    return run_train(args) if args.what == "train" else run_comm(args)
+
+
+def run_comm(args) -> int:
     import torch
     import torch.distributed as dist
 
@@ -155,3 +200,107 @@ def run(args) -> int:
         return 0 if all(row["correct"] for row in rows) else 1
     finally:
         rt.close()
+
+
+def _variant_rows(args, n: int, d: int, work: Path):
+    """(name, command, reader) of every variant: a reader turns the finished job into a row."""
+    model = ["--model", args.model] + [x for k in ("n_layer", "n_head", "n_embd") if getattr(args, k)
+                                       for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    common = [*model, "-i", args.train_data, "-b", str(args.batch_size), "-t", str(args.seq_len), "-d", str(d)]
+    device = ["--device", args.device] if args.device else []
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m"]
+    out = []
+    for i, layout in enumerate(args.layout or LAYOUTS):
+        run_dir = work / f"braidtrain{i}"
+        cmd = [*launch, "braidtrain", "train", *common, "-x", str(args.steps), "--val-every", "0", "--val-steps", "1",
+               "--sample-tokens", "0", "--no-progress", "--out", str(run_dir), *device, *shlex.split(layout)]
+        out.append((f"braidtrain {layout}", cmd, lambda run_dir=run_dir: _braidtrain_row(run_dir, args.warmup)))
+    for mode in [m.strip() for m in args.torch.split(",") if m.strip()]:
+        path = work / f"torch-{mode}.json"
+        cmd = [*launch, "braidtrain.torchref", "--mode", mode, *common, "--steps", str(args.steps), "--json", str(path), *device]
+        out.append((f"torch {mode}", cmd, lambda path=path: _torch_row(path, args.warmup)))
+    return out
+
+
+def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = recs[warmup:]
+    secs = sum(r["step_s"] for r in timed)
+    tps = sum(r["tokens_per_s"] * r["step_s"] for r in timed) / secs
+    mfu = timed[0]["mfu"] / timed[0]["tokens_per_s"] * tps if timed[0]["mfu"] else None
+    return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
+            "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "loss": recs[-1]["loss"]}
+
+
+def _torch_row(path: Path, warmup: int) -> dict:
+    r = json.loads(path.read_text())
+    secs = sum(r["step_s"][warmup:])
+    tps = r["tokens_per_step"] * len(r["step_s"][warmup:]) / secs
+    mfu = tps * r["flops_per_token"] / r["peak_flops"] if r["peak_flops"] else None
+    return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "loss": r["loss"][-1]}
+
+
+def run_train(args) -> int:
+    import torch
+
+    bad = [m for m in args.torch.split(",") if m.strip() and m.strip() not in TORCH]
+    if bad:
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH)}")
+    if args.steps <= args.warmup or args.warmup < 0:
+        raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup} (>= 0): nothing would be timed")
+    if not Path(args.train_data).exists():
+        raise UserError(f"no data at {args.train_data}: prepare it with `python -m braidtrain data prepare "
+                        f"--corpus shakespeare --tokenizer gpt2 --out {args.train_data}`")
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    n = args.nproc or (torch.cuda.device_count() if cuda else 1)
+    d = args.total_batch or 8 * args.batch_size * args.seq_len * n
+    if d % (args.batch_size * args.seq_len * n):
+        raise UserError(f"-d {d} is not a multiple of b*t*nproc = {args.batch_size * args.seq_len * n}")
+    with tempfile.TemporaryDirectory(prefix="braidtrain-bench-") as tmp:
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        variants = _variant_rows(args, n, d, work)
+        rows = []
+        print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
+              f"{args.steps} steps ({args.warmup} untimed), {len(variants)} variants", file=sys.stderr, flush=True)
+        for k, (name, cmd, read) in enumerate(variants, 1):
+            t0 = time.time()
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            row = {"variant": name, "ranks": n, "tokens_per_step": d}
+            try:
+                if p.returncode:
+                    raise RuntimeError(_last_error(p.stderr + p.stdout))
+                row.update(read())
+                note = f"{row['tokens_per_s']:,.0f} tokens/s"
+            except Exception as e:  # one failed variant does not cost the others' figures
+                row["error"] = str(e) or type(e).__name__
+                note = "FAILED: " + row["error"]
+            rows.append(row)
+            print(f"[{k}/{len(variants)}] {name}: {note} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["variant"] == f"torch {args.baseline}" and "error" not in r), None)
+    for r in rows:
+        r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base and "error" not in r else None
+    _print_train(rows, args.baseline if base else None)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _last_error(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errs = [line for line in lines if "Error" in line or "error:" in line]
+    return (errs or lines or ["exited with an error"])[-1][:300]
+
+
+def _print_train(rows, baseline) -> None:
+    cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
+    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'loss':>9}"
+          f"{'x ' + baseline if baseline else '':>16}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<40}  FAILED: {r['error']}")
+            continue
+        pct = lambda v: None if v is None else 100 * v
+        print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
+              f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
+              f"{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")

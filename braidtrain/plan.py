@@ -51,9 +51,8 @@ the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt
              buffers are gone (the larger counts)
     head     6*t*b*h: ln_f's fp32 input (/tp under sp) and the head matmul's bf16 input (whole
              under tp, with or without sp)
-    logits   tp = 1: b*t*V*(4 + max(2 + 4, 4 + 4)): the fp32 log-probs the cross-entropy keeps, plus
-             the larger of the forward's bf16 logits and their fp32 copy and the backward's fp32
-             gradients of the log-probs and of the logits
+    logits   tp = 1: b*t*V*2: loss.py's fused head keeps one bf16 logits buffer, which its forward
+             overwrites in place with the gradient (no fp32 copy, no log-probs)
              tp > 1: b*t*(V_tp/tp)*(4 + 2), V_tp = vocab_rows(tp): the vocab-parallel cross-entropy
              never gathers the logits and works in place: it keeps its fp32 softmax (4), which the
              backward overwrites with the gradient; next to it the forward's bf16 logits, then the
@@ -62,8 +61,8 @@ the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt
              the backward (also under ZeRO-3: releasing a gathered fp32 bucket does not free them)
 On the CPU (fp32, no autocast) the per token x channel terms count twice and there are no bf16 copies.
 Measured for tp on one H200 (2026-11-29, torch 2.11), through the tp code path with a one-rank group
-(gpt2, b = 8, with and without sp and recompute): the vocab-parallel cross-entropy peaks 2.472 GB
-below the dense one (the terms above: 2.473), and the tp collectives come in the dtypes and numbers
+(gpt2, b = 8, with and without sp and recompute): the vocab-parallel cross-entropy peaked 2.472 GB
+below the dense one of the time, torch's (its terms: 2.473), and the tp collectives come in the dtypes and numbers
 listed below; the division by tp itself awaits a machine of two or more GPUs.
 
 Per GPU: allocated = parameters + gradients + optimizer + activations (what
@@ -116,9 +115,7 @@ ACT_SP_WHOLE = 2 + 2  # whole under sp: c_attn's and c_fc's bf16 copies of their
 ACT_KEPT_RECOMPUTE = 4  # per token x channel of one block under recompute: its fp32 input
 ACT_HEAD_LN = 4  # per token x channel: ln_f's fp32 input (t/tp rows under sp)
 ACT_HEAD_IN = 2  # per token x channel: the head matmul's bf16 input (whole under tp)
-LOGITS_KEPT = 4  # per token x vocab: fp32 log-probs saved by the cross-entropy
-LOGITS_FWD = 2 + 4  # bf16 logits, their fp32 copy: freed once the loss is computed
-LOGITS_BWD = 4 + 4  # fp32 gradients of the log-probs and of the logits, early in the backward
+LOGITS = 2  # per token x vocab (tp = 1): loss.py's fused head keeps one bf16 logits buffer, which becomes its gradient
 LOGITS_TP = 4 + 2  # vocab-parallel, per token x local vocab: fp32 softmax (in place) + bf16 logits / gradient
 TP_LOW, TP_HIGH = 2, 4  # tp message bytes per element: bf16 matmul outputs; fp32 LayerNorm outputs, embeddings
 CONTEXT_BYTES = 1e9  # CUDA context, cuBLAS/cuDNN workspaces: outside torch's allocator
@@ -192,7 +189,7 @@ def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp
     rows = tp if sp else 1  # the residual stream holds t/tp rows under sp
     layer = layer_activation(tp, sp) * tbh
     if tp == 1:
-        logits = b * t * cfg.padded_vocab * (LOGITS_KEPT + max(LOGITS_FWD, LOGITS_BWD))
+        logits = b * t * cfg.padded_vocab * LOGITS * scale
     else:
         logits = b * t * cfg.vocab_rows(tp) // tp * LOGITS_TP
     terms = {

@@ -5,8 +5,12 @@ One step, on every rank:
     for each of its micro-batches (a contiguous block of the step's global sequences):
         forward -> sum of the token losses -> divide by the *global* token count -> backward
         (on the last micro-batch, each bucket's reduction starts as soon as its gradients are in)
-    wait for the reductions -> global grad norm -> clip -> AdamW on what this rank owns
-    -> (ZeRO-1) all-gather the updated parameters -> log
+    wait for the reductions -> global grad norm -> clip and AdamW (one fused kernel) on what this
+    rank owns -> (ZeRO-1/2) all-gather the updated parameters -> log
+
+The norm and the clipping factor stay on the device and the step's tokens are copied once from
+pinned memory, so the host runs ahead of the GPU through the whole step; it waits once, at the
+end, to read the loss for the log.
 
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
@@ -31,14 +35,15 @@ import torch.nn.functional as F
 from braidtrain import checkpoint, export
 from braidtrain.comm import Comm, pairwise_sum
 from braidtrain.config import Config, plan_batch
-from braidtrain.data import Loader, TokenData, get_tokenizer, resolve_files, tokenizer_for, unigram_entropy
+from braidtrain.data import Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files, unigram_entropy
 from braidtrain.errors import UserError
 from braidtrain.fault import Fault, Guard, crash_reason
 from braidtrain.mesh import build_mesh
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
+from braidtrain.model import attention
 from braidtrain.model.gpt import GPT, check_tp, init_weights, model_config
 from braidtrain.model.layers import shard_of
-from braidtrain.optim import AdamW, clip_factor, lr_at
+from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.data import DataParallel
 from braidtrain.runtime import init_runtime
 
@@ -131,6 +136,9 @@ class Trainer:
             # same kernels, same reduction orders on every rank and every layout
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
+            # ... but not torch's NaN-filling of every new buffer (a pass over all memory it hands
+            # out): nothing here reads memory it has not written (bucket padding is zeroed)
+            torch.utils.deterministic.fill_uninitialized_memory = False
             if self.device.type == "cpu":
                 torch.set_num_threads(1)
         self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and self.device.type == "cuda")
@@ -140,8 +148,7 @@ class Trainer:
         # data and model
         train_files = resolve_files(cfg.train_data, "train")
         val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
-        self.tok_name = cfg.tokenizer or tokenizer_for(train_files) or "gpt2"
-        vocab = get_tokenizer(self.tok_name).vocab_size if self.tok_name != "gpt2" else 50257
+        self.tok_name, vocab = data_tokenizer(train_files, cfg.tokenizer)
         if cfg.init_from:
             self.mcfg = hf_model_config(cfg, vocab)
         else:
@@ -166,6 +173,12 @@ class Trainer:
         if cfg.init_from:  # before the engine: under ZeRO-3 a rank then holds only its shard
             model.load_state_dict(tp_shards(model, export.load_hf(cfg.init_from, self.mcfg)))
         model.recompute = cfg.recompute
+        if cfg.exact and self.device.type == "cuda":
+            if not attention.available(self.device):
+                raise UserError("--exact on GPU needs triton (for the deterministic attention): pip install triton")
+            model.use_deterministic_attention()
+        if cfg.compile:
+            model.compile_blocks()
         self.model = model.to(self.device)
         self.comm = Comm(self.device)
         self.engine = DataParallel(self.model, self.mesh, self.comm, zero=cfg.zero, exact=cfg.exact,
@@ -218,9 +231,13 @@ class Trainer:
         first = self.engine.rank * plan.seqs_per_rank
         losses = []
         self.comm.step = step + 1  # stamped on this step's flight records
+        # this rank's sequences of the step, copied once and asynchronously (from pinned memory:
+        # a copy from pageable memory would make the host wait for the GPU)
+        xs, ys = self.loader.batch(step, first, plan.seqs_per_rank)
+        if self.device.type == "cuda":
+            xs, ys = xs.pin_memory().to(self.device, non_blocking=True), ys.pin_memory().to(self.device, non_blocking=True)
         for micro in range(plan.micro_steps):
-            x, y = self.loader.batch(step, first + micro * b, b)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y = xs[micro * b : (micro + 1) * b], ys[micro * b : (micro + 1) * b]
             engine.start_micro_step(micro, plan.micro_steps)
             with self.autocast():
                 loss_sum = self.model(x, y)
@@ -229,12 +246,9 @@ class Trainer:
             engine.backward(loss_sum / plan.total_tokens)
             losses.append(loss_sum.detach())
         engine.finish_reduction()
-        norm = engine.grad_norm()
-        factor = clip_factor(norm, cfg.grad_clip)
-        if factor != 1.0:
-            engine.scale_grads(factor)
+        norm = engine.grad_norm()  # on the device: nothing in the step waits for the GPU
         lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=cfg.max_steps, final_frac=cfg.final_lr_frac)
-        self.opt.step(lr)
+        self.opt.step(lr, grad_scale=clip_scale(norm, cfg.grad_clip))
         engine.gather_params()
         loss = gather_loss(self.comm, engine, losses) / plan.total_tokens
         dt = time.time() - t0
@@ -245,7 +259,7 @@ class Trainer:
             mem = torch.cuda.max_memory_allocated(self.device) / 1e9
         else:
             mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
-        return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm),
+        return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
                 "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt,
                 "comm_s": self.comm.step_comm_seconds(), "exposed_comm_s": engine.exposed_comm_s()}
 

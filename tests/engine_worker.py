@@ -42,7 +42,7 @@ def main(zero, out):
     last_grad = engine.last_grad_time
     engine.finish_reduction()
     first_launch = min(r.t_start for r in comm.records)
-    norm = engine.grad_norm()
+    norm = engine.grad_norm().item()
     state_bytes = engine.model_state_bytes()
     # the single-process reference: the whole global batch, plain autograd
     for s in range(seqs):

@@ -163,6 +163,8 @@ TRAIN_CASES = [
      lambda p: ["nosuchconfig", *sorted(f.stem for f in (REPO / "braidtrain" / "configs").glob("*.toml"))]),
     # 7. ZeRO stage not available
     ("zero-stage-7", lambda p: ["-i", p.data, "-z", 7], lambda p: ["ZeRO", "7", "-z 0"]),
+    # 8. a combination that does not exist yet
+    ("compile-with-tp", lambda p: ["-i", p.data, "--tp", 2, "--compile"], lambda p: ["--compile", "tp", "drop --compile"]),
 ]
 
 

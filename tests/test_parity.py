@@ -48,3 +48,20 @@ def test_exact_mode_is_bitwise_identical(tmp_path, shakespeare, exact_reference,
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]
     assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in ref_rows]
     assert summ["weights_sha256"] == ref_summ["weights_sha256"]
+
+
+def test_compile_matches_eager(tmp_path, shakespeare, reference):
+    """--compile (inductor's generated kernels, each block its own graph, the bucket hooks around
+    them, ZeRO-3's gathers) on 2 ranks follows the eager single process to float rounding."""
+    rows, _ = train(tmp_path, shakespeare, 2, "-z", 3, "--compile")
+    ref, got = reference[0][-1]["loss"], rows[-1]["loss"]
+    assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+
+
+def test_compile_exact_is_bitwise_identical(tmp_path, shakespeare):
+    """--exact --compile: torch's deterministic mode fixes inductor's reduction configs, so the
+    compiled kernels, and with them the bits, are the same for 1 and 2 ranks."""
+    one = train(tmp_path, shakespeare, 1, "--exact", "--compile", steps=4)
+    two = train(tmp_path, shakespeare, 2, "--exact", "--compile", "-z", 2, steps=4)
+    assert [r["loss"] for r in one[0]] == [r["loss"] for r in two[0]]
+    assert one[1]["weights_sha256"] == two[1]["weights_sha256"]

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from braidtrain.errors import UserError
+from braidtrain.model.attention import causal_attention
+from braidtrain.model.loss import head_loss
 from braidtrain.model.layers import (REPLICATED, ColumnParallelLinear, RowParallelLinear, ShardSpec,
                                      VocabParallelEmbedding, enter_tp, gather_last_dim, shard_of,
                                      vocab_parallel_cross_entropy)
@@ -101,6 +103,8 @@ def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=N
 
 
 class Attention(nn.Module):
+    deterministic = False  # exact mode on GPU: attention.causal_attention (GPT.use_deterministic_attention)
+
     def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
         self.n_head = cfg.n_head // tp  # this rank's heads
@@ -112,7 +116,10 @@ class Attention(nn.Module):
         B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = qkv.split(C, dim=2)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.deterministic:
+            y = causal_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -134,7 +141,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg, group, sp)
 
+    compiled = None  # torch.compile(self.body) under --compile (GPT.compile_blocks)
+
     def forward(self, x):
+        if self.compiled is not None and torch.is_grad_enabled():  # training; eval, sampling: eager
+            return self.compiled(x)
+        return self.body(x)
+
+    def body(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -181,6 +195,23 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.recompute = False  # activation checkpointing: keep only each block's input
 
+    def use_deterministic_attention(self) -> None:
+        """Exact mode on GPU: torch's fused attention backwards add partial tiles with atomics (not
+        bitwise repeatable); attention.py's Triton kernels add in a fixed order. On the CPU,
+        torch's attention is already deterministic."""
+        for block in self.h:
+            block.attn.deterministic = True
+
+    def compile_blocks(self) -> None:
+        """--compile: each block becomes one torch.compile'd function, for training (grad
+        enabled); the head and loss are loss.py's fused kernel already. Block by block rather than the whole model, so each
+        block's backward is still its own autograd node: its gradients are complete -- and their
+        bucket's reduction can start -- while earlier blocks are still in the backward pass.
+        Module hooks (ZeRO-3's gathers) stay outside the compiled code. tp = 1 only (config.py
+        says so): the tp layers' collectives are not traceable yet."""
+        for block in self.h:
+            block.compiled = torch.compile(block.body)
+
     shard_spec = staticmethod(shard_spec)  # how each parameter is split over tp (for the engine)
 
     def param_units(self):
@@ -223,10 +254,9 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         if self.group is None:
-            logits = F.linear(self.ln_f(x), self.wte.weight)[..., : self.cfg.vocab_size]
             if targets is None:
-                return logits
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+                return F.linear(self.ln_f(x), self.wte.weight)[..., : self.cfg.vocab_size]
+            return head_loss(self.ln_f(x), self.wte.weight, targets, self.cfg.vocab_size)
         # the tied head, column-parallel over the vocabulary: (B, T, V/tp) of this rank's rows
         logits = F.linear(enter_tp(self.ln_f(x), self.group, self.sp), self.wte.weight)
         if targets is None:

@@ -403,8 +403,9 @@ class DataParallel:
             g[a:e] = 0
         return g
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the reduced gradient, each parameter counted once."""
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradient, each parameter counted once: a 0-dim tensor on
+        the device (reading it is the caller's host synchronisation)."""
         owned = [(b, self._norm_view(b, g)) for b, _, g in self.owned()]
         if not self.exact:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -414,7 +415,7 @@ class DataParallel:
                 self.comm.all_reduce(sq, self.group, "replica").wait()
             if self.tp > 1:
                 self.comm.all_reduce(sq, self.tp_group, "tp").wait()
-            return math.sqrt(sq.item())
+            return sq.sqrt()
         # exact: float64 sums of Q-element chunks by pairwise trees; chunks gathered in canonical
         # order; per bucket a pairwise tree over its chunks; buckets added in order; tp ranks too.
         local = torch.cat([pairwise_sum(g.double().pow(2).view(-1, Q).T) for _, g in owned])
@@ -426,11 +427,7 @@ class DataParallel:
             col += k
         if self.tp > 1:
             total = pairwise_sum(self.comm.gather_rows(total, self.tp_group, "tp"))  # tp-rank order
-        return math.sqrt(total.item())
-
-    def scale_grads(self, factor: float):
-        for _, _, g in self.owned():
-            g.mul_(factor)
+        return total[0].sqrt()
 
     def gather_params(self):
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.

@@ -1,0 +1,89 @@
+"""Where one training step's GPU time goes: braidtrain's own trainer, torch.profiler around a step.
+
+    python benchmarks/profile_step.py [train flags ...]     # from the repo root, one GPU
+    e.g. python benchmarks/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
+
+Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
+time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
+loss, fused elementwise/normalisation kernels, optimizer, copies, communication), then the 12
+most expensive kernels.
+"""
+
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
+from braidtrain.train import Trainer  # noqa: E402
+
+CATEGORIES = [  # first match wins
+    ("attention", ("flash", "fmha", "attention", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_delta_kernel", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "matmul")),
+    ("optimizer", ("adam",)),
+    ("communication", ("nccl",)),
+    ("loss", ("nll", "log_softmax", "cross_entropy", "softmax")),
+    ("fused (inductor)", ("triton_",)),
+    ("copy/cast", ("copy", "convert", "cast", "fill", "memcpy", "memset")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def main(argv):
+    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
+    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
+    trainer = Trainer(cfg)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    for s in range(4):
+        trainer.step(s)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.time()
+        rec = trainer.step(4)
+        sync()
+        wall = time.time() - t0
+    by_cat, by_name = defaultdict(float), defaultdict(float)
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))  # us, kernels only below
+        if e.device_type == torch.autograd.DeviceType.CUDA and t > 0:
+            by_cat[category(e.key)] += t
+            by_name[e.key] += t
+    busy = sum(by_cat.values()) / 1e6
+    print(f"step {wall * 1e3:.1f} ms wall ({rec['tokens_per_s']:,.0f} tokens/s), GPU kernels {busy * 1e3:.1f} ms "
+          f"({100 * busy / wall:.0f}% busy)")
+    for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):
+        print(f"  {c:18s} {t / 1e3:8.1f} ms  {100 * t / 1e6 / wall:5.1f}%")
+    # where the GPU idles: gaps between consecutive kernels, with the kernels on either side
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, end, prev = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
+    for a, e, name in spans[1:]:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        if e > end:
+            end, prev = e, name
+    print(f"idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
+    for g, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+    print("top kernels:")
+    for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:12]:
+        print(f"  {t / 1e3:8.1f} ms  {n[:110]}")
+    print("top host operations by their own CPU time (where a host-bound step spends it):")
+    cpu = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: -e.self_cpu_time_total)
+    for e in cpu[:12]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.1f} ms  {e.count:6d} calls  {e.key[:90]}")
+    trainer.guard.close(clean=True)
+    trainer.rt.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,436 @@
+"""Deterministic causal attention: FlashAttention-2 in Triton, with an atomic-free backward.
+
+What. `causal_attention(q, k, v)` is softmax(q kᵀ/√D + causal mask) v for q, k, v of shape
+(B, H, T, D) (bf16, fp16 or fp32; D in {16, 32, 64, 128}; any T ≥ 1), differentiable, with
+every sum accumulated in fp32 — the same maths as
+`F.scaled_dot_product_attention(q, k, v, is_causal=True)`.
+
+Why. torch's flash, memory-efficient and cuDNN attention backward passes add partial dQ
+(or dK, dV) tiles into global memory with atomics from many thread blocks at once, so the
+order of the additions, and their rounding, changes from run to run: two identical backward
+passes on an H200 can differ in the last bits (the benchmark below shows whether they do). Exact mode needs the same bits every run, and
+the same bits for a sequence whatever batch it is computed in. Here each output element is
+written by exactly one program, each program adds its terms in a fixed order, and the
+block sizes depend only on (D, dtype), never on B or T — so (batch, head) pairs are
+independent and the bits depend only on that pair's own q, k, v (and T).
+
+Algorithm (Dao, "FlashAttention-2", arXiv:2307.08691; the split backward is the one in
+Triton's fused-attention tutorial). Four kernels, each one program per (batch·head, block):
+
+    forward  per query block: stream key blocks 0 … diagonal, online softmax (exp2, scores
+             pre-scaled by log2 e / √D); write O and L = log2-sum-exp2 of the row (fp32)
+    delta    per query block: Δ_i = Σ_d dO_id · O_id (fp32)
+    dK, dV   per key block: stream query blocks diagonal … end, recompute Pᵀ = exp2(S - L),
+             dV += Pᵀ dO,  dSᵀ = Pᵀ ∘ (V dOᵀ - Δ),  dK += dSᵀ Q
+    dQ       per query block: stream key blocks diagonal, then 0 … diagonal - 1,
+             dQ += dS K  (dS recomputed the same way)
+
+Blocks strictly below the diagonal run without the mask; the diagonal blocks are masked,
+and a ragged last block is zero-padded on load (a padded row has dO = 0, so it adds
+nothing) and masked on store.
+
+Cost vs. flash. FA2's backward does 5 block matmuls per (query block, key block) and adds
+dQ with atomics; computing dQ in its own pass recomputes S and dP, so 7 — the backward does
+1.4× the matmul FLOPs (fwd+bwd 9/7 ≈ 1.29×), on top of Triton vs. hand-written CUDA.
+`benchmarks/attention_gpu.py` measures it. Memory is flash's: O(B·H·T) for L and Δ.
+
+The public entry points never import triton; it is imported on first use, so this module
+imports on machines without it (see `available`). Set TRITON_INTERPRET=1 before the first
+use to run the kernels on CPU tensors through Triton's interpreter (slow; for tests).
+"""
+
+from __future__ import annotations  # kernel annotations stay strings until triton is imported
+
+import math
+import os
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+
+_LOG2E = 1.4426950408889634
+HEAD_DIMS = (16, 32, 64, 128)
+triton = tl = None  # bound by _load_triton(); the kernels below resolve `tl` through this module
+
+
+def available(device) -> bool:
+    """True when the kernels can run on `device`: triton imports and the device is CUDA,
+    or TRITON_INTERPRET=1 (the CPU interpreter, for tests)."""
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    try:
+        _load_triton()
+    except ImportError:
+        return False
+    return True
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q kᵀ/√D) v, bitwise deterministic forward and backward.
+
+    q, k, v: (B, H, T, D), one dtype (bf16/fp16/fp32), one device, D in {16, 32, 64, 128}.
+    Any strides with a unit last stride are read in place (the (B, T, H, D) → (B, H, T, D)
+    transpose in gpt.py costs no copy); others (and dO with, e.g., zero strides from
+    `o.sum().backward()`) are made contiguous first. The output (and
+    each gradient) is laid out like its input: (B, T, H, D) storage when the input's head
+    stride is below its time stride, so `y.transpose(1, 2).reshape(B, T, C)` is free.
+    A torch custom operator (braidtrain::causal_attention): torch.compile keeps it whole in
+    its graph, as it does torch's own attention.
+    """
+    _check(q, k, v)
+    return torch.ops.braidtrain.causal_attention(q, k, v, list(_config(q.shape[-1], q.dtype)))[0]
+
+
+class _Config(NamedTuple):
+    fwd_m: int       # forward, delta: query rows per program
+    fwd_n: int       # forward: key rows per step          (fwd_m % fwd_n == 0)
+    kv_m: int        # dK,dV: query rows per step          (kv_n % kv_m == 0)
+    kv_n: int        # dK,dV: key rows per program
+    q_m: int         # dQ: query rows per program          (q_m % q_n == 0)
+    q_n: int         # dQ: key rows per step
+    fwd_warps: int
+    bwd_warps: int
+    stages: int
+
+
+def _config(D: int, dtype: torch.dtype) -> _Config:
+    """Fixed block sizes by (D, dtype) only — never by B, H or T, which the bits must not
+    depend on. 16-bit: the tiles of Triton's fused-attention tutorial for H100 (forward
+    128 x 64, 128 x 32 for D = 128; backward 32 x 128 and 128 x 32); 8 warps in the backward
+    keep its fp32 accumulators in registers (with 4, ptxas for sm_90a reports dK,dV spilling
+    at D = 64). fp32 (true fp32 products, no tensor cores) takes 32 x 32 tiles, which fit
+    without spills at D <= 64."""
+    if dtype == torch.float32:
+        w = 4 if D <= 32 else 8
+        return _Config(32, 32, 32, 32, 32, 32, fwd_warps=w, bwd_warps=w, stages=2)
+    if D <= 64:
+        return _Config(128, 64, 32, 128, 128, 32, fwd_warps=4, bwd_warps=8, stages=3)
+    return _Config(128, 32, 32, 128, 128, 32, fwd_warps=8, bwd_warps=8, stages=3)
+
+
+def _check(q, k, v) -> None:
+    if not (q.dim() == 4 and q.shape == k.shape == v.shape):
+        raise ValueError(f"causal_attention wants q, k, v of one shape (B, H, T, D); "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"causal_attention wants q, k, v of one dtype in bf16/fp16/fp32; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"causal_attention supports head dims {HEAD_DIMS}; got D={q.shape[-1]}")
+    if q.shape[2] == 0:
+        raise ValueError("causal_attention needs T >= 1")
+
+
+# ---- autograd ------------------------------------------------------------------------------
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself if the kernels can read it in place: unit last stride, and the offsets within
+    one (batch, head), which the kernels compute in int32, below 2^31."""
+    return x if x.stride(-1) == 1 and x.stride(2) * x.shape[2] < 2**31 else x.contiguous()
+
+
+def _empty_like_layout(x: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, T, D) tensor stored as (B, T, H, D) when x is, else contiguous."""
+    B, H, T, D = x.shape
+    if x.stride(1) < x.stride(2):
+        return torch.empty(B, T, H, D, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)
+
+
+def _s(x):  # the (batch, head, time) strides; the last one is 1
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+@torch.library.custom_op("braidtrain::causal_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: O = softmax(Q Kᵀ/√D, causal) V, and L (row log2-sum-exp2, fp32), saved for backward."""
+    if not available(q.device):
+        raise RuntimeError(f"causal_attention needs triton and a CUDA device (or TRITON_INTERPRET=1); got {q.device}")
+    cfg = _Config(*config)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, H, T, D = q.shape
+    o = _empty_like_layout(q)
+    lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
+    sm_scale = 1.0 / math.sqrt(D)
+    assert cfg.fwd_m % cfg.fwd_n == 0 and cfg.kv_n % cfg.kv_m == 0 and cfg.q_m % cfg.q_n == 0, cfg
+    with _on(q.device):
+        grid = (triton.cdiv(T, cfg.fwd_m) * B * H,)
+        _fwd_kernel[grid](q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o), H, T, sm_scale * _LOG2E,
+                          D=D, BM=cfg.fwd_m, BN=cfg.fwd_n, PREC=_prec(q.dtype),
+                          num_warps=cfg.fwd_warps, num_stages=cfg.stages)
+    return o, lse
+
+
+@_attention_op.register_fake
+def _(q, k, v, config):
+    B, H, T, _ = q.shape
+    return _empty_like_layout(_unit_last(q)), q.new_empty(B * H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("braidtrain::causal_attention_backward", mutates_args=())
+def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                           do: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: Δ = rowsum(dO ∘ O); dK, dV per key block; dQ per query block — no atomics."""
+    cfg = _Config(*config)
+    q, k, v, o, do = (_unit_last(x) for x in (q, k, v, o, do))
+    B, H, T, D = q.shape
+    sm_scale = 1.0 / math.sqrt(D)
+    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
+    delta = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
+    common = dict(D=D, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+    with _on(q.device):
+        _delta_kernel[(triton.cdiv(T, cfg.fwd_m) * B * H,)](
+            o, do, delta, *_s(o), *_s(do), H, T, BM=cfg.fwd_m, **common)
+        _dkdv_kernel[(triton.cdiv(T, cfg.kv_n) * B * H,)](
+            q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
+            H, T, sm_scale * _LOG2E, sm_scale, BM=cfg.kv_m, BN=cfg.kv_n, PREC=_prec(q.dtype), **common)
+        _dq_kernel[(triton.cdiv(T, cfg.q_m) * B * H,)](
+            q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
+            H, T, sm_scale * _LOG2E, sm_scale, BM=cfg.q_m, BN=cfg.q_n, PREC=_prec(q.dtype), **common)
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _(q, k, v, o, lse, do, config):
+    return tuple(_empty_like_layout(_unit_last(x)) for x in (q, k, v))
+
+
+def _save(ctx, inputs, output):
+    q, k, v, config = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.config = config
+
+
+def _grad(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return (*torch.ops.braidtrain.causal_attention_backward(q, k, v, o, lse, do, ctx.config), None)
+
+
+_attention_op.register_autograd(_grad, setup_context=_save)
+
+
+def _prec(dtype) -> str:
+    # fp32 inputs get true fp32 products (torch's default for fp32 matmul), not TF32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _on(device):
+    # Triton launches on the current CUDA device; make it q's.
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+# ---- kernels -------------------------------------------------------------------------------
+# Plain functions here; _load_triton() replaces each with triton.jit(fn) in this module's
+# namespace, which is also where the kernels find `tl` and each other. Pointers Q, K, ... are
+# (B, H, T, D) with the given (b, h, t) strides and unit d stride; L and Δ are (B·H, T).
+# Grids are 1-D, (blocks per head) × B·H, a head's blocks adjacent.
+
+def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                H, T, qk_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    n_blk = tl.cdiv(T, BM)
+    pid = tl.program_id(0)
+    bh = pid // n_blk
+    blk = n_blk - 1 - pid % n_blk  # last (longest) query block first: a shorter tail
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * sqb + h * sqh
+    K += b * skb + h * skh
+    V += b * svb + h * svh
+    O += b * sob + h * soh
+    L += bh.to(tl.int64) * T
+
+    start_m = blk * BM
+    offs_m = start_m + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + offs_m[:, None] * sqt + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)  # running row max of the scaled scores
+    l_i = tl.zeros([BM], tl.float32)                 # running row sum of exp2(score - m_i)
+    acc = tl.zeros([BM, D], tl.float32)
+    # Key blocks wholly below the diagonal (every key < start_m <= every query), unmasked ...
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, 0, start_m, T, qk_scale, offs_m,
+                               D, BN, False, PREC)
+    # ... then the diagonal blocks, causally masked (which also hides keys >= T from real rows).
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, start_m, tl.minimum(start_m + BM, T), T,
+                               qk_scale, offs_m, D, BN, True, PREC)
+    acc = acc / l_i[:, None]
+    tl.store(O + offs_m[:, None] * sot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+    tl.store(L + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
+
+
+def _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, lo, hi, T, qk_scale, offs_m,
+               D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        if CAUSAL:
+            kT = tl.load(K + offs_n[None, :] * skt + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+            v = tl.load(V + offs_n[:, None] * svt + offs_d[None, :], mask=offs_n[:, None] < T, other=0.0)
+        else:
+            kT = tl.load(K + offs_n[None, :] * skt + offs_d[:, None])
+            v = tl.load(V + offs_n[:, None] * svt + offs_d[None, :])
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        if CAUSAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key start_m is visible to every row here
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+def _delta_kernel(O, DO, Delta, sob, soh, sot, sdb, sdh, sdt, H, T, D: tl.constexpr, BM: tl.constexpr):
+    n_blk = tl.cdiv(T, BM)
+    pid = tl.program_id(0)
+    bh = pid // n_blk
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = (pid % n_blk) * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    rows = offs_m[:, None] < T
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=rows, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+
+def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
+                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, skb2, skh2, skt2, svb2, svh2, svt2,
+                 H, T, qk_scale, sm_scale,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    n_blk = tl.cdiv(T, BN)
+    pid = tl.program_id(0)
+    bh = pid // n_blk
+    blk = pid % n_blk  # first key block (sees every query) first
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    Q += b * sqb + h * sqh
+    DO += b * sdb + h * sdh
+    L += bh.to(tl.int64) * T
+    Delta += bh.to(tl.int64) * T
+
+    start_n = blk * BN
+    offs_n = start_n + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    cols = offs_n[:, None] < T
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=cols, other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=cols, other=0.0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    # Query blocks on the diagonal (masked), then those wholly below it, in increasing order.
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqt, sdt, start_n, tl.minimum(start_n + BN, T), T,
+                         qk_scale, offs_n, D, BM, True, PREC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqt, sdt, start_n + BN, T, T,
+                         qk_scale, offs_n, D, BM, False, PREC)
+    dk *= sm_scale
+    tl.store(DK + b * skb2 + h * skh2 + offs_n[:, None] * skt2 + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=cols)
+    tl.store(DV + b * svb2 + h * svh2 + offs_n[:, None] * svt2 + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=cols)
+
+
+def _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqt, sdt, lo, hi, T, qk_scale, offs_n,
+                D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    # Works on transposed tiles (keys × queries) so the per-key sums are row sums. Query rows
+    # >= T load as zeros (q = dO = L = Δ = 0): their Pᵀ is 1 but dO = 0, so they add nothing.
+    offs_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BM):
+        offs_m = start_m + tl.arange(0, BM)
+        qT = tl.load(Q + offs_m[None, :] * sqt + offs_d[:, None], mask=offs_m[None, :] < T, other=0.0)
+        do = tl.load(DO + offs_m[:, None] * sdt + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
+        lse = tl.load(L + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(Delta + offs_m, mask=offs_m < T, other=0.0)
+        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PREC) * qk_scale - lse[None, :])
+        if CAUSAL:
+            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC)
+    return dk, dv
+
+
+def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
+               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sqb2, sqh2, sqt2,
+               H, T, qk_scale, sm_scale,
+               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    n_blk = tl.cdiv(T, BM)
+    pid = tl.program_id(0)
+    bh = pid // n_blk
+    blk = n_blk - 1 - pid % n_blk  # last (longest) query block first
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    K += b * skb + h * skh
+    V += b * svb + h * svh
+
+    start_m = blk * BM
+    offs_m = start_m + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    rows = offs_m[:, None] < T
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=rows, other=0.0)
+    lse = tl.load(L + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(Delta + bh.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    # The diagonal key blocks (masked), then key blocks 0 … start_m - 1 in increasing order.
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, start_m, tl.minimum(start_m + BM, T), T,
+                   qk_scale, offs_m, D, BN, True, PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, 0, start_m, T,
+                   qk_scale, offs_m, D, BN, False, PREC)
+    dq *= sm_scale
+    tl.store(DQ + b * sqb2 + h * sqh2 + offs_m[:, None] * sqt2 + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=rows)
+
+
+def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, lo, hi, T, qk_scale, offs_m,
+              D: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        offs_n = start_n + tl.arange(0, BN)
+        kT = tl.load(K + offs_n[None, :] * skt + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+        vT = tl.load(V + offs_n[None, :] * svt + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+        p = tl.math.exp2(tl.dot(q, kT, input_precision=PREC) * qk_scale - lse[:, None])
+        if CAUSAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC)
+    return dq
+
+
+_KERNELS = ("_fwd_kernel", "_fwd_inner", "_delta_kernel", "_dkdv_kernel", "_dkdv_inner", "_dq_kernel", "_dq_inner")
+
+
+def _load_triton() -> None:
+    """Import triton (ImportError if absent) and jit the kernels, once per process. Whether
+    they compile for the GPU or run in the interpreter is fixed here, by TRITON_INTERPRET."""
+    global triton, tl
+    if triton is not None:
+        return
+    import triton as _triton
+    import triton.language as _tl
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        _fix_interpreter_index()
+    g = globals()
+    tl = _tl
+    for name in _KERNELS:
+        g[name] = _triton.jit(g[name])
+    triton = _triton  # last: marks the kernels ready
+
+
+def _fix_interpreter_index() -> None:
+    """Interpreter only. Triton 3.6's interpreter turns a scalar into a Python int (a `range`
+    bound, such as our runtime loop limits) with int() of a shape-(1,) array, which NumPy
+    >= 2.4 refuses (triton-lang/triton#9171). Re-apply upstream's fix (#9172: squeeze first);
+    a no-op where the interpreter has no _patch_lang_tensor."""
+    import triton.runtime.interpreter as interp
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_braidtrain_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._braidtrain_fixed = True
+    interp._patch_lang_tensor = patched
