@@ -92,7 +92,7 @@ def main(argv=None):
         assert torch.cuda.is_available(), "needs a CUDA GPU"
         device, (N, C, Vp, V) = torch.device("cuda"), (16384, 768, 50304, 50257)
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    assert L._triton_ok(device), "needs triton (and, on the CPU, TRITON_INTERPRET=1)"
+    assert L.available(device, L._load_triton), "needs triton (and, on the CPU, TRITON_INTERPRET=1)"
     print(f"triton {L.triton.__version__}  N={N} C={C} Vp={Vp} V={V}  fused pass {L._config(V)}")
     ok = True
 

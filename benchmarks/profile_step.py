@@ -26,7 +26,7 @@ CATEGORIES = [  # first match wins
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "matmul")),
     ("optimizer", ("adam",)),
     ("communication", ("nccl",)),
-    ("loss", ("nll", "log_softmax", "cross_entropy", "softmax")),
+    ("loss", ("nll", "log_softmax", "cross_entropy", "softmax", "_ce_kernel")),
     ("fused (inductor)", ("triton_",)),
     ("copy/cast", ("copy", "convert", "cast", "fill", "memcpy", "memset")),
 ]

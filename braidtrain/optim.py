@@ -3,10 +3,14 @@
 The optimizer never sees a parameter: it sees the (parameter shard, gradient shard) pairs the
 data-parallel engine says this rank owns -- whole buckets under ZeRO-0, one shard of each bucket
 under ZeRO-1 -- and keeps m and v for exactly those elements. The update is torch's fused AdamW
-kernel (`torch._fused_adamw_`, on CPU and CUDA): one multi-tensor launch for all the ranges of all
-shards that take weight decay (2-D weights) and one for the rest. Every operation is elementwise,
-so the update of an element does not depend on where the shard boundaries fall (checked bitwise by
-the exact-mode tests). Gradient clipping divides the gradient inside the same kernel (its
+kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
+shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
+Every operation is elementwise, so the update of an element does not depend on where the shard
+boundaries fall -- provided each element takes the same code path: torch's CPU kernel treats the
+last len % SIMD-width elements of each tensor with scalar code, which rounds differently, so the
+kernel is given whole shards only (multiples of 64 elements, 64-aligned: no scalar tail), never
+parameter-sized pieces (checked bitwise by the exact-mode tests, at an n_embd that is not a
+multiple of 16). Gradient clipping divides the gradient inside the same kernel (its
 `grad_scale`), with the scale computed on the device: the step needs no host synchronisation.
 """
 
@@ -27,16 +31,6 @@ def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, final_frac: floa
     return lr * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def complement(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    """The ranges of [0, n) not covered by the sorted, disjoint `segments`."""
-    out, pos = [], 0
-    for a, e in segments:
-        if a > pos:
-            out.append((pos, a))
-        pos = e
-    return out + ([(pos, n)] if pos < n else [])
-
-
 class AdamW:
     def __init__(self, engine, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
         self.engine = engine
@@ -44,11 +38,8 @@ class AdamW:
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
         self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
-        self.plain = []  # the other ranges of each shard
         for b, p, _ in engine.owned():
-            decay = engine.decay_segments(b)
-            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), decay))
-            self.plain.append(complement(decay, p.numel()))
+            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), engine.decay_segments(b)))
         self._step = torch.zeros((), dtype=torch.float32, device=engine.device)
 
     def state_numel(self) -> int:
@@ -61,17 +52,15 @@ class AdamW:
         self.step_count += 1
         self._step.fill_(self.step_count)
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
-        decay = [d for _, _, d in self.groups]
-        for wd, ranges in ((self.weight_decay, decay), (0.0, self.plain)):
-            lists = ([], [], [], [])  # parameters, gradients, m, v: views of the shards
-            for (_, p, g), (m, v, _), segs in zip(self.engine.owned(), self.groups, ranges):
-                for a, e in segs:
-                    for out, t in zip(lists, (p, g, m, v)):
-                        out.append(t[a:e])
-            if lists[0]:
-                torch._fused_adamw_(*lists, [], [self._step] * len(lists[0]), lr=lr, beta1=self.beta1,
-                                    beta2=self.beta2, weight_decay=wd, eps=self.eps, amsgrad=False,
-                                    maximize=False, grad_scale=grad_scale, found_inf=None)
+        owned = list(self.engine.owned())
+        if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
+            decayed = [p[a:e] for (_, p, _), (_, _, decay) in zip(owned, self.groups) for a, e in decay]
+            if decayed:
+                torch._foreach_mul_(decayed, 1 - lr * self.weight_decay)
+        torch._fused_adamw_([p for _, p, _ in owned], [g for _, _, g in owned], [m for m, _, _ in self.groups],
+                            [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=lr, beta1=self.beta1,
+                            beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False,
+                            grad_scale=grad_scale, found_inf=None)
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

@@ -62,7 +62,7 @@ the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt
 On the CPU (fp32, no autocast) the per token x channel terms count twice and there are no bf16 copies.
 Measured for tp on one H200 (2026-11-29, torch 2.11), through the tp code path with a one-rank group
 (gpt2, b = 8, with and without sp and recompute): the vocab-parallel cross-entropy peaked 2.472 GB
-below the dense one of the time, torch's (its terms: 2.473), and the tp collectives come in the dtypes and numbers
+below torch's dense cross-entropy, used before loss.py (its terms then: 2.473), and the tp collectives come in the dtypes and numbers
 listed below; the division by tp itself awaits a machine of two or more GPUs.
 
 Per GPU: allocated = parameters + gradients + optimizer + activations (what

@@ -12,7 +12,8 @@ MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under FSDP2, fp32 on CPU.
 accumulation skips the synchronisation of all but the last micro-step (DDP's no_sync, FSDP2's
 set_requires_gradient_sync). ddp-compile is nanoGPT's recipe: torch.compile the model, then DDP.
 
-Writes {"mode", "step_s": [...], "loss": [...], "mem_gb", "mfu_per_token"} from rank 0.
+Writes {"mode", "world_size", "step_s": [...], "loss": [...], "mem_gb", "tokens_per_step",
+"flops_per_token", "peak_flops"} from rank 0.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ One step, on every rank:
     for each of its micro-batches (a contiguous block of the step's global sequences):
         forward -> sum of the token losses -> divide by the *global* token count -> backward
         (on the last micro-batch, each bucket's reduction starts as soon as its gradients are in)
-    wait for the reductions -> global grad norm -> clip and AdamW (one fused kernel) on what this
-    rank owns -> (ZeRO-1/2) all-gather the updated parameters -> log
+    wait for the reductions -> global grad norm -> clip and AdamW (torch's fused kernel) on what
+    this rank owns -> (ZeRO-1/2) all-gather the updated parameters -> log
 
 The norm and the clipping factor stay on the device and the step's tokens are copied once from
 pinned memory, so the host runs ahead of the GPU through the whole step; it waits once, at the
@@ -176,6 +176,10 @@ class Trainer:
         if cfg.exact and self.device.type == "cuda":
             if not attention.available(self.device):
                 raise UserError("--exact on GPU needs triton (for the deterministic attention): pip install triton")
+            head = self.mcfg.n_embd // self.mcfg.n_head
+            if head not in attention.HEAD_DIMS:
+                raise UserError(f"--exact on GPU supports head sizes {attention.HEAD_DIMS} (n_embd / n_head), "
+                                f"got {self.mcfg.n_embd} / {self.mcfg.n_head} = {head}: change --n-head, or drop --exact")
             model.use_deterministic_attention()
         if cfg.compile:
             model.compile_blocks()
@@ -329,6 +333,10 @@ class Trainer:
             sha = checkpoint.weights_sha256(self.model)
         summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
                    "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s}
+        if cfg.compile:  # how many graphs torch.compile made (one per block shape: 1 for GPT-2)
+            from torch._dynamo.utils import counters
+
+            summary["compiled_graphs"] = counters["stats"]["unique_graphs"]
         if rt.is_main:
             summary["unigram_val_loss"] = unigram_entropy(self.train_data)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

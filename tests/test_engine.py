@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import ROOT, env
+from braidtrain.optim import AdamW
 from braidtrain.parallel.data import Q
 
 
@@ -61,3 +63,41 @@ def test_global_norm_counts_each_parameter_once(ranks):
     _, rows = ranks
     for r in rows:
         assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r
+
+
+class _Shards:
+    """The optimizer's view of an engine: flat shards and where their 2-D weights lie."""
+
+    def __init__(self, p, g, cuts, decay):
+        self.device = p.device
+        self.parts = [(p[a:e], g[a:e], [(max(s, a) - a, min(t, e) - a) for s, t in decay if max(s, a) < min(t, e)])
+                      for a, e in zip(cuts, cuts[1:])]
+
+    def owned(self):
+        return ((i, p, g) for i, (p, g, _) in enumerate(self.parts))
+
+    def decay_segments(self, i):
+        return self.parts[i][2]
+
+
+def test_adamw_bits_do_not_depend_on_shard_or_parameter_boundaries():
+    """The same elements updated as one shard or as two 64-aligned shards, with 2-D weights at
+    odd offsets: the same bits (torch's CPU kernel rounds a tensor's SIMD tail differently, so the
+    optimizer must not cut its tensors at parameter boundaries)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as exact mode runs on the CPU
+    n, decay = 640, [(0, 37), (101, 400), (413, 627)]
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(3)]
+    results = []
+    for cuts in ([0, n], [0, 320, n], [0, 64, 448, n]):
+        p, g = init.clone(), torch.zeros(n)
+        opt = AdamW(_Shards(p, g, cuts, decay), weight_decay=0.1)
+        for s, grad in enumerate(grads):
+            g.copy_(grad)
+            opt.step(1e-2, grad_scale=torch.tensor(1.7) if s == 1 else None)
+        results.append((p, torch.cat([m for m, _, _ in opt.groups]), torch.cat([v for _, v, _ in opt.groups])))
+    torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

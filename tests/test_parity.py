@@ -53,7 +53,8 @@ def test_exact_mode_is_bitwise_identical(tmp_path, shakespeare, exact_reference,
 def test_compile_matches_eager(tmp_path, shakespeare, reference):
     """--compile (inductor's generated kernels, each block its own graph, the bucket hooks around
     them, ZeRO-3's gathers) on 2 ranks follows the eager single process to float rounding."""
-    rows, _ = train(tmp_path, shakespeare, 2, "-z", 3, "--compile")
+    rows, summ = train(tmp_path, shakespeare, 2, "-z", 3, "--compile")
+    assert summ["compiled_graphs"] >= 1  # it did compile
     ref, got = reference[0][-1]["loss"], rows[-1]["loss"]
     assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
 
@@ -65,3 +66,5 @@ def test_compile_exact_is_bitwise_identical(tmp_path, shakespeare):
     two = train(tmp_path, shakespeare, 2, "--exact", "--compile", "-z", 2, steps=4)
     assert [r["loss"] for r in one[0]] == [r["loss"] for r in two[0]]
     assert one[1]["weights_sha256"] == two[1]["weights_sha256"]
+    assert one[1]["compiled_graphs"] >= 1 and two[1]["compiled_graphs"] >= 1
+

@@ -53,13 +53,14 @@ HEAD_DIMS = (16, 32, 64, 128)
 triton = tl = None  # bound by _load_triton(); the kernels below resolve `tl` through this module
 
 
-def available(device) -> bool:
-    """True when the kernels can run on `device`: triton imports and the device is CUDA,
-    or TRITON_INTERPRET=1 (the CPU interpreter, for tests)."""
+def available(device, load=None) -> bool:
+    """True when Triton kernels can run on `device`: triton imports and the device is CUDA, or
+    TRITON_INTERPRET=1 (the CPU interpreter, for tests). `load` jits a module's kernels (this
+    module's by default; loss.py passes its own)."""
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
     try:
-        _load_triton()
+        (load or _load_triton)()
     except ImportError:
         return False
     return True

@@ -26,7 +26,7 @@ where its memory traffic needs ~0.7 ms. Here, per row, one pass:
 Memory: the logits buffer is the only (N, Vp) tensor, ever -- no fp32 logits or log-probs, no
 separate gradient buffer: it becomes dlogits, which is what the backward pass keeps. Under bf16
 autocast that is 2 bytes per token x vocabulary entry, kept and peak, where the plain version
-keeps 4 (fp32 log-probs) and peaks at ~12 (plan.py's LOGITS_* counts). The scale g is known only
+keeps 4 (fp32 log-probs) and peaks at ~12 (as plan.py counted it before this). The scale g is known only
 in the backward pass, so it is applied to the small results, dh and dw, never to the big buffer.
 Outside grad mode (evaluation) the second pass is skipped.
 
@@ -57,6 +57,8 @@ from typing import NamedTuple
 
 import torch
 
+from braidtrain.model.attention import available
+
 triton = tl = None  # bound by _load_triton(); the kernel resolves `tl` through this module
 
 
@@ -75,18 +77,6 @@ def _config(vocab_size: int) -> _Config:
     against 1.42-1.57 ms at 8192-16384 columns and 2.0-3.0 ms at 32768-65536 (docs/performance.md)."""
     block = min(_MAX_BLOCK, 1 << max(vocab_size - 1, 1).bit_length())
     return _Config(block, max(4, min(32, block // 512)))
-
-
-def _triton_ok(device: torch.device) -> bool:
-    """True when the kernel can run on `device`: triton imports and the device is CUDA,
-    or TRITON_INTERPRET=1 (the CPU interpreter, for tests)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
-    try:
-        _load_triton()
-    except ImportError:
-        return False
-    return True
 
 
 @torch.compiler.disable  # a Triton launch and an autograd.Function: eager, behind a graph break
@@ -147,7 +137,7 @@ def _fused_pass(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, wr
     losses = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return losses
-    if not _triton_ok(logits.device):
+    if not available(logits.device, _load_triton):
         return _fused_pass_torch(logits, targets, vocab_size, write_grad)
     cfg = cfg or _config(vocab_size)
     assert logits.stride(1) == 1 and targets.is_contiguous()
