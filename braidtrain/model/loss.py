@@ -79,14 +79,17 @@ def _config(vocab_size: int) -> _Config:
     return _Config(block, max(4, min(32, block // 512)))
 
 
-@torch.compiler.disable  # a Triton launch and an autograd.Function: eager, behind a graph break
 def head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Σ_rows -log softmax(h @ weightᵀ [:, :vocab_size])[target], a float32 scalar.
 
     h: (N, C) -- or (..., C), flattened -- the final LayerNorm's output; cast to the autocast
     dtype when autocast is on for h's device type. weight: (Vp, C), Vp >= vocab_size, the tied
     embedding (rows >= vocab_size are padding and take no part). targets: (N,) -- or (...) --
-    integers in [0, vocab_size)."""
+    integers in [0, vocab_size).
+    Inside a torch.compile'd function it runs eagerly, behind a graph break. (Not a decorator:
+    `torch.compiler.disable` at import would import dynamo, 1.2 s, into every process.)"""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(head_loss)(h, weight, targets, vocab_size)
     h = h.reshape(-1, h.shape[-1])
     targets = targets.reshape(-1)
     if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
