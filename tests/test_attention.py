@@ -65,6 +65,12 @@ def test_batch_invariant(measured):
     assert all(measured[f"batch.{n}"] for n in ("o", "dq", "dk", "dv")), measured
 
 
+def test_custom_operators_pass_opcheck(measured):
+    """torch.library.opcheck on both operators: the fake implementations' shapes and strides match
+    the kernels' outputs, and the autograd registration is sound (what --compile relies on)."""
+    assert measured["opcheck.fwd"] == "" and measured["opcheck.bwd"] == "", measured
+
+
 def test_without_triton(measured):
     """With triton unimportable the module still imports, says it is unavailable, and refuses."""
     assert measured["no_triton.available"] is False
@@ -163,6 +169,24 @@ def _measure() -> dict:
     alone = _run(A.causal_attention, q[1:2], k[1:2], v[1:2], do[1:2])
     for n, a, b in zip(names, batch, alone):
         out[f"batch.{n}"] = torch.equal(a[1:2], b)
+
+    # 4. The custom operators against torch's checks (schema, autograd registration, fake
+    #    tensors -- the strides torch.compile plans with -- and AOT dispatch), gpt.py's layout.
+    from torch.library import opcheck
+    qkv = torch.randn(1, 20, 3 * 2 * 16)
+    q, k, v = (z.view(1, 20, 2, 16).transpose(1, 2).requires_grad_() for z in qkv.split(32, dim=2))
+    cfg = list(A._config(16, torch.float32))
+    o, lse = torch.ops.braidtrain.causal_attention(q, k, v, cfg)
+    no_double_backward = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for tag, op, args, checks in (
+            ("fwd", torch.ops.braidtrain.causal_attention.default, (q, k, v, cfg), None),
+            ("bwd", torch.ops.braidtrain.causal_attention_backward.default,
+             (q.detach(), k.detach(), v.detach(), o.detach(), lse, torch.randn_like(o), cfg), no_double_backward)):
+        try:
+            opcheck(op, args) if checks is None else opcheck(op, args, test_utils=checks)
+            out[f"opcheck.{tag}"] = ""
+        except Exception as e:  # reported to the test, which shows it
+            out[f"opcheck.{tag}"] = f"{type(e).__name__}: {e}"[:500]
     return out
 
 
