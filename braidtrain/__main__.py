@@ -1,3 +1,3 @@
-from braidtrain.cli import main
+from braidtrain.cli import run
 
-raise SystemExit(main())
+run()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -173,7 +174,26 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def run() -> None:
+    """The process's entry point (`python -m braidtrain`, the `braidtrain` script): main(), then
+    exit. A process that ran collectives leaves without Python's interpreter teardown, once its
+    work is done, its files closed and its output flushed: during finalization gloo's worker
+    threads may still release tensors, which then aborts the process ("terminate called without an
+    active exception", seen about once in a few hundred CPU test runs; torch PR 179291 describes
+    it)."""
+    rc = main()
+    if _ran_collectives:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    raise SystemExit(rc)
+
+
+_ran_collectives = False
+
+
 def main(argv=None) -> int:
+    global _ran_collectives
     parser = Parser(prog="braidtrain", description="Train GPT-style models on 1 to N GPUs.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     parsers = {"train": _train_parser(sub)}
@@ -210,6 +230,7 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, not the top level's
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    _ran_collectives = args.cmd in ("train", "bench")
     handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample, "doctor": cmd_doctor,
                "export": cmd_export, "plan": cmd_plan, "bench": cmd_bench}[args.cmd]
     try:

@@ -4,6 +4,7 @@ from the same full weights (with N = 4, the GPT also on a dp=2 x tp=2 mesh). Wri
 error or flag} to OUT/rank<r>.json (a file per rank: concurrent ranks would interleave stdout)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -210,3 +211,4 @@ def main(out):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    os._exit(0)  # no interpreter teardown after collectives: see braidtrain.cli.run
