@@ -44,3 +44,19 @@ def summary(run: Path) -> dict:
 def prepare_bytes(out: Path) -> Path:
     braidtrain("data", "prepare", "--corpus", "shakespeare", "--tokenizer", "bytes", "--out", out)
     return out
+
+
+def run_interpreted(script: str) -> dict:
+    """Run a test file as a script under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
+    before triton is first imported, and pytest shares one process between files): the JSON its
+    last line prints. Skips where triton is not installed (`make test` installs it)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    p = subprocess.run([sys.executable, script], cwd=ROOT, env=dict(env(), TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])

@@ -11,16 +11,14 @@ The interpreter runs programs one after another, so repeatability and batch inva
 fail here through the code's own logic (e.g. a block size that depends on B or T); the GPU's
 scheduling is checked by benchmarks/attention_gpu.py on the H200 (docs/performance.md)."""
 
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, env
+from helpers import ROOT, run_interpreted
 
 TOL = 1e-4
 SHAPES = [(1, 1, 1, 16), (2, 3, 37, 32), (1, 2, 130, 64), (2, 2, 100, 16)]  # (B, H, T, D)
@@ -30,12 +28,7 @@ CFG16 = [(1, 2, 300, 64), (1, 1, 150, 128)]  # run with the 16-bit dtypes' (larg
 
 @pytest.fixture(scope="module")
 def measured():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    e = dict(env(), TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-5000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 def test_matches_math_attention(measured):

@@ -10,17 +10,15 @@ prints or returns its measurements for the tests here to judge. (Repeatability u
 interpreter, which runs programs in order, is the weaker check; benchmarks/loss_gpu.py makes it on
 the H200.)"""
 
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ROOT, env
+from helpers import ROOT, run_interpreted
 
 TOL = 1e-5  # fp32 vs float64, relative (norms)
 G = 0.37    # the upstream gradient: scaling must reach dh and dw, once
@@ -30,12 +28,7 @@ SMALL_BLOCK = (9, 16, 512, 300)  # with 128-column chunks: 3 chunks, the last ra
 
 @pytest.fixture(scope="module")
 def kernel():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    e = dict(env(), TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-5000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_interpreted(__file__)
     assert out["path"] == "triton"
     return out
 

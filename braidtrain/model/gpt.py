@@ -204,9 +204,10 @@ class GPT(nn.Module):
 
     def compile_blocks(self) -> None:
         """--compile: each block becomes one torch.compile'd function, for training (grad
-        enabled); the head and loss are loss.py's fused kernel already. Block by block rather than the whole model, so each
-        block's backward is still its own autograd node: its gradients are complete -- and their
-        bucket's reduction can start -- while earlier blocks are still in the backward pass.
+        enabled); the head and loss are loss.py's fused kernel already. Block by block rather
+        than the whole model, so each block's backward is still its own autograd node: its
+        gradients are complete -- and their bucket's reduction can start -- while earlier blocks
+        are still in the backward pass.
         Module hooks (ZeRO-3's gathers) stay outside the compiled code. tp = 1 only (config.py
         says so): the tp layers' collectives are not traceable yet."""
         for block in self.h:
