@@ -311,9 +311,10 @@ def run_train(args) -> int:
 
 def _last_error(text: str) -> str:
     """The failed job's own error: the last 'SomethingError: ...' line that is not torchrun's
-    report about its child."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    report about its child, else torchrun's word on a child killed by a signal."""
+    lines = [line.strip() for line in text.splitlines() if line.strip().strip("=")]
     errs = [line for line in lines if ("Error" in line.split(":")[0] or "error:" in line) and "ChildFailedError" not in line]
+    errs = errs or [line for line in lines if "Signal" in line or "exitcode" in line]
     return (errs or lines or ["exited with an error"])[-1][:300]
 
 

@@ -64,6 +64,7 @@ class Config:
     exact: bool = False
     recompute: bool = False
     compile: bool = False  # torch.compile each block (training only; tp = 1)
+    cuda_graph: bool = False  # replay each step's GPU work from one CUDA graph (one GPU, ZeRO 0/1)
     bucket_mb: float = 25.0
     # runtime
     init_method: str = "env"
@@ -168,6 +169,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
     if cfg.compile and cfg.tp > 1:
         raise UserError("--compile with tensor parallelism (tp > 1) is not supported yet: drop --compile or use tp=1")
+    if cfg.cuda_graph and (cfg.tp > 1 or cfg.zero > 1):
+        raise UserError("--cuda-graph supports ZeRO 0 or 1 without tensor parallelism: drop --cuda-graph, or use -z 0 or 1 and tp=1")
     if cfg.bucket_mb <= 0:
         raise UserError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
     if cfg.init_method not in ("env", "tcp", "fs", "mpi"):

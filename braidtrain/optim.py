@@ -12,6 +12,9 @@ kernel is given whole shards only (multiples of 64 elements, 64-aligned: no scal
 parameter-sized pieces (checked bitwise by the exact-mode tests, at an n_embd that is not a
 multiple of 16). Gradient clipping divides the gradient inside the same kernel (its
 `grad_scale`), with the scale computed on the device: the step needs no host synchronisation.
+The learning rate, the decay factor and the step count are device scalars too, written by
+`prepare` before the step's GPU work: `update` launches the same kernels with the same arguments
+every step, so --cuda-graph can capture it once and replay it.
 """
 
 from __future__ import annotations
@@ -40,25 +43,36 @@ class AdamW:
         self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
         for b, p, _ in engine.owned():
             self.groups.append((torch.zeros_like(p), torch.zeros_like(p), engine.decay_segments(b)))
-        self._step = torch.zeros((), dtype=torch.float32, device=engine.device)
+        scalar = lambda: torch.zeros((), dtype=torch.float32, device=engine.device)
+        self._step, self._lr, self._keep = scalar(), scalar(), scalar()  # _keep: 1 - lr * weight_decay
 
     def state_numel(self) -> int:
         """Elements of m (equally of v) held by this rank."""
         return sum(m.numel() for m, _, _ in self.groups)
 
-    @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | None = None) -> None:
         """One update; the gradients are divided by grad_scale (a float32 scalar tensor) first."""
+        self.prepare(lr)
+        self.update(grad_scale)
+
+    def prepare(self, lr: float) -> None:
+        """The host's part of a step: count it and set its learning rate (outside any graph)."""
         self.step_count += 1
         self._step.fill_(self.step_count)
+        self._lr.fill_(lr)
+        self._keep.fill_(1 - lr * self.weight_decay)
+
+    @torch.no_grad()
+    def update(self, grad_scale: torch.Tensor | None = None) -> None:
+        """The GPU's part: decay, then AdamW, on what this rank owns."""
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
         owned = list(self.engine.owned())
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
             decayed = [p[a:e] for (_, p, _), (_, _, decay) in zip(owned, self.groups) for a, e in decay]
             if decayed:
-                torch._foreach_mul_(decayed, 1 - lr * self.weight_decay)
+                torch._foreach_mul_(decayed, self._keep)
         torch._fused_adamw_([p for _, p, _ in owned], [g for _, _, g in owned], [m for m, _, _ in self.groups],
-                            [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=lr, beta1=self.beta1,
+                            [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=self._lr, beta1=self.beta1,
                             beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False,
                             grad_scale=grad_scale, found_inf=None)
 

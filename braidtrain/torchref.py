@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from contextlib import nullcontext
 
@@ -146,3 +148,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown after collectives: see braidtrain.cli.run

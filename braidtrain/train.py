@@ -8,9 +8,14 @@ One step, on every rank:
     wait for the reductions -> global grad norm -> clip and AdamW (torch's fused kernel) on what
     this rank owns -> (ZeRO-1/2) all-gather the updated parameters -> log
 
+Everything from the first forward to the all-gather (Trainer.work) launches the same kernels
+with the same arguments every step -- the tokens sit in one device buffer, the learning rate in a
+device scalar -- so --cuda-graph captures it once, after GRAPH_WARMUP eager steps, and replays it:
+the host then issues one launch per step instead of thousands.
+
 The norm and the clipping factor stay on the device and the step's tokens are copied once from
-pinned memory, so the host runs ahead of the GPU through the whole step; it waits once, at the
-end, to read the loss for the log.
+pinned memory, so the host runs ahead of the GPU through the whole step; it reads the next
+step's tokens while the GPU works, then waits once, at the end, to read the loss for the log.
 
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
@@ -46,6 +51,8 @@ from braidtrain.model.layers import shard_of
 from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.data import DataParallel
 from braidtrain.runtime import init_runtime
+
+GRAPH_WARMUP = 2  # --cuda-graph: eager steps before the capture (compilation, lazy initialisation)
 
 
 def check_exact(dp: int, micro: int, unit: int) -> None:
@@ -132,6 +139,11 @@ class Trainer:
             cfg.resume = "auto"
         self.fault = Fault.from_env(rt.rank, rt.attempt)  # test hook; None in real runs
         self.device = rt.device
+        if cfg.cuda_graph and self.device.type != "cuda":
+            raise UserError(f"--cuda-graph needs a GPU (this run is on {self.device.type}): drop --cuda-graph")
+        if cfg.cuda_graph and rt.world_size > 1:
+            raise UserError(f"--cuda-graph runs on one GPU for now (world size {rt.world_size}): collectives inside "
+                            "a captured step are not supported yet; drop --cuda-graph")
         if cfg.exact:
             # same kernels, same reduction orders on every rank and every layout
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -189,6 +201,9 @@ class Trainer:
                                    bucket_mb=cfg.bucket_mb, device=self.device)
         self.opt = AdamW(self.engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self.tokens = torch.zeros((2, self.plan.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)  # x, y
+        self.next_tokens = None, None  # (step, its host_tokens), read ahead
+        self.graph = self.graph_out = None  # --cuda-graph: the captured step and its outputs
 
         self.out, session = resolve_out(cfg, rt, self.comm)
         self.ckpt_dir = self.out / "checkpoints"
@@ -223,37 +238,36 @@ class Trainer:
                + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
 
     def autocast(self):
+        # no weight-cast cache: each block uses its weights once per forward, and a cache would
+        # outlive a captured graph's region (--cuda-graph)
         if self.bf16:
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return nullcontext()
 
     # -- one optimizer step ---------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, plan, engine = self.cfg, self.plan, self.engine
         t0 = time.time()
-        b = cfg.batch_size
-        first = self.engine.rank * plan.seqs_per_rank
-        losses = []
         self.comm.step = step + 1  # stamped on this step's flight records
-        # this rank's sequences of the step, copied once and asynchronously (from pinned memory:
-        # a copy from pageable memory would make the host wait for the GPU)
-        xs, ys = self.loader.batch(step, first, plan.seqs_per_rank)
-        if self.device.type == "cuda":
-            xs, ys = xs.pin_memory().to(self.device, non_blocking=True), ys.pin_memory().to(self.device, non_blocking=True)
-        for micro in range(plan.micro_steps):
-            x, y = xs[micro * b : (micro + 1) * b], ys[micro * b : (micro + 1) * b]
-            engine.start_micro_step(micro, plan.micro_steps)
-            with self.autocast():
-                loss_sum = self.model(x, y)
-            if self.fault and micro == 0:
-                self.fault.mid_step(step + 1)
-            engine.backward(loss_sum / plan.total_tokens)
-            losses.append(loss_sum.detach())
-        engine.finish_reduction()
-        norm = engine.grad_norm()  # on the device: nothing in the step waits for the GPU
+        # this rank's sequences of the step, read while the previous step ran on the GPU, copied
+        # once and asynchronously
+        nxt, xy = self.next_tokens
+        self.tokens.copy_(xy if nxt == step else self.host_tokens(step), non_blocking=True)
         lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=cfg.max_steps, final_frac=cfg.final_lr_frac)
-        self.opt.step(lr, grad_scale=clip_scale(norm, cfg.grad_clip))
-        engine.gather_params()
+        self.opt.prepare(lr)
+        if cfg.cuda_graph and self.graph is None and step >= self.start_step + GRAPH_WARMUP:
+            # the warm-up steps compiled the blocks and set every lazy state; the capture records
+            # the step's kernels without running them, each replay runs them
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.graph_out = self.work()
+        if self.graph is not None:
+            self.graph.replay()
+            losses, norm = self.graph_out
+        else:
+            losses, norm = self.work()
+        if step + 1 < cfg.max_steps:  # while the GPU works: the next step's tokens
+            self.next_tokens = step + 1, self.host_tokens(step + 1)
         loss = gather_loss(self.comm, engine, losses) / plan.total_tokens
         dt = time.time() - t0
         tps = plan.total_tokens / dt
@@ -266,6 +280,34 @@ class Trainer:
         return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
                 "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt,
                 "comm_s": self.comm.step_comm_seconds(), "exposed_comm_s": engine.exposed_comm_s()}
+
+    def host_tokens(self, step: int) -> torch.Tensor:
+        """(2, sequences, T): this rank's inputs and targets of a step, in pinned memory on GPU
+        runs (a copy from pageable memory would make the host wait for the GPU)."""
+        rows = self.plan.seqs_per_rank
+        xy = torch.stack(self.loader.batch(step, self.engine.rank * rows, rows))
+        return xy.pin_memory() if self.device.type == "cuda" else xy
+
+    def work(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The step's device work, from the tokens in self.tokens to updated parameters: the
+        same kernels with the same arguments every step (what --cuda-graph captures). Returns
+        the micro-batches' loss sums and the gradient norm, on the device."""
+        cfg, plan, engine, b = self.cfg, self.plan, self.engine, self.cfg.batch_size
+        losses = []
+        for micro in range(plan.micro_steps):
+            x, y = self.tokens[:, micro * b : (micro + 1) * b]
+            engine.start_micro_step(micro, plan.micro_steps)
+            with self.autocast():
+                loss_sum = self.model(x, y)
+            if self.fault and micro == 0:
+                self.fault.mid_step(self.comm.step)
+            engine.backward(loss_sum / plan.total_tokens)
+            losses.append(loss_sum.detach())
+        engine.finish_reduction()
+        norm = engine.grad_norm()  # on the device: nothing in the step waits for the GPU
+        self.opt.update(grad_scale=clip_scale(norm, cfg.grad_clip))
+        engine.gather_params()
+        return losses, norm
 
     @torch.no_grad()
     def validate(self) -> float:

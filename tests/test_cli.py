@@ -165,6 +165,8 @@ TRAIN_CASES = [
     ("zero-stage-7", lambda p: ["-i", p.data, "-z", 7], lambda p: ["ZeRO", "7", "-z 0"]),
     # 8. a combination that does not exist yet
     ("compile-with-tp", lambda p: ["-i", p.data, "--tp", 2, "--compile"], lambda p: ["--compile", "tp", "drop --compile"]),
+    ("cuda-graph-zero-2", lambda p: ["-i", p.data, "-z", 2, "--cuda-graph"], lambda p: ["--cuda-graph", "ZeRO", "-z 0 or 1"]),
+    ("cuda-graph-on-cpu", lambda p: ["-i", p.data, "--device", "cpu", "--cuda-graph"], lambda p: ["--cuda-graph", "GPU", "cpu"]),
 ]
 
 

@@ -251,7 +251,9 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             if self.recompute and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)  # recomputed in the backward pass
+                # recomputed in the backward pass; the model draws no random numbers, so there is no RNG
+                # state to carry over (and reading it would break a CUDA graph capture)
+                x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = block(x)
         if self.group is None:

@@ -296,7 +296,8 @@ class DataParallel:
         """Wait for every bucket's reduction (on CUDA: make the compute stream wait for it).
         The time this exposes -- how long the step waited after its backward pass -- is taken
         here, by host clock or by a pair of CUDA events, and read by exposed_comm_s()."""
-        cuda = self.device.type == "cuda"
+        # (inside a captured graph, the host clock: no events there, and at world 1 nothing to time)
+        cuda = self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
         if cuda:
             self._exposed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._exposed[0].record()
