@@ -22,7 +22,9 @@ are not timed; tokens/s is the timed tokens over the timed seconds; MFU is the m
 (GPTConfig.flops_per_token: 6 per weight per token plus attention's 12·L·T·C) at that rate over
 the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation on rank 0;
 exposed communication is the time the step waited for the gradient reduction after its backward
-pass (braidtrain only). The final loss of every variant is shown: they train the same model on
+pass, and busbw (GB/s) the step's collectives' bus bytes over their summed duration -- the
+reduction's effective bandwidth while it overlaps the backward pass, to hold against bench comm's
+figure at the bucket size (braidtrain only; the step's few tiny collectives are included). The final loss of every variant is shown: they train the same model on
 the same sequences, so the losses must agree to bf16 rounding -- a variant that does less work
 shows it there.
 """
@@ -39,17 +41,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from braidtrain.comm import bus_factor
 from braidtrain.errors import UserError
 
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
 TORCH = ("ddp", "ddp-compile", "fsdp2")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
-
-
-def bus_factor(op: str, n: int) -> float:
-    if n == 1:
-        return 0.0  # nothing crosses a link
-    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
 
 
 def add_parser(sub):
@@ -228,8 +225,11 @@ def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
     secs = sum(r["step_s"] for r in timed)
     tps = sum(r["tokens_per_s"] * r["step_s"] for r in timed) / secs
     mfu = timed[0]["mfu"] / timed[0]["tokens_per_s"] * tps if timed[0]["mfu"] else None
+    comm = [(r["comm_busbw_GBps"], r["comm_s"]) for r in timed if r["comm_busbw_GBps"]]
+    busbw = sum(b * s for b, s in comm) / sum(s for _, s in comm) if comm else None  # total bus bytes / total time
     return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
-            "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "loss": recs[-1]["loss"]}
+            "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "comm_busbw_GBps": busbw,
+            "loss": recs[-1]["loss"]}
 
 
 def _torch_row(path: Path, warmup: int) -> dict:
@@ -237,7 +237,8 @@ def _torch_row(path: Path, warmup: int) -> dict:
     secs = sum(r["step_s"][warmup:])
     tps = r["tokens_per_step"] * len(r["step_s"][warmup:]) / secs
     mfu = tps * r["flops_per_token"] / r["peak_flops"] if r["peak_flops"] else None
-    return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "loss": r["loss"][-1]}
+    return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "comm_busbw_GBps": None,
+            "loss": r["loss"][-1]}
 
 
 def _check_train_args(args) -> None:
@@ -320,7 +321,7 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'loss':>9}"
+    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'loss':>9}"
           f"{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
@@ -329,4 +330,5 @@ def _print_train(rows, baseline) -> None:
         pct = lambda v: None if v is None else 100 * v
         print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
+              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}"
               f"{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")

@@ -30,6 +30,14 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus factor (its PERFORMANCE.md): busbw = (message bytes / time) x this, which
+    makes the operations comparable with the link speed. Nothing crosses a link when n = 1."""
+    if n == 1:
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
+
+
 @dataclass
 class Record:
     seq: int
@@ -127,20 +135,22 @@ class Comm:
             h = Handle(self, rec, None, None, events=(start, end))
         else:
             h = Handle(self, rec, fn(group), then)
+        h.bus_bytes = rec.nbytes * bus_factor(op, dist.get_world_size(group) if group is not None else 1)
         self.step_handles.append(h)
         return h
 
-    def step_comm_seconds(self) -> float:
-        """Sum of this step's collective durations; call after the step's results were used."""
-        total = 0.0
+    def step_comm(self) -> tuple[float, float]:
+        """(seconds, bus bytes) of this step's collectives, summed; call after the step's results
+        were used. Bus bytes / seconds is the step's effective busbw, comparable with bench comm's."""
+        total, bus = 0.0, 0.0
         for h in self.step_handles:
             if h.events is not None:
-                total += h.events[0].elapsed_time(h.events[1]) / 1000.0
                 h.rec.t_end = h.rec.t_start + h.events[0].elapsed_time(h.events[1]) / 1000.0
-            elif h.rec.t_end is not None:
+            if h.rec.t_end is not None:
                 total += h.rec.t_end - h.rec.t_start
+                bus += h.bus_bytes
         self.step_handles = []
-        return total
+        return total, bus
 
     def _record(self, op, axis, shape, dtype, nbytes) -> Record:
         rec = Record(self.seq, op, axis, shape, dtype, nbytes, time.time(), step=self.step)

@@ -277,9 +277,11 @@ class Trainer:
             mem = torch.cuda.max_memory_allocated(self.device) / 1e9
         else:
             mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
+        comm_s, bus_bytes = self.comm.step_comm()
         return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
-                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt,
-                "comm_s": self.comm.step_comm_seconds(), "exposed_comm_s": engine.exposed_comm_s()}
+                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "comm_s": comm_s,
+                "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes else None,
+                "exposed_comm_s": engine.exposed_comm_s()}
 
     def host_tokens(self, step: int) -> torch.Tensor:
         """(2, sequences, T): this rank's inputs and targets of a step, in pinned memory on GPU

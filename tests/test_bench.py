@@ -47,6 +47,8 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
         assert "error" not in r and r["tokens_per_s"] > 0 and r["ranks"] == 2
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), (r, ref)  # 4 steps of the same training
     assert rows["braidtrain -z 3"]["exposed_comm_frac"] >= 0 and ref["exposed_comm_frac"] is None
+    # the collectives' effective bandwidth: bus bytes (nccl-tests' factors) over their summed time
+    assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
     assert "x ddp" in p.stdout and "[2/2] torch ddp" in p.stderr
 
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The two-GPU figures of issue #7 on nvidia-h200-x2, one part per device call (each fits in ten
+# minutes). Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/two_gpu.sh PART
+#   exact  --exact --compile on 1 and on 2 H200s: the same losses and weights_sha256?
+#   quick  bench train on both GPUs: ZeRO-0/1 --compile against torch DDP + compile (5 timed steps)
+#   train  bench train on both GPUs: ZeRO-0/1/3 --compile, DDP + compile, FSDP2; then ZeRO-1
+#          --compile and DDP + compile on one GPU of the same host (the 1 -> 2 scaling)
+#   comm   bench comm: raw all_reduce / reduce_scatter busbw at the bucket sizes, to hold against
+#          bench train's busbw column
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader
+bench() { python -m braidtrain bench train -i data/shakespeare_gpt2 "$@"; }
+case ${1:-} in
+exact)
+  common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 32768 -x 4 --val-every 0 --sample-tokens 0 --no-progress --exact --compile"
+  timeout 100 python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain train $common --out /tmp/e2 > "$OUT/e2.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python -m braidtrain train $common --out /tmp/e1 > "$OUT/e1.log" 2>&1
+  for r in e1 e2; do
+    echo "$r losses: $(python -c "import json; print([json.loads(l)['loss'] for l in open('/tmp/$r/metrics.jsonl')])" 2>&1)"
+    echo "$r sha: $(python -c "import json; print(json.load(open('/tmp/$r/summary.json'))['weights_sha256'])" 2>&1)"
+  done ;;
+quick)
+  bench --nproc 2 --steps 8 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --layout "-z 0 --compile" --json "$OUT/quick.json" ;;
+train)
+  bench --nproc 2 --steps 10 --warmup 3 --torch ddp-compile,fsdp2 --layout "-z 0 --compile" --layout "-z 1 --compile" \
+    --layout "-z 3 --compile" --json "$OUT/train2.json"
+  bench --nproc 1 --steps 10 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --json "$OUT/train1.json" ;;
+comm)
+  python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
+    --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json" ;;
+*) echo "usage: bash benchmarks/two_gpu.sh exact|quick|train|comm" >&2; exit 2 ;;
+esac
