@@ -5,6 +5,7 @@
 #   quick  bench train on both GPUs: ZeRO-0/1 --compile against torch DDP + compile (5 timed steps)
 #   train  bench train on both GPUs: ZeRO-0/1/3 --compile, DDP + compile, FSDP2; then ZeRO-1
 #          --compile and DDP + compile on one GPU of the same host (the 1 -> 2 scaling)
+#   buckets  bench train on both GPUs, ZeRO-1 --compile at --bucket-mb 10, 25 (the default), 50, 100
 #   comm   bench comm: raw all_reduce / reduce_scatter busbw at the bucket sizes, to hold against
 #          bench train's busbw column
 set -uo pipefail
@@ -28,8 +29,11 @@ train)
   bench --nproc 2 --steps 10 --warmup 3 --torch ddp-compile,fsdp2 --layout "-z 0 --compile" --layout "-z 1 --compile" \
     --layout "-z 3 --compile" --json "$OUT/train2.json"
   bench --nproc 1 --steps 10 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --json "$OUT/train1.json" ;;
+buckets)
+  bench --nproc 2 --steps 10 --warmup 3 --torch "" --layout "-z 1 --compile --bucket-mb 10" --layout "-z 1 --compile" \
+    --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" ;;
 comm)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json" ;;
-*) echo "usage: bash benchmarks/two_gpu.sh exact|quick|train|comm" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/two_gpu.sh exact|quick|train|buckets|comm" >&2; exit 2 ;;
 esac

@@ -24,9 +24,9 @@ the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation 
 exposed communication is the time the step waited for the gradient reduction after its backward
 pass, and busbw (GB/s) the step's collectives' bus bytes over their summed duration -- the
 reduction's effective bandwidth while it overlaps the backward pass, to hold against bench comm's
-figure at the bucket size (braidtrain only; the step's few tiny collectives are included). The final loss of every variant is shown: they train the same model on
-the same sequences, so the losses must agree to bf16 rounding -- a variant that does less work
-shows it there.
+figure at the bucket size (braidtrain only; the step's few tiny collectives are included). The
+final loss of every variant is shown: they train the same model on the same sequences, so the
+losses must agree to bf16 rounding -- a variant that does less work shows it there.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from braidtrain.comm import bus_factor
 from braidtrain.errors import UserError
 
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
+GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on one GPU
 TORCH = ("ddp", "ddp-compile", "fsdp2")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
@@ -73,7 +74,7 @@ def add_parser(sub):
     t.add_argument("--nproc", type=int, help="processes (default: the local GPUs, else 1)")
     t.add_argument("--layout", action="append", metavar="FLAGS",
                    help="braidtrain train flags of one layout, e.g. '-z 1 --compile' (repeatable; default: "
-                        + "; ".join(LAYOUTS) + ")")
+                        + "; ".join(LAYOUTS) + "; on one GPU also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH), help="torch variants, a subset of " + ",".join(TORCH) + " ('' for none)")
     t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
@@ -199,7 +200,7 @@ def run_comm(args) -> int:
         rt.close()
 
 
-def _variant_rows(args, n: int, d: int, work: Path):
+def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
     """(name, command, reader) of every variant: a reader turns the finished job into a row."""
     model = ["--model", args.model] + [x for k in ("n_layer", "n_head", "n_embd") if getattr(args, k)
                                        for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
@@ -207,7 +208,7 @@ def _variant_rows(args, n: int, d: int, work: Path):
     device = ["--device", args.device] if args.device else []
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m"]
     out = []
-    for i, layout in enumerate(args.layout or LAYOUTS):
+    for i, layout in enumerate(args.layout or LAYOUTS + (GRAPH_LAYOUTS if cuda and n == 1 else ())):
         run_dir = work / f"braidtrain{i}"
         cmd = [*launch, "braidtrain", "train", *common, "-x", str(args.steps), "--val-every", "0", "--val-steps", "1",
                "--sample-tokens", "0", "--no-progress", "--out", str(run_dir), *device, *shlex.split(layout)]
@@ -259,7 +260,7 @@ def _check_train_args(args) -> None:
     if args.steps <= args.warmup or args.warmup < 0:
         raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup} (>= 0): nothing would be timed")
     parser = _train_parser(Parser(prog="braidtrain").add_subparsers(parser_class=Parser))
-    for layout in args.layout or LAYOUTS:
+    for layout in args.layout or LAYOUTS + GRAPH_LAYOUTS:
         try:
             train_config(parser.parse_args(shlex.split(layout)))
         except ValueError as e:  # shlex: an unclosed quote
@@ -283,7 +284,7 @@ def run_train(args) -> int:
     with tempfile.TemporaryDirectory(prefix="braidtrain-bench-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        variants = _variant_rows(args, n, d, work)
+        variants = _variant_rows(args, n, d, cuda, work)
         rows = []
         print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
               f"{args.steps} steps ({args.warmup} untimed), {len(variants)} variants", file=sys.stderr, flush=True)

@@ -141,6 +141,8 @@ class Trainer:
         self.device = rt.device
         if cfg.cuda_graph and self.device.type != "cuda":
             raise UserError(f"--cuda-graph needs a GPU (this run is on {self.device.type}): drop --cuda-graph")
+        if cfg.cuda_graph and self.fault:  # the test hook acts in Python, which a replay does not run
+            raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
         if cfg.cuda_graph and rt.world_size > 1:
             raise UserError(f"--cuda-graph runs on one GPU for now (world size {rt.world_size}): collectives inside "
                             "a captured step are not supported yet; drop --cuda-graph")
@@ -280,7 +282,7 @@ class Trainer:
         comm_s, bus_bytes = self.comm.step_comm()
         return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
                 "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "comm_s": comm_s,
-                "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes else None,
+                "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
                 "exposed_comm_s": engine.exposed_comm_s()}
 
     def host_tokens(self, step: int) -> torch.Tensor:

@@ -296,8 +296,10 @@ class DataParallel:
         """Wait for every bucket's reduction (on CUDA: make the compute stream wait for it).
         The time this exposes -- how long the step waited after its backward pass -- is taken
         here, by host clock or by a pair of CUDA events, and read by exposed_comm_s()."""
-        # (inside a captured graph, the host clock: no events there, and at world 1 nothing to time)
-        cuda = self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+        # Inside a CUDA graph capture (--cuda-graph, world size 1): no timing events, and nothing to
+        # wait for -- every replay of the step reports 0.
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        cuda = self.device.type == "cuda" and not capturing
         if cuda:
             self._exposed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._exposed[0].record()
@@ -312,7 +314,7 @@ class DataParallel:
         if cuda:
             self._exposed[1].record()
         else:
-            self._exposed = time.time() - start
+            self._exposed = 0.0 if capturing else time.time() - start
 
     def exposed_comm_s(self) -> float:
         """Seconds of the last finish_reduction(); on CUDA, call once the step's work is done."""
