@@ -1,21 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: --cuda-graph checked, then measured.
-# 1. Exact mode with and without the graph (gpt2, 2 micro-steps, 6 steps: the capture at step 3,
-#    then replays; validation and a checkpoint every 2 steps, around the capture) must log the same
-#    losses and end with the same weights_sha256, at ZeRO 0 and 1; --recompute with the graph must
-#    train too.
-# 2. bench train: the graph against the eager-launched step, default and exact, and torch
-#    DDP + compile. Extra arguments go to bench train.
-# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/cuda_graph_gpu.sh check|bench [ARGS]
-# (one device call each)
+# One call on the GPU machine: --cuda-graph changes no bits. Exact mode with and without the graph
+# (gpt2, 2 micro-steps, 6 steps: the capture at step 3, then replays; validation and a checkpoint
+# every 2 steps, around the capture) must log the same losses and end with the same
+# weights_sha256, at ZeRO 0 and 1; --recompute with the graph must train too.
+# (Its speed: bash benchmarks/bench_train_gpu.sh, whose default layouts include the graph on one GPU.)
+# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/cuda_graph_gpu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-part=${1:-check}; shift
-if [ "$part" = check ]; then
+python -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 32768 -x 6 --val-every 2 --val-steps 2 --ckpt-every 2 --sample-tokens 0 --no-progress"
 run() {  # name, flags...
   local name=$1; shift
@@ -43,8 +37,3 @@ for name in ("exact_graph", "exact_graph_z1"):
     print(f"{name}: bitwise equal to eager:", got == ref)
 print("recompute_graph   ", read("recompute_graph"))
 PY
-else
-python -m braidtrain bench train -i data/shakespeare_gpt2 --steps 12 --warmup 4 --json "$OUT/bench_train.json" \
-  --torch ddp-compile --layout "-z 0 --compile" --layout "-z 0 --compile --cuda-graph" \
-  --layout "-z 0 --compile --exact" --layout "-z 0 --compile --exact --cuda-graph" "$@"
-fi
