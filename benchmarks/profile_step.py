@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py [train flags ...]     # from the repo root, one GPU
     e.g. python benchmarks/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
+    torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py ...   # rank 0's step
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
@@ -9,6 +10,7 @@ loss, fused elementwise/normalisation kernels, optimizer, copies, communication)
 most expensive kernels.
 """
 
+import builtins
 import sys
 import time
 from collections import defaultdict
@@ -41,6 +43,7 @@ def main(argv):
     cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
     cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
     trainer = Trainer(cfg)
+    print = builtins.print if trainer.rt.is_main else (lambda *a, **k: None)  # noqa: A001
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     for s in range(4):
         trainer.step(s)
@@ -53,12 +56,14 @@ def main(argv):
     by_cat, by_name = defaultdict(float), defaultdict(float)
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))  # us, kernels only below
-        if e.device_type == torch.autograd.DeviceType.CUDA and t > 0:
+        # "nccl:..." are annotations that span the NCCL kernels listed on their own: not counted twice
+        if e.device_type == torch.autograd.DeviceType.CUDA and t > 0 and not e.key.startswith("nccl:"):
             by_cat[category(e.key)] += t
             by_name[e.key] += t
     busy = sum(by_cat.values()) / 1e6
     print(f"step {wall * 1e3:.1f} ms wall ({rec['tokens_per_s']:,.0f} tokens/s), GPU kernels {busy * 1e3:.1f} ms "
-          f"({100 * busy / wall:.0f}% busy)")
+          f"({100 * busy / wall:.0f}% of the wall time; summed over streams, so communication that overlaps "
+          f"compute can take it past 100%)")
     for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):
         print(f"  {c:18s} {t / 1e3:8.1f} ms  {100 * t / 1e6 / wall:5.1f}%")
     # where the GPU idles: gaps between consecutive kernels, with the kernels on either side

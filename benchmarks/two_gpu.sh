@@ -6,14 +6,21 @@
 #   train  bench train on both GPUs: ZeRO-0/1/3 --compile, DDP + compile, FSDP2; then ZeRO-1
 #          --compile and DDP + compile on one GPU of the same host (the 1 -> 2 scaling)
 #   buckets  bench train on both GPUs, ZeRO-1 --compile at --bucket-mb 10, 25 (the default), 50, 100
-#   comm   bench comm: raw all_reduce / reduce_scatter busbw at the bucket sizes, to hold against
-#          bench train's busbw column
+#   comm   bench comm: raw all_reduce / reduce_scatter / all_gather busbw from 4 MB to 1 GB, and
+#          at the bucket sizes, to hold against bench train's busbw column
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
 bench() { python -m braidtrain bench train -i data/shakespeare_gpt2 "$@"; }
+steps() {  # each kept run's steps: seconds, communication seconds, exposed seconds, busbw
+  for m in "$1"/*/metrics.jsonl; do
+    echo "$m"; python -c "import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); print(r['step'], *(round(r.get(k) or 0, 4) for k in ('step_s', 'comm_s', 'exposed_comm_s', 'comm_busbw_GBps')))" "$m"
+  done
+}
 case ${1:-} in
 exact)
   common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 32768 -x 4 --val-every 0 --sample-tokens 0 --no-progress --exact --compile"
@@ -27,13 +34,19 @@ quick)
   bench --nproc 2 --steps 8 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --layout "-z 0 --compile" --json "$OUT/quick.json" ;;
 train)
   bench --nproc 2 --steps 10 --warmup 3 --torch ddp-compile,fsdp2 --layout "-z 0 --compile" --layout "-z 1 --compile" \
-    --layout "-z 3 --compile" --json "$OUT/train2.json"
+    --layout "-z 3 --compile" --json "$OUT/train2.json" --keep /tmp/keep2
+  steps /tmp/keep2
   bench --nproc 1 --steps 10 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --json "$OUT/train1.json" ;;
 buckets)
   bench --nproc 2 --steps 10 --warmup 3 --torch "" --layout "-z 1 --compile --bucket-mb 10" --layout "-z 1 --compile" \
-    --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" ;;
+    --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" --keep /tmp/keep
+  steps /tmp/keep ;;
 comm)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
-    --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json" ;;
+    --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json"
+  # at the reduction's own message sizes: one GPT-2 block in fp32 (a bucket at the default
+  # --bucket-mb), then x4 and x16 (the embedding group's bucket, 157 MB, lies between)
+  python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
+    --ops all_reduce,reduce_scatter --min-bytes 28351488 --max-bytes 512M --json "$OUT/comm_buckets.json" ;;
 *) echo "usage: bash benchmarks/two_gpu.sh exact|quick|train|buckets|comm" >&2; exit 2 ;;
 esac

@@ -3,7 +3,8 @@
 
 Run under torchrun (one process a GPU, or CPU processes with gloo). For each operation and message
 size from --min-bytes to --max-bytes (x4 a row), after warm-up iterations, the mean time of
---iters iterations, then nccl-tests' accounting (its PERFORMANCE.md): algbw = S / t with S the
+--iters iterations (on CUDA the GPU's time, queued ahead so that the host's launch cost is not
+counted: _time), then nccl-tests' accounting (its PERFORMANCE.md): algbw = S / t with S the
 size of the whole message -- the buffer of an all-reduce, the concatenated buffer of a
 reduce-scatter, all-gather and all-to-all --, and busbw = algbw x the bus factor, which makes
 the figures of different operations comparable with the link speed:
@@ -47,6 +48,7 @@ from braidtrain.errors import UserError
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
 GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on one GPU
 TORCH = ("ddp", "ddp-compile", "fsdp2")
+SLEEP_CYCLES = 50_000_000  # bench comm on CUDA: ~25 ms of GPU sleep, time enough to queue the iterations
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
 
@@ -73,7 +75,8 @@ def add_parser(sub):
     t.add_argument("--warmup", type=int, default=5, help="steps not timed (compilation, warm-up)")
     t.add_argument("--nproc", type=int, help="processes (default: the local GPUs, else 1)")
     t.add_argument("--layout", action="append", metavar="FLAGS",
-                   help="braidtrain train flags of one layout, e.g. '-z 1 --compile' (repeatable; default: "
+                   help="braidtrain train flags of one layout, e.g. '-z 1 --compile', or --layout='--compile' when "
+                        "the first flag is a long one (repeatable; default: "
                         + "; ".join(LAYOUTS) + "; on one GPU also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH), help="torch variants, a subset of " + ",".join(TORCH) + " ('' for none)")
     t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
@@ -141,6 +144,29 @@ def _launch(comm, op, bufs, group, n, r):
     return comm.send_recv(bufs[0], bufs[1], (r + 1) % n, (r - 1) % n, group, "world")
 
 
+def _time(comm, op, bufs, group, n, r, iters) -> float:
+    """Seconds per iteration. On CUDA, the GPU's own time: every launch is queued behind a sleeping
+    kernel first and timed by the collectives' events from the second one's start to the last one's
+    end, so that neither the host's launch cost (~0.15 ms a call from Python, which would otherwise
+    cap the small messages' figures) nor the first call's wait for the peers is counted. On a host
+    backend, the wall clock over the iterations."""
+    import torch
+
+    if comm.cuda and group is not None:
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the compute stream, which each launch waits for
+        handles = [_launch(comm, op, bufs, group, n, r) for _ in range(iters + 1)]
+        for h in handles:
+            h.wait()
+        torch.cuda.synchronize()
+        return handles[1].events[0].elapsed_time(handles[-1].events[1]) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _launch(comm, op, bufs, group, n, r).wait()
+    if comm.cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
 def run(args) -> int:
     return run_train(args) if args.what == "train" else run_comm(args)
 
@@ -175,11 +201,7 @@ def run_comm(args) -> int:
                     _launch(comm, op, bufs, group, n, r).wait()
                 sync()
                 rt.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    _launch(comm, op, bufs, group, n, r).wait()
-                sync()
-                t = (time.perf_counter() - t0) / args.iters
+                t = _time(comm, op, bufs, group, n, r, args.iters)
                 comm.step_handles.clear()
                 t = rt.cpu_sum(t) / n  # the mean over ranks, the same on every rank
                 ok = rt.cpu_sum(0.0 if ok else 1.0) == 0.0

@@ -17,6 +17,10 @@ The norm and the clipping factor stay on the device and the step's tokens are co
 pinned memory, so the host runs ahead of the GPU through the whole step; it reads the next
 step's tokens while the GPU works, then waits once, at the end, to read the loss for the log.
 
+Python's garbage collector runs only by hand during the loop (collect_garbage), at the same steps
+on every rank: a full collection among torch.compile's objects takes 0.2-0.3 s (measured on CPU),
+and one that struck a single rank inside a step would hold its peers in the next collective.
+
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
 from the newest checkpoint (docs/fault-tolerance.md).
@@ -25,6 +29,7 @@ from the newest checkpoint (docs/fault-tolerance.md).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -53,6 +58,7 @@ from braidtrain.parallel.data import DataParallel
 from braidtrain.runtime import init_runtime
 
 GRAPH_WARMUP = 2  # --cuda-graph: eager steps before the capture (compilation, lazy initialisation)
+GC_EVERY = 100  # steps between two collections of Python garbage (collect_garbage)
 
 
 def check_exact(dp: int, micro: int, unit: int) -> None:
@@ -270,6 +276,7 @@ class Trainer:
             losses, norm = self.work()
         if step + 1 < cfg.max_steps:  # while the GPU works: the next step's tokens
             self.next_tokens = step + 1, self.host_tokens(step + 1)
+        self.collect_garbage(step)
         loss = gather_loss(self.comm, engine, losses) / plan.total_tokens
         dt = time.time() - t0
         tps = plan.total_tokens / dt
@@ -284,6 +291,18 @@ class Trainer:
                 "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "comm_s": comm_s,
                 "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
                 "exposed_comm_s": engine.exposed_comm_s()}
+
+    def collect_garbage(self, step: int) -> None:
+        """Python's cyclic garbage, collected on every rank at the same steps and while the GPU
+        works (the automatic collector is off during the loop, see _run). After the first step
+        everything alive -- the model, torch.compile's graphs and caches -- is frozen: later
+        collections scan only what was made since (gpt2 --compile: 0.2 ms, against 240 ms for the
+        first one with its 410k objects)."""
+        if step == self.start_step:
+            gc.collect()
+            gc.freeze()
+        elif (step - self.start_step) % GC_EVERY == 0:
+            gc.collect()
 
     def host_tokens(self, step: int) -> torch.Tensor:
         """(2, sequences, T): this rank's inputs and targets of a step, in pinned memory on GPU
@@ -355,6 +374,8 @@ class Trainer:
                f"ZeRO-{cfg.zero}{', exact' if cfg.exact else ''} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
         rec, val = None, None
+        automatic_gc = gc.isenabled()
+        gc.disable()  # collect_garbage runs it, at the same steps on every rank
         try:
             for step in range(self.start_step, cfg.max_steps):
                 rec = self.step(step)
@@ -369,6 +390,9 @@ class Trainer:
                     log.write(rec)
                 bar.update(rec)
         finally:
+            gc.unfreeze()  # what the loop froze may be collected again
+            if automatic_gc:
+                gc.enable()
             bar.close()
             if log:
                 log.close()
