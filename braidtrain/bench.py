@@ -25,7 +25,8 @@ the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation 
 exposed communication is the time the step waited for the gradient reduction after its backward
 pass, and busbw (GB/s) the step's collectives' bus bytes over their summed duration -- the
 reduction's effective bandwidth while it overlaps the backward pass, to hold against bench comm's
-figure at the bucket size (braidtrain only; the step's few tiny collectives are included). The
+figure at the bucket size (braidtrain only; the step's few tiny collectives are included);
+"slowest" is the slowest timed step over the median one, which shows a stall the mean hides. The
 final loss of every variant is shown: they train the same model on the same sequences, so the
 losses must agree to bf16 rounding -- a variant that does less work shows it there.
 """
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -252,7 +254,7 @@ def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
     busbw = sum(b * s for b, s in comm) / sum(s for _, s in comm) if comm else None  # total bus bytes / total time
     return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
             "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "comm_busbw_GBps": busbw,
-            "loss": recs[-1]["loss"]}
+            "slowest": slowest([r["step_s"] for r in timed]), "loss": recs[-1]["loss"]}
 
 
 def _torch_row(path: Path, warmup: int) -> dict:
@@ -261,7 +263,13 @@ def _torch_row(path: Path, warmup: int) -> dict:
     tps = r["tokens_per_step"] * len(r["step_s"][warmup:]) / secs
     mfu = tps * r["flops_per_token"] / r["peak_flops"] if r["peak_flops"] else None
     return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "comm_busbw_GBps": None,
-            "loss": r["loss"][-1]}
+            "slowest": slowest(r["step_s"][warmup:]), "loss": r["loss"][-1]}
+
+
+def slowest(step_s: list[float]) -> float:
+    """The slowest timed step over the median one: 1.0x-1.05x for a steady run; more flags a
+    stall (a peer late to a collective, the host pausing) that the mean alone would hide."""
+    return max(step_s) / statistics.median(step_s)
 
 
 def _check_train_args(args) -> None:
@@ -344,7 +352,7 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'loss':>9}"
+    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'slowest':>9}{'loss':>9}"
           f"{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
@@ -353,5 +361,5 @@ def _print_train(rows, baseline) -> None:
         pct = lambda v: None if v is None else 100 * v
         print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
-              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}"
+              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{r['slowest']:>8.2f}x"
               f"{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ROOT, braidtrain, env
-from braidtrain.bench import OPS, bus_factor, sizes
+from braidtrain.bench import OPS, bus_factor, sizes, slowest
 
 
 def test_bench_comm_two_ranks(tmp_path):
@@ -49,7 +49,13 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     assert rows["braidtrain -z 3"]["exposed_comm_frac"] >= 0 and ref["exposed_comm_frac"] is None
     # the collectives' effective bandwidth: bus bytes (nccl-tests' factors) over their summed time
     assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
+    assert all(r["slowest"] >= 1.0 for r in rows.values()) and "slowest" in p.stdout
     assert "x ddp" in p.stdout and "[2/2] torch ddp" in p.stderr
+
+
+def test_slowest_step_against_the_median():
+    assert slowest([0.2, 0.2, 0.2]) == 1.0
+    assert slowest([0.20, 0.30, 0.20, 0.25, 0.60]) == pytest.approx(0.60 / 0.25)  # one stalled step
 
 
 @pytest.mark.parametrize("args", [["comm", "--ops", "all_reduce,bogus"], ["comm", "--max-bytes", "12Q"],
