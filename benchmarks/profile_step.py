@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
-from braidtrain.train import Trainer  # noqa: E402
+from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 
 CATEGORIES = [  # first match wins
     ("attention", ("flash", "fmha", "attention", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_delta_kernel", "cudnn")),
@@ -39,25 +39,31 @@ def category(name: str) -> str:
     return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
+def annotation(e) -> bool:
+    """A named GPU range around kernels (e.g. "nccl:all_reduce"), not a kernel: counting it would
+    count its kernels twice."""
+    return getattr(e, "is_user_annotation", False) or e.key.startswith("nccl:")
+
+
 def main(argv):
     cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
     cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
     trainer = Trainer(cfg)
     print = builtins.print if trainer.rt.is_main else (lambda *a, **k: None)  # noqa: A001
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-    for s in range(4):
-        trainer.step(s)
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.time()
-        rec = trainer.step(4)
+    with gc_by_hand():  # as in training: Python's collector does not strike inside the steps
+        for s in range(4):
+            trainer.step(s)
         sync()
-        wall = time.time() - t0
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            t0 = time.time()
+            rec = trainer.step(4)
+            sync()
+            wall = time.time() - t0
     by_cat, by_name = defaultdict(float), defaultdict(float)
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))  # us, kernels only below
-        # "nccl:..." are annotations that span the NCCL kernels listed on their own: not counted twice
-        if e.device_type == torch.autograd.DeviceType.CUDA and t > 0 and not e.key.startswith("nccl:"):
+        if e.device_type == torch.autograd.DeviceType.CUDA and t > 0 and not annotation(e):
             by_cat[category(e.key)] += t
             by_name[e.key] += t
     busy = sum(by_cat.values()) / 1e6
@@ -68,7 +74,8 @@ def main(argv):
         print(f"  {c:18s} {t / 1e3:8.1f} ms  {100 * t / 1e6 / wall:5.1f}%")
     # where the GPU idles: gaps between consecutive kernels, with the kernels on either side
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                   and not annotation(e))
     gaps, end, prev = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
     for a, e, name in spans[1:]:
         if a > end:

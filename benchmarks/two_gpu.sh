@@ -12,6 +12,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+rm -rf /tmp/keep-train /tmp/keep-buckets  # a warm machine may hold an earlier call's runs
 nvidia-smi --query-gpu=name --format=csv,noheader
 bench() { python -m braidtrain bench train -i data/shakespeare_gpt2 "$@"; }
 steps() {  # each kept run's steps: seconds, communication seconds, exposed seconds, busbw
@@ -34,13 +35,13 @@ quick)
   bench --nproc 2 --steps 8 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --layout "-z 0 --compile" --json "$OUT/quick.json" ;;
 train)
   bench --nproc 2 --steps 10 --warmup 3 --torch ddp-compile,fsdp2 --layout "-z 0 --compile" --layout "-z 1 --compile" \
-    --layout "-z 3 --compile" --json "$OUT/train2.json" --keep /tmp/keep2
-  steps /tmp/keep2
+    --layout "-z 3 --compile" --json "$OUT/train2.json" --keep /tmp/keep-train
+  steps /tmp/keep-train
   bench --nproc 1 --steps 10 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --json "$OUT/train1.json" ;;
 buckets)
   bench --nproc 2 --steps 10 --warmup 3 --torch "" --layout "-z 1 --compile --bucket-mb 10" --layout "-z 1 --compile" \
-    --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" --keep /tmp/keep
-  steps /tmp/keep ;;
+    --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" --keep /tmp/keep-buckets
+  steps /tmp/keep-buckets ;;
 comm)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json"

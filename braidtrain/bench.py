@@ -50,7 +50,7 @@ from braidtrain.errors import UserError
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
 GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on one GPU
 TORCH = ("ddp", "ddp-compile", "fsdp2")
-SLEEP_CYCLES = 50_000_000  # bench comm on CUDA: ~25 ms of GPU sleep, time enough to queue the iterations
+SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
 
@@ -155,8 +155,13 @@ def _time(comm, op, bufs, group, n, r, iters) -> float:
     import torch
 
     if comm.cuda and group is not None:
-        torch.cuda._sleep(SLEEP_CYCLES)  # on the compute stream, which each launch waits for
+        torch.cuda._sleep(SLEEP_CYCLES * (iters + 1))  # on the compute stream, which each launch waits for
+        awake = torch.cuda.Event()
+        awake.record()
         handles = [_launch(comm, op, bufs, group, n, r) for _ in range(iters + 1)]
+        if awake.query():  # the GPU woke before every launch was queued: host time counts again
+            print(f"bench comm: {op}: the launches outlasted the GPU's sleep, so one figure includes host time",
+                  file=sys.stderr)
         for h in handles:
             h.wait()
         torch.cuda.synchronize()

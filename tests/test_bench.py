@@ -49,7 +49,7 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     assert rows["braidtrain -z 3"]["exposed_comm_frac"] >= 0 and ref["exposed_comm_frac"] is None
     # the collectives' effective bandwidth: bus bytes (nccl-tests' factors) over their summed time
     assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
-    assert all(r["slowest"] >= 1.0 for r in rows.values()) and "slowest" in p.stdout
+    assert all(isinstance(r["slowest"], float) for r in rows.values()) and "slowest" in p.stdout  # its maths: below
     assert "x ddp" in p.stdout and "[2/2] torch ddp" in p.stderr
 
 

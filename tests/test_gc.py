@@ -1,6 +1,7 @@
 """Python's garbage collector during training: never on its own inside a step (where, on one rank,
-it would make the peers wait in a collective), by hand at the steps collect_garbage chooses, and
-back as it was when training ends."""
+it would make the peers wait in a collective), by hand at the steps collect_garbage chooses --
+counted from the first step of this run, also after a resume -- and back as it was when training
+ends, by a clean finish or by an error."""
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from braidtrain import train
 from braidtrain.cli import Parser, _train_parser, train_config
 
 train.GC_EVERY = 3
+fail_at = int(sys.argv[1])
 state = {"step": None, "by_hand": False}
 automatic, by_hand = [], []
 
@@ -32,25 +34,44 @@ def collect(*args):
 def step(self, s):
     state["step"] = s
     try:
+        if s == fail_at:
+            raise RuntimeError("a step that fails")
         return real_step(self, s)
     finally:
         state["step"] = None
 
 gc.collect, train.Trainer.step = collect, step
 gc.callbacks.append(callback)
-cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(sys.argv[1:]))
-train.train(cfg)
+cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(sys.argv[2:]))
+try:
+    train.train(cfg)
+    error = None
+except RuntimeError as e:
+    error = str(e)
 print(json.dumps({"automatic": automatic, "by_hand": sorted(set(by_hand)), "enabled": gc.isenabled(),
-                  "frozen": gc.get_freeze_count()}))
+                  "frozen": gc.get_freeze_count(), "error": error}))
 """
 
 
-def test_collector_runs_only_by_hand_during_steps(tmp_path, shakespeare):
-    args = [*SMALL, "-i", shakespeare, "-d", 256, "-x", 8, "--out", tmp_path / "run"]
-    p = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], cwd=ROOT, env=env(),
+def run(out, *extra, fail_at=-1):
+    args = [*SMALL, "-d", 256, "--out", out, *extra]
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(fail_at), *map(str, args)], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_collector_runs_only_by_hand_during_steps(tmp_path, shakespeare):
+    got = run(tmp_path / "run", "-i", shakespeare, "-x", 8)
     assert got["automatic"] == []  # no collection of its own inside any step
     assert got["by_hand"] == [0, 3, 6]  # the first step (then freeze), then every GC_EVERY steps
-    assert got["enabled"] and got["frozen"] == 0  # as it was before training
+    assert got["enabled"] and got["frozen"] == 0 and got["error"] is None  # as it was before training
+    # resumed from the final checkpoint (step 8): the same rule, counted from there
+    got = run(tmp_path / "run", "-i", shakespeare, "-x", 12, "--resume", "auto")
+    assert got["automatic"] == [] and got["by_hand"] == [8, 11] and got["enabled"] and got["frozen"] == 0
+
+
+def test_collector_is_back_after_a_failed_step(tmp_path, shakespeare):
+    got = run(tmp_path / "run", "-i", shakespeare, "-x", 8, fail_at=2)
+    assert got["error"] == "a step that fails" and got["by_hand"] == [0]
+    assert got["enabled"] and got["frozen"] == 0
