@@ -3,7 +3,7 @@
 # (gpt2, 2 micro-steps, 6 steps: the capture at step 3, then replays; validation and a checkpoint
 # every 2 steps, around the capture) must log the same losses and end with the same
 # weights_sha256, at ZeRO 0 and 1; --recompute with the graph must train too.
-# (Its speed: bash benchmarks/bench_train_gpu.sh, whose default layouts include the graph on one GPU.)
+# (Its speed: bash benchmarks/bench_train_gpu.sh, whose default layouts include the graph; two GPUs: two_gpu.sh graph.)
 # Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/cuda_graph_gpu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1

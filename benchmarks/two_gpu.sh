@@ -6,13 +6,17 @@
 #   train  bench train on both GPUs: ZeRO-0/1/3 --compile, DDP + compile, FSDP2; then ZeRO-1
 #          --compile and DDP + compile on one GPU of the same host (the 1 -> 2 scaling)
 #   buckets  bench train on both GPUs, ZeRO-1 --compile at --bucket-mb 10, 25 (the default), 50, 100
+#   graph  --cuda-graph on both GPUs: --exact --compile eager, with the graph at ZeRO-0 and ZeRO-1
+#          (the collectives captured too), the same losses and weights_sha256?
+#   graph-train  bench train on both GPUs: ZeRO-0/1 --compile --cuda-graph, ZeRO-1 --compile and
+#          torch DDP + compile
 #   comm   bench comm: raw all_reduce / reduce_scatter / all_gather busbw from 4 MB to 1 GB, and
 #          at the bucket sizes, to hold against bench train's busbw column
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-rm -rf /tmp/keep-train /tmp/keep-buckets  # a warm machine may hold an earlier call's runs
+rm -rf /tmp/keep-train /tmp/keep-buckets /tmp/keep-graph  # a warm machine may hold an earlier call's runs
 nvidia-smi --query-gpu=name --format=csv,noheader
 bench() { python -m braidtrain bench train -i data/shakespeare_gpt2 "$@"; }
 steps() {  # each kept run's steps: seconds, communication seconds, exposed seconds, busbw
@@ -31,6 +35,19 @@ exact)
     echo "$r losses: $(python -c "import json; print([json.loads(l)['loss'] for l in open('/tmp/$r/metrics.jsonl')])" 2>&1)"
     echo "$r sha: $(python -c "import json; print(json.load(open('/tmp/$r/summary.json'))['weights_sha256'])" 2>&1)"
   done ;;
+graph)
+  common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 65536 -x 6 --val-every 2 --val-steps 2 --ckpt-every 2 --sample-tokens 0 --no-progress --exact --compile"
+  for v in "eager" "graph --cuda-graph" "graph_z1 --cuda-graph -z 1"; do
+    set -- $v
+    name=$1; shift
+    timeout 150 python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain train $common "$@" --out /tmp/g_$name > "$OUT/g_$name.log" 2>&1 \
+      || { echo "== $name FAILED"; tail -30 "$OUT/g_$name.log"; }
+    echo "$name: $(python -c "import json; print([(r['loss'], r.get('val_loss'), round(r['comm_s'], 5), r['exposed_comm_s']) for r in map(json.loads, open('/tmp/g_$name/metrics.jsonl'))], json.load(open('/tmp/g_$name/summary.json'))['weights_sha256'])" 2>&1)"
+  done ;;
+graph-train)
+  bench --nproc 2 --steps 10 --warmup 3 --torch ddp-compile --layout "-z 0 --compile --cuda-graph" \
+    --layout "-z 1 --compile --cuda-graph" --layout "-z 1 --compile" --json "$OUT/graph_train.json" --keep /tmp/keep-graph
+  steps /tmp/keep-graph ;;
 quick)
   bench --nproc 2 --steps 8 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --layout "-z 0 --compile" --json "$OUT/quick.json" ;;
 train)
@@ -49,5 +66,5 @@ comm)
   # --bucket-mb), then x4 and x16 (the embedding group's bucket, 157 MB, lies between)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter --min-bytes 28351488 --max-bytes 512M --json "$OUT/comm_buckets.json" ;;
-*) echo "usage: bash benchmarks/two_gpu.sh exact|quick|train|buckets|comm" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/two_gpu.sh exact|graph|graph-train|quick|train|buckets|comm" >&2; exit 2 ;;
 esac

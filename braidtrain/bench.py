@@ -48,7 +48,7 @@ from braidtrain.comm import bus_factor
 from braidtrain.errors import UserError
 
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
-GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on one GPU
+GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on CUDA
 TORCH = ("ddp", "ddp-compile", "fsdp2")
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
@@ -79,7 +79,7 @@ def add_parser(sub):
     t.add_argument("--layout", action="append", metavar="FLAGS",
                    help="braidtrain train flags of one layout, e.g. '-z 1 --compile', or --layout='--compile' when "
                         "the first flag is a long one (repeatable; default: "
-                        + "; ".join(LAYOUTS) + "; on one GPU also " + "; ".join(GRAPH_LAYOUTS) + ")")
+                        + "; ".join(LAYOUTS) + "; on CUDA also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH), help="torch variants, a subset of " + ",".join(TORCH) + " ('' for none)")
     t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
@@ -237,7 +237,7 @@ def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
     device = ["--device", args.device] if args.device else []
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m"]
     out = []
-    for i, layout in enumerate(args.layout or LAYOUTS + (GRAPH_LAYOUTS if cuda and n == 1 else ())):
+    for i, layout in enumerate(args.layout or LAYOUTS + (GRAPH_LAYOUTS if cuda else ())):
         run_dir = work / f"braidtrain{i}"
         cmd = [*launch, "braidtrain", "train", *common, "-x", str(args.steps), "--val-every", "0", "--val-steps", "1",
                "--sample-tokens", "0", "--no-progress", "--out", str(run_dir), *device, *shlex.split(layout)]

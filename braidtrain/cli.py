@@ -68,7 +68,7 @@ def _train_parser(sub):
     g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block (training; tp = 1)")
     g.add_argument("--cuda-graph", action="store_true", default=None,
-                   help="capture a step's GPU work once, after two warm-up steps, and replay it (one GPU, ZeRO 0/1)")
+                   help="capture a step's GPU work (its NCCL collectives too) once, after two warm-up steps, and replay it (ZeRO 0/1, tp = 1)")
     g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])

@@ -12,6 +12,11 @@ stream, made to wait (by an event) for the work queued before it on the compute 
 `work.wait()` makes the compute stream wait, by an event, for the collective -- no host or device-wide
 synchronisation. We add a pair of timing events around each collective on a side stream of ours so
 that its duration can be read at the end of the step without stalling the step itself.
+
+Inside a CUDA graph capture (--cuda-graph) the collectives are captured with the rest of the step
+and launched again by every replay, not by Python: their timing events are graph nodes
+(`external`), so each replay times its own collectives, and `replayed()` writes one flight record
+per replayed step in place of the collectives' own.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ import torch.distributed as dist
 # torch 2.13 renamed the *_tensor collectives to *_single; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """A start/end pair of CUDA timing events. Recorded inside a graph capture they become graph
+    nodes (external events), so every replay records them again and they time that replay."""
+    external = torch.cuda.is_current_stream_capturing()
+    return torch.cuda.Event(enable_timing=True, external=external), torch.cuda.Event(enable_timing=True, external=external)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -62,8 +74,9 @@ class Handle:
     accumulation): on CUDA it is queued on the side stream right behind the collective, on a host
     backend it runs at wait()."""
 
-    def __init__(self, comm: "Comm", rec: Record, work, then=None, events=None):
+    def __init__(self, comm: "Comm", rec: Record, work, then=None, events=None, join=None):
         self.comm, self.rec, self.work, self.then, self.events = comm, rec, work, then, events
+        self.join = join  # CUDA: the event the compute stream waits for
         self.done = False
         if work is not None and events is None:
             # Host backends (gloo) complete on their own thread: record the real completion time
@@ -95,8 +108,8 @@ class Handle:
             return
         if self.work is not None:
             self.work.wait()
-        if self.events is not None:
-            torch.cuda.current_stream().wait_event(self.events[1])
+        if self.join is not None:
+            torch.cuda.current_stream().wait_event(self.join)
         else:
             self._mark()
         if self.then is not None:
@@ -113,6 +126,7 @@ class Comm:
         self.step = 0  # set by the training loop; stamped on each record
         self.step_handles: list[Handle] = []
         self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.replay_rec: Record | None = None  # the open flight record of a replayed graph
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _launch(self, op, axis, tensor, group, fn, then=None) -> Handle:
@@ -123,8 +137,10 @@ class Comm:
         elif self.cuda:
             # Launch from our side stream: it first waits (an event) for what the compute stream has
             # queued -- the gradients this collective reads -- and the compute stream goes on with the
-            # rest of the backward pass; Handle.wait() makes the compute stream wait for `end`.
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # rest of the backward pass; Handle.wait() makes the compute stream wait for `join`.
+            # (A plain `join` event: inside a capture the timing events are graph nodes, which order
+            # no streams.)
+            (start, end), join = timing_events(), torch.cuda.Event()
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 start.record()
@@ -132,7 +148,8 @@ class Comm:
                 if then is not None:
                     then()
                 end.record()
-            h = Handle(self, rec, None, None, events=(start, end))
+                join.record()
+            h = Handle(self, rec, None, None, events=(start, end), join=join)
         else:
             h = Handle(self, rec, fn(group), then)
         h.bus_bytes = rec.nbytes * bus_factor(op, dist.get_world_size(group) if group is not None else 1)
@@ -145,12 +162,29 @@ class Comm:
         total, bus = 0.0, 0.0
         for h in self.step_handles:
             if h.events is not None:
-                h.rec.t_end = h.rec.t_start + h.events[0].elapsed_time(h.events[1]) / 1000.0
-            if h.rec.t_end is not None:
-                total += h.rec.t_end - h.rec.t_start
-                bus += h.bus_bytes
+                secs = h.events[0].elapsed_time(h.events[1]) / 1000.0
+                if h.rec.t_end is None:
+                    h.rec.t_end = h.rec.t_start + secs
+            elif h.rec.t_end is not None:
+                secs = h.rec.t_end - h.rec.t_start
+            else:
+                continue
+            total += secs
+            bus += h.bus_bytes
+        if self.replay_rec is not None:
+            self.replay_rec.t_end = time.time()
+            self.replay_rec = None
         self.step_handles = []
         return total, bus
+
+    def replayed(self, handles: list[Handle]) -> None:
+        """Call as a captured CUDA graph is replayed; `handles`: the collectives launched while it
+        was captured. One flight record stands for them all, open until step_comm() (the step's
+        results were used), and their timing events, which the replay records again, count for
+        this step. (Collectives over one-rank axes have no events: there is nothing to time.)"""
+        timed = [h for h in handles if h.events is not None]
+        self.replay_rec = self._record("graph_replay", "world", (len(timed),), "graph", sum(h.rec.nbytes for h in timed))
+        self.step_handles += timed
 
     def _record(self, op, axis, shape, dtype, nbytes) -> Record:
         rec = Record(self.seq, op, axis, shape, dtype, nbytes, time.time(), step=self.step)

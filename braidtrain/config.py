@@ -64,7 +64,7 @@ class Config:
     exact: bool = False
     recompute: bool = False
     compile: bool = False  # torch.compile each block (training only; tp = 1)
-    cuda_graph: bool = False  # replay each step's GPU work from one CUDA graph (one GPU, ZeRO 0/1)
+    cuda_graph: bool = False  # replay each step's GPU work, collectives too, from one CUDA graph (ZeRO 0/1)
     bucket_mb: float = 25.0
     # runtime
     init_method: str = "env"

@@ -11,7 +11,8 @@ One step, on every rank:
 Everything from the first forward to the all-gather (Trainer.work) launches the same kernels
 with the same arguments every step -- the tokens sit in one device buffer, the learning rate in a
 device scalar -- so --cuda-graph captures it once, after GRAPH_WARMUP eager steps, and replays it:
-the host then issues one launch per step instead of thousands.
+the host then issues one launch per step instead of thousands. On several GPUs the graph holds the
+step's NCCL collectives too.
 
 The norm and the clipping factor stay on the device and the step's tokens are copied once from
 pinned memory, so the host runs ahead of the GPU through the whole step; it reads the next
@@ -164,9 +165,6 @@ class Trainer:
             raise UserError(f"--cuda-graph needs a GPU (this run is on {self.device.type}): drop --cuda-graph")
         if cfg.cuda_graph and self.fault:  # the test hook acts in Python, which a replay does not run
             raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
-        if cfg.cuda_graph and rt.world_size > 1:
-            raise UserError(f"--cuda-graph runs on one GPU for now (world size {rt.world_size}): collectives inside "
-                            "a captured step are not supported yet; drop --cuda-graph")
         if cfg.exact:
             # same kernels, same reduction orders on every rank and every layout
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -226,7 +224,7 @@ class Trainer:
         self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.tokens = torch.zeros((2, self.plan.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)  # x, y
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
-        self.graph = self.graph_out = None  # --cuda-graph: the captured step and its outputs
+        self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
 
         self.out, session = resolve_out(cfg, rt, self.comm)
         self.ckpt_dir = self.out / "checkpoints"
@@ -281,11 +279,14 @@ class Trainer:
         if cfg.cuda_graph and self.graph is None and step >= self.start_step + GRAPH_WARMUP:
             # the warm-up steps compiled the blocks and set every lazy state; the capture records
             # the step's kernels without running them, each replay runs them
-            self.graph = torch.cuda.CUDAGraph()
+            self.graph, before = torch.cuda.CUDAGraph(), len(self.comm.step_handles)
             with torch.cuda.graph(self.graph):
                 self.graph_out = self.work()
+            self.graph_handles = self.comm.step_handles[before:]  # the collectives it captured
+            self.comm.step_handles = self.comm.step_handles[:before]
         if self.graph is not None:
             self.graph.replay()
+            self.comm.replayed(self.graph_handles)
             losses, norm = self.graph_out
         else:
             losses, norm = self.work()
@@ -306,6 +307,16 @@ class Trainer:
                 "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "comm_s": comm_s,
                 "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
                 "exposed_comm_s": engine.exposed_comm_s()}
+
+    def drop_graph(self, wait: bool = True) -> None:
+        """Free the captured step: its memory, and its hold on the NCCL communicator (with a graph
+        of collectives alive to the end, the two-GPU runs hung at exit). `wait`: for the GPU to
+        finish first (not on an error path, where a collective may never end)."""
+        if self.graph is not None:
+            if wait:
+                torch.cuda.synchronize(self.device)
+            self.graph.reset()
+            self.graph = self.graph_out = self.graph_handles = None
 
     def collect_garbage(self, step: int) -> None:
         """Python's cyclic garbage, collected on every rank at the same steps and while the GPU
@@ -407,6 +418,7 @@ class Trainer:
             bar.close()
             if log:
                 log.close()
+        self.drop_graph()
         if val is None or rec is None:
             val = self.validate()
         save_s = self.save(cfg.max_steps)
@@ -462,5 +474,6 @@ def train(cfg: Config) -> dict:
     try:
         return trainer.run()
     finally:
-        trainer.guard.close(clean=False)  # a no-op after a clean finish
+        trainer.drop_graph(wait=False)  # these two are no-ops after a clean finish
+        trainer.guard.close(clean=False)
         trainer.rt.close()

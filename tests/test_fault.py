@@ -305,6 +305,63 @@ def test_doctor_says_when_all_is_well(tmp_path):
     assert lines.returncode == 2 and lines.stderr.count("\n") == 1 and "no flight/ folder" in lines.stderr
 
 
+def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
+    """--cuda-graph: the collectives captured with the step are recorded once, at the capture; each
+    replay adds one record (the same on every rank), open until the step's results were used --
+    so that doctor still names the rank that stopped, in steps -- and the replayed collectives'
+    timing events count for the step, beside any collective launched eagerly between steps."""
+    import torch
+
+    from braidtrain.comm import Comm, Handle
+    from braidtrain.fault import diagnose
+
+    class Event:  # what Comm reads of a CUDA timing event pair: the start's, and a finished end
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, _end):
+            return self.ms
+
+        def query(self):
+            return True
+
+    def launch(comm, op, ms):  # a collective on a GPU, as Comm._launch leaves it
+        h = Handle(comm, comm._record(op, "replica", (8,), "float32", 32), None, events=(Event(ms), Event(ms)))
+        h.bus_bytes = 32
+        comm.step_handles.append(h)
+        return h
+
+    def rank(r: int, last_step: int, done: bool):
+        comm = Comm(torch.device("cpu"))
+        comm.step = 3
+        captured = [launch(comm, "all_reduce", 2.0), launch(comm, "all_gather", 2.0)]
+        assert comm.step_comm() == (0.004, 64)
+        for step in range(4, last_step + 1):
+            comm.step = step
+            comm.replayed(captured)
+            assert comm.records[-1].t_end is None  # open while the step runs
+            if step < last_step or done:
+                assert comm.step_comm() == ((0.004, 64) if step == 4 else (0.005, 96))
+                if step < 6:  # between two steps, e.g. validation's: counted with the next step
+                    launch(comm, "all_gather", 1.0)
+        head = {"flight": 1, "rank": r, "world_size": 2, "step": last_step, "attempt": 0, "session": 1000.0,
+                "time": 1005.0, "reason": "peer lost"}
+        comm.dump(str(tmp_path / "flight" / f"rank_{r:05d}.jsonl"), head)
+        return list(comm.records)
+
+    recs = rank(0, 6, done=True)
+    assert [(x.op, x.step) for x in recs] == [("all_reduce", 3), ("all_gather", 3), ("graph_replay", 4), ("all_gather", 4),
+                                              ("graph_replay", 5), ("all_gather", 5), ("graph_replay", 6)]
+    assert [(x.nbytes, x.shape) for x in recs if x.op == "graph_replay"] == [(64, (2,))] * 3
+    assert all(x.t_end is not None for x in recs)
+    rank(1, 6, done=True)
+    assert diagnose(tmp_path)[-1] == "no problem found: every rank's last collective completed"
+    rank(0, 6, done=False)  # rank 0 waits in step 6's replay; rank 1 never launched it
+    rank(1, 5, done=True)
+    assert diagnose(tmp_path)[-1] == ("rank 1 stopped at collective #5 (all_gather replica, step 5); "
+                                      "rank 0 waited in #6 (graph_replay world, step 6)")
+
+
 @pytest.mark.parametrize("spec, words", [("explode:step=3", "unknown kind"), ("kill:rank=1", "at which step"),
                                           ("kill:step=x", "expected KIND:step=S")])
 def test_bad_fault_spec(spec, words):

@@ -54,7 +54,7 @@ from contextlib import contextmanager
 
 import torch
 
-from braidtrain.comm import Comm, pairwise_sum
+from braidtrain.comm import Comm, pairwise_sum, timing_events
 
 Q = 64  # shard quantum (elements): alignment, and the chunk of the exact gradient norm
 
@@ -296,12 +296,9 @@ class DataParallel:
         """Wait for every bucket's reduction (on CUDA: make the compute stream wait for it).
         The time this exposes -- how long the step waited after its backward pass -- is taken
         here, by host clock or by a pair of CUDA events, and read by exposed_comm_s()."""
-        # Inside a CUDA graph capture (--cuda-graph, world size 1): no timing events, and nothing to
-        # wait for -- every replay of the step reports 0.
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        cuda = self.device.type == "cuda" and not capturing
-        if cuda:
-            self._exposed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        cuda = self.device.type == "cuda"
+        if cuda:  # inside a graph capture, events that every replay records (comm.timing_events)
+            self._exposed = timing_events()
             self._exposed[0].record()
         start = time.time()
         self._drain()
@@ -314,7 +311,7 @@ class DataParallel:
         if cuda:
             self._exposed[1].record()
         else:
-            self._exposed = 0.0 if capturing else time.time() - start
+            self._exposed = time.time() - start
 
     def exposed_comm_s(self) -> float:
         """Seconds of the last finish_reduction(); on CUDA, call once the step's work is done."""
