@@ -166,7 +166,8 @@ class Guard:
             elif select.select([self.wake_r], [], [], self.interval)[0]:
                 for signum in os.read(self.wake_r, 64):
                     if signum in (signal.SIGTERM, signal.SIGINT):
-                        self.fatal(f"signal {signal.Signals(signum).name}", 128 + signum)
+                        name, cause = signal.Signals(signum).name, self._peer_lost()
+                        self.fatal(f"peer lost: {cause} (then {name})" if cause else f"signal {name}", 128 + signum)
             if self.heartbeat and not self.stop.is_set():
                 if self.abort:
                     self.fatal(f"peer lost: {self.abort}", EXIT_PEER_LOST)
@@ -174,6 +175,21 @@ class Guard:
                 if verdict:
                     self._publish(f"rank {self.rt.rank} saw: {verdict}")
                     self.fatal(f"peer lost: {verdict}", EXIT_PEER_LOST)
+
+    def _peer_lost(self) -> str | None:
+        """On a signal: whether a peer was lost first -- torchrun terminates every rank as soon as
+        one has left, often before the others' heartbeat saw the abort that rank published; the
+        flight log should then give the cause, not the signal. Asks the store once (briefly)."""
+        if not self.heartbeat:
+            return None
+        if not self.abort:
+            try:
+                client = self.rt.connect(min(self.timeout, 1.0))
+                if client.check(["hb/abort"]):
+                    self.abort = client.get("hb/abort").decode()
+            except Exception:
+                pass
+        return self.abort or self._verdict()
 
     def _verdict(self) -> str | None:
         now = time.monotonic()
