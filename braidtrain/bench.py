@@ -26,7 +26,11 @@ exposed communication is the time the step waited for the gradient reduction aft
 pass, and busbw (GB/s) the step's collectives' bus bytes over their summed duration -- the
 reduction's effective bandwidth while it overlaps the backward pass, to hold against bench comm's
 figure at the bucket size (braidtrain only; the step's few tiny collectives are included);
-"slowest" is the slowest timed step over the median one, which shows a stall the mean hides. The
+"slowest" is the slowest timed step over the median one, which shows a stall the mean hides. On
+GPUs, nvidia-smi samples every GPU five times a second beside each job, and "SM MHz" and "W" are
+the mean SM clock and power draw over the samples of GPUs that were busy (utilization >= BUSY):
+an H200 held at its 700 W cap runs below its top clock, and a variant that keeps it busier can be
+slowed by that (docs/performance.md). The
 final loss of every variant is shown: they train the same model on the same sequences, so the
 losses must agree to bf16 rounding -- a variant that does less work shows it there.
 """
@@ -37,6 +41,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +56,8 @@ LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 -
 GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on CUDA
 TORCH = ("ddp", "ddp-compile", "fsdp2")
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
+SMI = ["nvidia-smi", "--query-gpu=utilization.gpu,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "200"]
+BUSY = 90  # bench train: nvidia-smi samples of GPUs at least this busy (%) count for "SM MHz" and "W"
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
 
@@ -271,6 +278,22 @@ def _torch_row(path: Path, warmup: int) -> dict:
             "slowest": slowest(r["step_s"][warmup:]), "loss": r["loss"][-1]}
 
 
+def gpu_load(lines: list[str]) -> dict:
+    """The mean SM clock (MHz) and power draw (W) over nvidia-smi's CSV samples (utilization %,
+    clock, power) of GPUs that were at least BUSY % busy; {} when none was (or no line parsed)."""
+    busy = []
+    for line in lines:
+        try:
+            util, mhz, watts = (float(x) for x in line.split(","))
+        except ValueError:  # a field nvidia-smi could not read ("[N/A]"), a partial last line
+            continue
+        if util >= BUSY:
+            busy.append((mhz, watts))
+    if not busy:
+        return {}
+    return {"sm_mhz": statistics.mean(m for m, _ in busy), "power_w": statistics.mean(w for _, w in busy)}
+
+
 def slowest(step_s: list[float]) -> float:
     """The slowest timed step over the median one: 1.0x-1.05x for a steady run; more flags a
     stall (a peer late to a collective, the host pausing) that the mean alone would hide."""
@@ -323,10 +346,15 @@ def run_train(args) -> int:
         rows = []
         print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
               f"{args.steps} steps ({args.warmup} untimed), {len(variants)} variants", file=sys.stderr, flush=True)
+        smi = cuda and shutil.which(SMI[0]) is not None
         for k, (name, cmd, read) in enumerate(variants, 1):
             t0 = time.time()
+            sampler = subprocess.Popen(SMI, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) if smi else None
             p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
             row = {"variant": name, "ranks": n, "tokens_per_step": d}
+            if sampler is not None:
+                sampler.terminate()
+                row.update(gpu_load(sampler.communicate()[0].splitlines()))
             try:
                 if p.returncode:
                     raise RuntimeError(_last_error(p.stderr + p.stdout))
@@ -357,8 +385,8 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'slowest':>9}{'loss':>9}"
-          f"{'x ' + baseline if baseline else '':>16}")
+    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'slowest':>9}{'SM MHz':>8}"
+          f"{'W':>6}{'loss':>9}{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<40}  FAILED: {r['error']}")
@@ -366,5 +394,5 @@ def _print_train(rows, baseline) -> None:
         pct = lambda v: None if v is None else 100 * v
         print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
-              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{r['slowest']:>8.2f}x"
-              f"{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")
+              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
+              f"{cell(r.get('power_w'), '.0f'):>6}{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")

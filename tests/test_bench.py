@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ROOT, braidtrain, env
-from braidtrain.bench import OPS, bus_factor, sizes, slowest
+from braidtrain.bench import BUSY, OPS, bus_factor, gpu_load, sizes, slowest
 
 
 def test_bench_comm_two_ranks(tmp_path):
@@ -50,12 +50,22 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     # the collectives' effective bandwidth: bus bytes (nccl-tests' factors) over their summed time
     assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
     assert all(isinstance(r["slowest"], float) for r in rows.values()) and "slowest" in p.stdout  # its maths: below
+    assert "SM MHz" in p.stdout and not any("sm_mhz" in r for r in rows.values())  # no GPU, no samples
     assert "x ddp" in p.stdout and "[2/2] torch ddp" in p.stderr
 
 
 def test_slowest_step_against_the_median():
     assert slowest([0.2, 0.2, 0.2]) == 1.0
     assert slowest([0.20, 0.30, 0.20, 0.25, 0.60]) == pytest.approx(0.60 / 0.25)  # one stalled step
+
+
+def test_gpu_load_counts_busy_gpus_only():
+    """bench train's SM MHz and W: nvidia-smi's samples (utilization %, MHz, W) of busy GPUs only --
+    not an idle GPU of the host, nor the job's start-up and compilation -- and none on a machine
+    where nothing was busy."""
+    lines = ["0, 1980, 76.7", f"{BUSY}, 1800, 690.0", "100, 1700, 700.0", "100, [N/A], 650.0", "99, 19"]
+    assert gpu_load(lines) == {"sm_mhz": 1750.0, "power_w": 695.0}
+    assert gpu_load(["0, 1980, 76.7", "5, 345, 80.1"]) == {} and gpu_load([]) == {}
 
 
 @pytest.mark.parametrize("args", [["comm", "--ops", "all_reduce,bogus"], ["comm", "--max-bytes", "12Q"],
