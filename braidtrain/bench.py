@@ -30,9 +30,9 @@ figure at the bucket size (braidtrain only; the step's few tiny collectives are 
 GPUs, nvidia-smi samples every GPU five times a second beside each job, and "SM MHz" and "W" are
 the mean SM clock and power draw over the samples of GPUs that were busy (utilization >= BUSY):
 an H200 held at its 700 W cap runs below its top clock, and a variant that keeps it busier can be
-slowed by that (docs/performance.md). The
-final loss of every variant is shown: they train the same model on the same sequences, so the
-losses must agree to bf16 rounding -- a variant that does less work shows it there.
+slowed by that (docs/performance.md). The final loss of every variant is shown: they train the
+same model on the same sequences, so the losses must agree to bf16 rounding -- a variant that
+does less work shows it there.
 """
 
 from __future__ import annotations
