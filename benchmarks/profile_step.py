@@ -6,8 +6,8 @@
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
-loss, fused elementwise/normalisation kernels, optimizer, copies, communication), then the 12
-most expensive kernels.
+loss, fused elementwise/normalisation kernels, optimizer, copies, communication), then the 30
+most expensive kernels with their launches per step.
 """
 
 import builtins
@@ -60,12 +60,13 @@ def main(argv):
             rec = trainer.step(4)
             sync()
             wall = time.time() - t0
-    by_cat, by_name = defaultdict(float), defaultdict(float)
+    by_cat, by_name, calls = defaultdict(float), defaultdict(float), defaultdict(int)
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))  # us, kernels only below
         if e.device_type == torch.autograd.DeviceType.CUDA and t > 0 and not annotation(e):
             by_cat[category(e.key)] += t
             by_name[e.key] += t
+            calls[e.key] += e.count
     busy = sum(by_cat.values()) / 1e6
     print(f"step {wall * 1e3:.1f} ms wall ({rec['tokens_per_s']:,.0f} tokens/s), GPU kernels {busy * 1e3:.1f} ms "
           f"({100 * busy / wall:.0f}% of the wall time; summed over streams, so communication that overlaps "
@@ -86,8 +87,8 @@ def main(argv):
     for g, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
     print("top kernels:")
-    for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:12]:
-        print(f"  {t / 1e3:8.1f} ms  {n[:110]}")
+    for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:30]:
+        print(f"  {t / 1e3:8.1f} ms  {calls[n]:5d}x  {n[:110]}")
     print("top host operations by their own CPU time (where a host-bound step spends it):")
     cpu = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda e: -e.self_cpu_time_total)
