@@ -1,9 +1,11 @@
 """Run under torchrun by test_engine.py: one data-parallel step with many small buckets, then
-write what the test checks to OUT/rank<r>.json."""
+write what the test checks to OUT/rank<r>.json. A third argument, `bf16` or `bf16-recompute`: the
+step (and the reference) under CPU bf16 autocast, the latter with whole blocks recomputed."""
 
 import json
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -21,7 +23,7 @@ def batch(step, seq, vocab=256, t=32):
     return x[:, :-1], x[:, 1:]
 
 
-def main(zero, out):
+def main(zero, out, mode="fp32"):
     rt = init_runtime("env")
     torch.manual_seed(0)
     cfg = model_config("tiny", 256, n_layer=3, n_embd=64, n_head=2, block_size=32)
@@ -34,11 +36,17 @@ def main(zero, out):
     opt = AdamW(engine)
     n, micro = rt.world_size, 2
     seqs = n * micro
-    launched_early = []
+    model.recompute = mode == "bf16-recompute"
+    autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if mode != "fp32" else nullcontext
+    launched_early, gathers_in_backward = [], 0
     for m in range(micro):
         engine.start_micro_step(m, micro)
         x, y = batch(0, rt.rank * micro + m)
-        engine.backward(model(x, y) / (seqs * 32))
+        with autocast():
+            loss = model(x, y) / (seqs * 32)
+        before = len(comm.records)
+        engine.backward(loss)
+        gathers_in_backward += sum(r.op == "all_gather" for r in list(comm.records)[before:])
         launched_early.append(len(comm.records))
     last_grad = engine.last_grad_time
     engine.finish_reduction()
@@ -48,18 +56,21 @@ def main(zero, out):
     # the single-process reference: the whole global batch, plain autograd
     for s in range(seqs):
         x, y = batch(0, s)
-        (reference(x, y) / (seqs * 32)).backward()
+        with autocast():
+            loss = reference(x, y) / (seqs * 32)
+        loss.backward()
     ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters())).item()
     P = sum(p.numel() for p in model.parameters())
     with open(f"{out}/rank{rt.rank}.json", "w") as f:
         f.write(json.dumps({
         "rank": rt.rank, "n": n, "buckets": len(engine.buckets), "P": P, "state": opt.state_numel(), "state_bytes": state_bytes,
         "records_after_first_micro": launched_early[0], "first_launch": first_launch, "last_grad": last_grad,
-        "norm": norm, "ref_norm": ref_norm,
+        "norm": norm, "ref_norm": ref_norm, "gathers_in_backward": gathers_in_backward,
+        "block_buckets": sum(1 for b in engine.buckets if b.modules),
     }))
     rt.close()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), sys.argv[2], *sys.argv[3:])
     os._exit(0)  # no interpreter teardown after collectives: see braidtrain.cli.run

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from helpers import ROOT, env
+from braidtrain.comm import Comm
+from braidtrain.mesh import build_mesh
+from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import AdamW
-from braidtrain.parallel.data import Q
+from braidtrain.parallel.data import Q, DataParallel
 
 
-def run_worker(nproc, zero, out):
+def run_worker(nproc, zero, out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "tests" / "engine_worker.py"), str(zero), str(out)]
+           str(ROOT / "tests" / "engine_worker.py"), str(zero), str(out), *extra]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
@@ -63,6 +66,43 @@ def test_global_norm_counts_each_parameter_once(ranks):
     _, rows = ranks
     for r in rows:
         assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-recompute"])
+def test_zero3_gathers_again_only_what_the_backward_reads(tmp_path, mode):
+    """ZeRO-3 releases a block's parameters after its forward. In fp32 the backward reads the
+    weights themselves, so each released block is gathered again (all but the last, which is
+    kept); under bf16 autocast it reads the bf16 copies the forward saved and copies of the
+    LayerNorm weights, so nothing is gathered again -- unless the blocks are recomputed (and the
+    checkpoint's own saved-tensor hooks must still work: without recomputation there would be no
+    gather). The gradient is the single process's."""
+    micro = 2
+    for r in run_worker(2, 3, tmp_path, mode):
+        assert r["gathers_in_backward"] == (0 if mode == "bf16" else micro * (r["block_buckets"] - 1)), r
+        assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r
+
+
+def test_zero3_forward_that_raises_leaves_no_saved_tensor_hook():
+    """ZeRO-3 watches a block's forward with a saved-tensor hook; a forward that raises must not
+    leave it on autograd's stack, where it would see every later autograd computation."""
+    cpu = torch.device("cpu")
+    model = GPT(model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=32))
+    init_weights(model, seed=7)
+    engine = DataParallel(model, build_mesh(0, 1), Comm(cpu), zero=3, exact=False, bucket_mb=0.02, device=cpu)
+    x = torch.randint(0, 256, (1, 32))
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)  # noqa: E731
+    boom = model.h[1].mlp.register_forward_pre_hook(lambda *_: 1 / 0)
+    engine.start_micro_step(0, 1)
+    with pytest.raises(ZeroDivisionError), autocast():
+        model(x, x)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    boom.remove()
+    engine.start_micro_step(0, 1)  # and training goes on
+    with autocast():
+        loss = model(x, x)
+    engine.backward(loss)
+    engine.finish_reduction()
+    assert torch.isfinite(engine.grad_norm()) and engine.grad_norm() > 0
 
 
 class _Shards:

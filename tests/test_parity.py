@@ -50,6 +50,17 @@ def test_exact_mode_is_bitwise_identical(tmp_path, shakespeare, exact_reference,
     assert summ["weights_sha256"] == ref_summ["weights_sha256"]
 
 
+def test_exact_bf16_zero3_is_bitwise_identical(tmp_path, shakespeare):
+    """Under bf16 autocast ZeRO-3's backward does not gather the blocks again (it reads the bf16
+    weight copies and LayerNorm weight copies that the forward saved; test_engine counts the
+    gathers), except under --recompute: the bits must still be the single process's."""
+    one = train(tmp_path, shakespeare, 1, "--exact", "--dtype", "bf16", steps=4)
+    for extra in ((), ("--recompute",)):
+        two = train(tmp_path, shakespeare, 2, "--exact", "--dtype", "bf16", "-z", 3, *extra, steps=4)
+        assert [r["loss"] for r in one[0]] == [r["loss"] for r in two[0]], extra
+        assert one[1]["weights_sha256"] == two[1]["weights_sha256"], extra
+
+
 def test_compile_matches_eager(tmp_path, shakespeare, reference):
     """--compile (inductor's generated kernels, each block its own graph, the bucket hooks around
     them, ZeRO-3's gathers) on 2 ranks follows the eager single process to float rounding."""

@@ -39,9 +39,17 @@ does not depend on where shard boundaries fall.
 ZeRO-3 parameters. A bucket's full buffer exists only while gathered: its storage is resized to
 zero when released and back when gathered, so the parameters (views into it) and the tensors
 autograd saved for backward stay valid objects. Block buckets are gathered by a forward pre-hook
-(which also prefetches the next bucket) and released after their forward; a hook on the bucket's
-output gathers them again for the backward (and prefetches the previous one); they are released
-once their gradients are reduced. The embedding group (wte, tied to the head, wpe, ln_f) is used
+(which also prefetches the next bucket) and released after their forward. The backward pass gathers
+a bucket again only if it reads it: while a block runs forward, a saved-tensor hook looks at what
+autograd keeps for its backward -- a 1-D parameter (a LayerNorm's weight, a bias) is kept as a
+copy; a weight itself (fp32 compute) marks the bucket, and a hook on the bucket's output gathers
+it again for the backward (and prefetches the previous one). Where other code's saved-tensor hooks
+are active (--recompute's checkpoint, whose backward runs the block's forward again; save_on_cpu)
+every block is marked. Buckets are released once their gradients are reduced. Under bf16 autocast
+the backward needs only the bf16 copies of the weights that the forward saved, so a step gathers
+each block once a micro-step, not twice. (A block that checkpoints part of itself would recompute
+that part from released parameters -- an error, not wrong numbers; --recompute checkpoints whole
+blocks.) The embedding group (wte, tied to the head, wpe, ln_f) is used
 at both ends of the model, so it stays gathered from the start of a micro-step until its
 gradients are in.
 """
@@ -51,6 +59,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -80,6 +89,8 @@ class Bucket:
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
+        self.needs_full = True  # ZeRO-3: this micro-step's backward reads the gathered buffer
+        self.small = {off: p.numel() for (_, p), off in zip(params, self.offsets) if p.dim() == 1}  # 1-D params
         self.slots: dict[int, torch.Tensor] = {}  # exact mode: level -> partial sum of 2^level micro-batches
 
     def views(self, buf):
@@ -140,6 +151,7 @@ class DataParallel:
         self._exposed = 0.0  # seconds, or a pair of CUDA events (see finish_reduction)
         self.backward_phase = False
         self.keep_gathered = False
+        self._watch = None  # ZeRO-3: the saved-tensor hooks of the block running forward
         if zero == 3:
             with torch.no_grad():
                 for b in self.buckets:
@@ -356,26 +368,56 @@ class DataParallel:
 
             def pre(_mod, _args, b=b, nxt=nxt):
                 self._gather(b)
-                if nxt is not None and not self.backward_phase and torch.is_grad_enabled():
+                if self.backward_phase or not torch.is_grad_enabled():
+                    return  # a recomputation inside the backward, or evaluation
+                if nxt is not None:
                     self._gather(nxt, wait=False)
+                self._stop_watching()  # left over from a forward that raised
+                # Other code's saved-tensor hooks (torch.utils.checkpoint's under --recompute, whose
+                # backward runs the forward again; save_on_cpu): ours would hide theirs. Gather again.
+                b.needs_full = _other_saved_tensor_hooks()
+                if not b.needs_full:
+                    self._watch = torch.autograd.graph.saved_tensors_hooks(partial(self._saved, b), _same)
+                    self._watch.__enter__()
 
             def post(_mod, _args, out, b=b, prev=prev, last=k == 0):
                 if self.backward_phase or not torch.is_grad_enabled():
                     return
-                if not last:  # the last block is needed again at once by the backward pass
+                self._stop_watching()
+                if out is None:  # the forward raised (always_call)
+                    return
+                if not (last and b.needs_full):  # else the backward needs it again at once
                     self._release(b)
 
                 def regather(grad, b=b, prev=prev):
-                    self._gather(b)
-                    if prev is not None:
+                    if b.needs_full:
+                        self._gather(b)
+                    if prev is not None and prev.needs_full:
                         self._gather(prev, wait=False)
                     return grad
 
-                if out.requires_grad:
+                if out.requires_grad and (b.needs_full or (prev is not None and prev.needs_full)):
                     out.register_hook(regather)
 
             b.modules[0].register_forward_pre_hook(pre)
-            b.modules[-1].register_forward_hook(post)
+            b.modules[-1].register_forward_hook(post, always_call=True)
+
+    def _stop_watching(self):
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
+            self._watch = None
+
+    @staticmethod
+    def _saved(b, t):
+        """Autograd keeps t for bucket b's backward: will the backward read b's gathered buffer?
+        (Seen here: what goes through save_for_backward. A custom autograd function that keeps a
+        parameter as a plain ctx attribute would escape this check; ours do not.)"""
+        if t.device != b.full.device or t.untyped_storage().data_ptr() != b.full.untyped_storage().data_ptr():
+            return t
+        if b.small.get(t.storage_offset()) == t.numel() and t.dim() == 1:
+            return t.clone()  # a LayerNorm weight, a bias: a copy, so the bucket can go
+        b.needs_full = True
+        return t
 
     @contextmanager
     def gathered(self):
@@ -445,6 +487,19 @@ class DataParallel:
             n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if self.zero == 3 else 0)
             n += b.grad.numel() if self.zero <= 1 else b.shard_grad.numel()
         return 4 * n
+
+
+def _same(t):
+    return t
+
+
+def _other_saved_tensor_hooks() -> bool:
+    """Are saved-tensor hooks of other code active? (A private torch query; if it fails, say yes:
+    gathering again is always correct.)"""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True
 
 
 class _Then:
