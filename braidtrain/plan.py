@@ -337,10 +337,13 @@ def estimate(s: Setup, lay: Layout) -> dict:
         comm = exposed(rs, bwd) + sum(ag)
     elif lay.zero == 2:  # no full gradient buffer: reduce-scatter on every micro-step
         comm = micro * exposed(rs, bwd) + sum(ag)
-    else:  # each block bucket is gathered before its forward and again before its backward,
-        # prefetched one bucket ahead, so mostly only the first gather (the embedding group, held
-        # all micro-step) and the last reduce-scatter are exposed; reduce-scatter every micro-step
-        comm = micro * (exposed(ag, fwd) + exposed(ag[:-1] + rs, bwd))
+    else:  # each block bucket is gathered before its forward, prefetched one bucket ahead, so
+        # mostly only the first gather (the embedding group, held all micro-step) and the last
+        # reduce-scatter are exposed; reduce-scatter every micro-step. The blocks are gathered
+        # again for the backward only where it reads the fp32 parameters: fp32 (the CPU), or
+        # --recompute; under bf16 autocast it reads the bf16 copies the forward saved.
+        again = ag[:-1] if s.cpu or lay.recompute else []
+        comm = micro * (exposed(ag, fwd) + exposed(again + rs, bwd))
     tp_comm = micro * tp_comm_s(s, lay)
     if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
         owned = counts["replicated"] / (n if lay.zero >= 1 else 1)

@@ -247,6 +247,21 @@ def test_tp_communication_by_hand():
     assert z1["dp_comm_s"] == pytest.approx(1 / 2 * 4 * (counts["embed"] + counts["rank"]) / 300e9, rel=1e-12)
 
 
+def test_zero3_gathers_blocks_again_for_the_backward_only_in_fp32_or_recompute():
+    """ZeRO-3 on 2 ranks with compute too fast to hide anything: every message is exposed, so the
+    reduction is the sum of its collectives -- a gather and a reduce-scatter per bucket per
+    micro-step, plus a second gather of the blocks where the backward reads fp32 parameters."""
+    cfg, b, t = model_config("gpt2", 50257), 8, 1024
+    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=2 * b * t * 4, tflops=1e12, alpha_us=0.0)
+    buckets = [4 * k for _, k in plan.bucket_numels(cfg, s.bucket_mb)]
+    one = lambda nbytes: (2 - 1) / 2 * nbytes / 300e9  # a gather or reduce-scatter over 2 ranks
+    once = 4 * sum(2 * one(m) for m in buckets)  # 4 micro-steps
+    blocks_again = 4 * sum(one(m) for m in buckets[:-1])  # all but the embedding group (launched last)
+    for cpu, recompute, want in ((False, False, once), (False, True, once + blocks_again), (True, False, once + blocks_again)):
+        e = plan.estimate(plan.replace(s, cpu=cpu), plan.Layout(2, 3, b, recompute))
+        assert e["micro_steps"] == 4 and e["dp_comm_s"] == pytest.approx(want, rel=1e-6), (cpu, recompute)
+
+
 def test_a_tp_that_does_not_divide_the_heads_is_never_planned(capsys):
     # gpt2-xl has 25 heads: on 8 GPUs no tp > 1 divides both
     xl = json.loads(run_plan("--model", "gpt2-xl", "--gpus", 8, "--gpu-mem", 141, "--json", capsys=capsys))
