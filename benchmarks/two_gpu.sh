@@ -10,13 +10,16 @@
 #          (the collectives captured too), the same losses and weights_sha256?
 #   graph-train  bench train on both GPUs: ZeRO-0/1 --compile --cuda-graph, ZeRO-1 --compile and
 #          torch DDP + compile
+#   zero3  bench train on both GPUs: ZeRO-3 --compile against FSDP2 as torch ships it, then both
+#          with TORCH_NCCL_HIGH_PRIORITY=1; then --exact --compile -z 3 on 2 GPUs against one GPU:
+#          the same losses and weights_sha256?
 #   comm   bench comm: raw all_reduce / reduce_scatter / all_gather busbw from 4 MB to 1 GB, and
 #          at the bucket sizes, to hold against bench train's busbw column
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-rm -rf /tmp/keep-train /tmp/keep-buckets /tmp/keep-graph  # a warm machine may hold an earlier call's runs
+rm -rf /tmp/keep-train /tmp/keep-buckets /tmp/keep-graph /tmp/keep-zero3 /tmp/e1 /tmp/e2  # a warm machine may hold an earlier call's runs
 nvidia-smi --query-gpu=name --format=csv,noheader
 bench() { python -m braidtrain bench train -i data/shakespeare_gpt2 "$@"; }
 steps() {  # each kept run's steps: seconds, communication seconds, exposed seconds, busbw
@@ -26,15 +29,18 @@ for l in open(sys.argv[1]):
     r = json.loads(l); print(r['step'], *(round(r.get(k) or 0, 4) for k in ('step_s', 'comm_s', 'exposed_comm_s', 'comm_busbw_GBps')))" "$m"
   done
 }
-case ${1:-} in
-exact)
-  common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 32768 -x 4 --val-every 0 --sample-tokens 0 --no-progress --exact --compile"
-  timeout 100 python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain train $common --out /tmp/e2 > "$OUT/e2.log" 2>&1
-  CUDA_VISIBLE_DEVICES=0 timeout 60 python -m braidtrain train $common --out /tmp/e1 > "$OUT/e1.log" 2>&1
+same_bits() {  # --exact --compile on both GPUs (with the arguments given) and on one: the same losses and weights_sha256?
+  local common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 32768 -x 4 --val-every 0 --sample-tokens 0 --no-progress --exact --compile"
+  timeout 100 python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain train $common "$@" --out /tmp/e2 > "$OUT/e2.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 80 python -m braidtrain train $common --out /tmp/e1 > "$OUT/e1.log" 2>&1
   for r in e1 e2; do
     echo "$r losses: $(python -c "import json; print([json.loads(l)['loss'] for l in open('/tmp/$r/metrics.jsonl')])" 2>&1)"
     echo "$r sha: $(python -c "import json; print(json.load(open('/tmp/$r/summary.json'))['weights_sha256'])" 2>&1)"
-  done ;;
+  done
+}
+case ${1:-} in
+exact)
+  same_bits ;;
 graph)
   common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 65536 -x 6 --val-every 2 --val-steps 2 --ckpt-every 2 --sample-tokens 0 --no-progress --exact --compile"
   for v in "eager" "graph --cuda-graph" "graph_z1 --cuda-graph -z 1"; do
@@ -59,6 +65,11 @@ buckets)
   bench --nproc 2 --steps 10 --warmup 3 --torch "" --layout "-z 1 --compile --bucket-mb 10" --layout "-z 1 --compile" \
     --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" --keep /tmp/keep-buckets
   steps /tmp/keep-buckets ;;
+zero3)
+  bench --nproc 2 --steps 10 --warmup 3 --torch fsdp2 --baseline fsdp2 --layout "-z 3 --compile" --json "$OUT/zero3.json" --keep /tmp/keep-zero3
+  steps /tmp/keep-zero3
+  TORCH_NCCL_HIGH_PRIORITY=1 bench --nproc 2 --steps 10 --warmup 3 --torch fsdp2 --baseline fsdp2 --layout "-z 3 --compile" --json "$OUT/zero3_hp.json"
+  same_bits -z 3 ;;
 comm)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json"
@@ -66,5 +77,5 @@ comm)
   # --bucket-mb), then x4 and x16 (the embedding group's bucket, 157 MB, lies between)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter --min-bytes 28351488 --max-bytes 512M --json "$OUT/comm_buckets.json" ;;
-*) echo "usage: bash benchmarks/two_gpu.sh exact|graph|graph-train|quick|train|buckets|comm" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/two_gpu.sh exact|graph|graph-train|quick|train|buckets|zero3|comm" >&2; exit 2 ;;
 esac
