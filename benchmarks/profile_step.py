@@ -45,6 +45,20 @@ def annotation(e) -> bool:
     return getattr(e, "is_user_annotation", False) or e.key.startswith("nccl:")
 
 
+def idle(what, kernels):
+    """Where `what` idles: gaps between consecutive kernels, with the kernels on either side."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    gaps, end, prev = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
+    for a, e, name in spans[1:]:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        if e > end:
+            end, prev = e, name
+    print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
+    for g, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+
+
 def main(argv):
     cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
     cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
@@ -73,19 +87,11 @@ def main(argv):
           f"compute can take it past 100%)")
     for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):
         print(f"  {c:18s} {t / 1e3:8.1f} ms  {100 * t / 1e6 / wall:5.1f}%")
-    # where the GPU idles: gaps between consecutive kernels, with the kernels on either side
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-                   and not annotation(e))
-    gaps, end, prev = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
-    for a, e, name in spans[1:]:
-        if a > end:
-            gaps.append((a - end, prev, name))
-        if e > end:
-            end, prev = e, name
-    print(f"idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
-    for g, before, after in sorted(gaps, reverse=True)[:8]:
-        print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.time_range.end > e.time_range.start and not annotation(e)]
+    idle("the GPU", kernels)
+    idle("compute (collectives left out: where it waits for them or for the host)",
+         [e for e in kernels if category(e.name) != "communication"])
     print("top kernels:")
     for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:30]:
         print(f"  {t / 1e3:8.1f} ms  {calls[n]:5d}x  {n[:110]}")

@@ -11,8 +11,9 @@
 #   graph-train  bench train on both GPUs: ZeRO-0/1 --compile --cuda-graph, ZeRO-1 --compile and
 #          torch DDP + compile
 #   zero3  bench train on both GPUs: ZeRO-3 --compile against FSDP2 as torch ships it, then both
-#          with TORCH_NCCL_HIGH_PRIORITY=1; then --exact --compile -z 3 on 2 GPUs against one GPU:
-#          the same losses and weights_sha256?
+#          with TORCH_NCCL_HIGH_PRIORITY=1, then both with that and NCCL_PROTO=Simple (braidtrain's
+#          own defaults); then --exact --compile -z 3 on 2 GPUs against one GPU: the same losses and
+#          weights_sha256?
 #   comm   bench comm: raw all_reduce / reduce_scatter / all_gather busbw from 4 MB to 1 GB, and
 #          at the bucket sizes, to hold against bench train's busbw column
 set -uo pipefail
@@ -69,6 +70,7 @@ zero3)
   bench --nproc 2 --steps 10 --warmup 3 --torch fsdp2 --baseline fsdp2 --layout "-z 3 --compile" --json "$OUT/zero3.json" --keep /tmp/keep-zero3
   steps /tmp/keep-zero3
   TORCH_NCCL_HIGH_PRIORITY=1 bench --nproc 2 --steps 10 --warmup 3 --torch fsdp2 --baseline fsdp2 --layout "-z 3 --compile" --json "$OUT/zero3_hp.json"
+  TORCH_NCCL_HIGH_PRIORITY=1 NCCL_PROTO=Simple bench --nproc 2 --steps 10 --warmup 3 --torch fsdp2 --baseline fsdp2 --layout "-z 3 --compile" --json "$OUT/zero3_hp_simple.json"
   same_bits -z 3 ;;
 comm)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \

@@ -170,6 +170,32 @@ def test_single_process(monkeypatch):
     rt.close()
 
 
+@pytest.mark.parametrize("tp, preset, expected", [(1, None, "Simple"), (1, "LL", "LL"), (2, None, None)])
+def test_nccl_protocol_by_layout(tmp_path, shakespeare, monkeypatch, tp, preset, expected):
+    """Data parallelism alone sets NCCL's Simple protocol (docs/design-notes.md) before the process
+    group exists; a user's own NCCL_PROTO wins, and tp > 1 keeps NCCL's choice."""
+    from braidtrain.cli import Parser, _train_parser, train_config
+    from braidtrain.train import Trainer
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_PROTO", "restored after the test")
+    monkeypatch.delenv("NCCL_PROTO")
+    if preset:
+        monkeypatch.setenv("NCCL_PROTO", preset)
+    argv = ["--model", "tiny", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "-t", "16", "-b", "2",
+            "-i", str(shakespeare), "--out", str(tmp_path / "run"), "--device", "cpu", "--tp", str(tp)]
+    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
+    try:
+        t = Trainer(cfg)
+    except UserError:  # tp = 2 on one process: the layout is refused after the protocol's turn
+        assert tp == 2
+    else:
+        t.guard.close(clean=True)
+        t.rt.close()
+    assert os.environ.get("NCCL_PROTO") == expected
+
+
 # ------------------------------------------------------------------ bad launches
 
 def test_unreachable_server_fails_in_time():
