@@ -32,7 +32,9 @@ the mean SM clock and power draw over the samples of GPUs that were busy (utiliz
 an H200 held at its 700 W cap runs below its top clock, and a variant that keeps it busier can be
 slowed by that (docs/performance.md). The final loss of every variant is shown: they train the
 same model on the same sequences, so the losses must agree to bf16 rounding -- a variant that
-does less work shows it there.
+does less work shows it there. Figures on one host move 5-10% between runs of the same command:
+--repeat N runs all the variants N times in turn, and each row is then a variant's median run, its
+ratio the median of its rounds' ratios, each against the baseline run of the same round.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ def add_parser(sub):
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
     t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
     t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (default: a temporary folder)")
+    t.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run all the variants N times, in turn (figures move between runs): each row is a variant's "
+                        "median run, its ratio the median of its rounds' ratios; every run is listed below the table")
     return p
 
 
@@ -315,6 +320,8 @@ def _check_train_args(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be positive, got {args.nproc}")
+    if args.repeat < 1:
+        raise UserError(f"--repeat must be positive, got {args.repeat}")
     if args.steps <= args.warmup or args.warmup < 0:
         raise UserError(f"--steps {args.steps} must exceed --warmup {args.warmup} (>= 0): nothing would be timed")
     parser = _train_parser(Parser(prog="braidtrain").add_subparsers(parser_class=Parser))
@@ -341,37 +348,62 @@ def run_train(args) -> int:
         raise UserError(f"-d {d} is not a multiple of b*t*nproc = {args.batch_size * args.seq_len * n}")
     with tempfile.TemporaryDirectory(prefix="braidtrain-bench-") as tmp:
         work = Path(args.keep or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        variants = _variant_rows(args, n, d, cuda, work)
-        rows = []
+        folders = [work] if args.repeat == 1 else [work / f"round{r + 1}" for r in range(args.repeat)]
+        plans = [_variant_rows(args, n, d, cuda, f) for f in folders]
         print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
-              f"{args.steps} steps ({args.warmup} untimed), {len(variants)} variants", file=sys.stderr, flush=True)
-        smi = cuda and shutil.which(SMI[0]) is not None
-        for k, (name, cmd, read) in enumerate(variants, 1):
-            t0 = time.time()
-            sampler = subprocess.Popen(SMI, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) if smi else None
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            row = {"variant": name, "ranks": n, "tokens_per_step": d}
-            if sampler is not None:
-                sampler.terminate()
-                row.update(gpu_load(sampler.communicate()[0].splitlines()))
-            try:
-                if p.returncode:
-                    raise RuntimeError(_last_error(p.stderr + p.stdout))
-                row.update(read())
-                note = f"{row['tokens_per_s']:,.0f} tokens/s"
-            except Exception as e:  # one failed variant does not cost the others' figures
-                row["error"] = str(e) or type(e).__name__
-                note = "FAILED: " + row["error"]
-            rows.append(row)
-            print(f"[{k}/{len(variants)}] {name}: {note} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    base = next((r for r in rows if r["variant"] == f"torch {args.baseline}" and "error" not in r), None)
-    for r in rows:
-        r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base and "error" not in r else None
-    _print_train(rows, args.baseline if base else None)
+              f"{args.steps} steps ({args.warmup} untimed), {len(plans[0])} variants"
+              + (f", {args.repeat} rounds" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
+        rounds = []  # each: one run of every variant, rows in variant order
+        for r, (folder, variants) in enumerate(zip(folders, plans)):
+            folder.mkdir(parents=True, exist_ok=True)
+            rounds.append(_run_variants(args, variants, d, n, cuda, f"round {r + 1}/{args.repeat}, " if args.repeat > 1 else ""))
+    rows = [_median_row([r[i] for r in rounds]) for i in range(len(plans[0]))]
+    _print_train(rows, args.baseline if any(r["ratio"] for r in rows) else None)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _run_variants(args, variants, d: int, n: int, cuda: bool, label: str) -> list[dict]:
+    """One run of every variant, in order, each row with its ratio to this round's baseline run."""
+    rows = []
+    smi = cuda and shutil.which(SMI[0]) is not None
+    for k, (name, cmd, read) in enumerate(variants, 1):
+        t0 = time.time()
+        sampler = subprocess.Popen(SMI, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) if smi else None
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        row = {"variant": name, "ranks": n, "tokens_per_step": d}
+        if sampler is not None:
+            sampler.terminate()
+            row.update(gpu_load(sampler.communicate()[0].splitlines()))
+        try:
+            if p.returncode:
+                raise RuntimeError(_last_error(p.stderr + p.stdout))
+            row.update(read())
+            note = f"{row['tokens_per_s']:,.0f} tokens/s"
+        except Exception as e:  # one failed variant does not cost the others' figures
+            row["error"] = str(e) or type(e).__name__
+            note = "FAILED: " + row["error"]
+        rows.append(row)
+        print(f"[{label}{k}/{len(variants)}] {name}: {note} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["variant"] == f"torch {args.baseline}" and "error" not in r), None)
+    for r in rows:
+        r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base and "error" not in r else None
+    return rows
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """A variant over its rounds: the run of median tokens/s (the lower of the middle two), with the
+    median of the rounds' ratios -- each against the baseline run beside it, so a host that drifts
+    between rounds moves both -- and every run's tokens/s and ratio. A failed run fails the row."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return dict(failed[0], runs_tokens_per_s=[r.get("tokens_per_s") for r in runs])
+    row = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2])
+    ratios = [r["ratio"] for r in runs if r["ratio"] is not None]
+    row["ratio"] = statistics.median(ratios) if ratios else None
+    row["runs_tokens_per_s"], row["runs_ratio"] = [r["tokens_per_s"] for r in runs], [r["ratio"] for r in runs]
+    return row
 
 
 def _last_error(text: str) -> str:
@@ -396,3 +428,9 @@ def _print_train(rows, baseline) -> None:
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
               f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
               f"{cell(r.get('power_w'), '.0f'):>6}{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")
+    if any(len(r.get("runs_tokens_per_s", ())) > 1 for r in rows):
+        print("every run (tokens/s, and x the baseline run of its round):")
+        for r in rows:
+            runs = "  ".join("-" if t is None else f"{t:,.0f}" for t in r["runs_tokens_per_s"])
+            ratios = "  ".join("-" if x is None else f"{x:.3f}" for x in r.get("runs_ratio") or ())
+            print(f"  {r['variant']:<40}{runs}" + (f"   x {ratios}" if ratios.strip("- ") else ""))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from helpers import ROOT, braidtrain, env
-from braidtrain.bench import BUSY, OPS, bus_factor, gpu_load, sizes, slowest
+from braidtrain.bench import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
 
 
 def test_bench_comm_two_ranks(tmp_path):
@@ -38,11 +38,17 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     out = tmp_path / "train.json"
     p = braidtrain("bench", "train", "--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
                    "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "4", "--warmup", "1", "--nproc", "2",
-                   "--layout", "-z 3", "--torch", "ddp", "--baseline", "ddp", "--json", out)
+                   "--layout", "-z 3", "--torch", "ddp", "--baseline", "ddp", "--json", out, "--repeat", "2",
+                   "--keep", tmp_path / "keep")
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
     assert list(rows) == ["braidtrain -z 3", "torch ddp"]
     ref = rows["torch ddp"]
     assert ref["ratio"] == 1.0 and ref["tokens_per_step"] == 8 * 2 * 64 * 2
+    # two rounds: each variant's row is its slower run (the lower median of two), every run listed
+    for r in rows.values():
+        assert len(r["runs_tokens_per_s"]) == 2 and r["tokens_per_s"] == min(r["runs_tokens_per_s"]), r
+    assert ref["runs_ratio"] == [1.0, 1.0] and "every run" in p.stdout and "[round 2/2, 2/2] torch ddp" in p.stderr
+    assert all((tmp_path / "keep" / f"round{k}" / "braidtrain0" / "metrics.jsonl").exists() for k in (1, 2))
     for r in rows.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["ranks"] == 2
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), (r, ref)  # 4 steps of the same training
@@ -51,7 +57,18 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
     assert all(isinstance(r["slowest"], float) for r in rows.values()) and "slowest" in p.stdout  # its maths: below
     assert "SM MHz" in p.stdout and not any("sm_mhz" in r for r in rows.values())  # no GPU, no samples
-    assert "x ddp" in p.stdout and "[2/2] torch ddp" in p.stderr
+    assert "x ddp" in p.stdout
+
+
+def test_median_row_over_rounds():
+    """--repeat: the run of median tokens/s, the median of the rounds' own ratios, a failed run fails the row."""
+    run = lambda tps, ratio: {"variant": "v", "tokens_per_s": tps, "ratio": ratio}
+    row = _median_row([run(300.0, 0.9), run(100.0, 0.5), run(200.0, 1.5)])  # the median run's own ratio: 1.5
+    assert (row["tokens_per_s"], row["ratio"]) == (200.0, 0.9)
+    assert row["runs_tokens_per_s"] == [300.0, 100.0, 200.0] and row["runs_ratio"] == [0.9, 0.5, 1.5]
+    assert _median_row([run(200.0, None), run(100.0, None)])["tokens_per_s"] == 100.0  # the lower middle
+    failed = _median_row([run(200.0, 1.0), {"variant": "v", "error": "boom", "ratio": None}])
+    assert failed["error"] == "boom" and failed["runs_tokens_per_s"] == [200.0, None]
 
 
 def test_slowest_step_against_the_median():
@@ -72,7 +89,7 @@ def test_gpu_load_counts_busy_gpus_only():
                                   ["comm", "--min-bytes", "1M", "--max-bytes", "1K"], ["train", "--torch", "ddp,jax"],
                                   ["train", "--steps", "3", "--warmup", "3"], ["train", "-i", "no/such/data"],
                                   ["train", "-b", "0"], ["train", "--nproc", "-1"], ["train", "--layout", "-z '1"],
-                                  ["train", "--layout", "-z 7"], ["train", "--torch", "ddp", "--baseline", "fsdp2"]])
+                                  ["train", "--layout", "-z 7"], ["train", "--repeat", "0"], ["train", "--torch", "ddp", "--baseline", "fsdp2"]])
 def test_bench_bad_input_is_one_line(args):
     p = braidtrain("bench", *args, check=False)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: error:"), p.stderr
