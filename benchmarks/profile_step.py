@@ -6,8 +6,10 @@
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
-loss, fused elementwise/normalisation kernels, optimizer, copies, communication), then the 30
-most expensive kernels with their launches per step.
+loss, fused elementwise/normalisation kernels, optimizer, copies, communication); where the GPU
+idles between kernels, and where its compute kernels alone do (collectives left out: the time
+compute waits for a collective, or for the host); then the 30 most expensive kernels with their
+launches per step, and the host's most expensive operations.
 """
 
 import builtins

@@ -34,7 +34,8 @@ slowed by that (docs/performance.md). The final loss of every variant is shown: 
 same model on the same sequences, so the losses must agree to bf16 rounding -- a variant that
 does less work shows it there. Figures on one host move 5-10% between runs of the same command:
 --repeat N runs all the variants N times in turn, and each row is then a variant's median run, its
-ratio the median of its rounds' ratios, each against the baseline run of the same round.
+ratio the median of its rounds' ratios, each against the baseline run of the same round (for an
+even N the lower of the middle two; no ratio where a round's baseline failed).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def add_parser(sub):
     t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
     t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
-    t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (default: a temporary folder)")
+    t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (with --repeat, in DIR/round1, "
+                                                  "DIR/round2, ...; default: a temporary folder)")
     t.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run all the variants N times, in turn (figures move between runs): each row is a variant's "
                         "median run, its ratio the median of its rounds' ratios; every run is listed below the table")
@@ -347,21 +349,28 @@ def run_train(args) -> int:
     if d % (args.batch_size * args.seq_len * n):
         raise UserError(f"-d {d} is not a multiple of b*t*nproc = {args.batch_size * args.seq_len * n}")
     with tempfile.TemporaryDirectory(prefix="braidtrain-bench-") as tmp:
-        work = Path(args.keep or tmp)
-        folders = [work] if args.repeat == 1 else [work / f"round{r + 1}" for r in range(args.repeat)]
-        plans = [_variant_rows(args, n, d, cuda, f) for f in folders]
-        print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
-              f"{args.steps} steps ({args.warmup} untimed), {len(plans[0])} variants"
-              + (f", {args.repeat} rounds" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
         rounds = []  # each: one run of every variant, rows in variant order
-        for r, (folder, variants) in enumerate(zip(folders, plans)):
+        for r in range(args.repeat):
+            folder = round_folder(Path(args.keep or tmp), r, args.repeat)
             folder.mkdir(parents=True, exist_ok=True)
+            variants = _variant_rows(args, n, d, cuda, folder)
+            if r == 0:
+                print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
+                      f"{args.steps} steps ({args.warmup} untimed), {len(variants)} variants"
+                      + (f", {args.repeat} rounds" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
             rounds.append(_run_variants(args, variants, d, n, cuda, f"round {r + 1}/{args.repeat}, " if args.repeat > 1 else ""))
-    rows = [_median_row([r[i] for r in rounds]) for i in range(len(plans[0]))]
-    _print_train(rows, args.baseline if any(r["ratio"] for r in rows) else None)
+            if not args.keep and args.repeat > 1:  # each variant's run left a checkpoint (GBs for gpt2)
+                shutil.rmtree(folder, ignore_errors=True)
+    rows = [_median_row([r[i] for r in rounds]) for i in range(len(rounds[0]))]
+    _print_train(rows, args.baseline if any(r["ratio"] is not None for r in rows) else None)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")
     return 1 if any("error" in r for r in rows) else 0
+
+
+def round_folder(work: Path, r: int, repeat: int) -> Path:
+    """Where round r (from 0) keeps its variants' run directories: `work` itself for a single round."""
+    return work if repeat == 1 else work / f"round{r + 1}"
 
 
 def _run_variants(args, variants, d: int, n: int, cuda: bool, label: str) -> list[dict]:
@@ -393,16 +402,15 @@ def _run_variants(args, variants, d: int, n: int, cuda: bool, label: str) -> lis
 
 
 def _median_row(runs: list[dict]) -> dict:
-    """A variant over its rounds: the run of median tokens/s (the lower of the middle two), with the
-    median of the rounds' ratios -- each against the baseline run beside it, so a host that drifts
-    between rounds moves both -- and every run's tokens/s and ratio. A failed run fails the row."""
+    """A variant over its rounds: the run of median tokens/s and the median of the rounds' ratios
+    (each the lower of the middle two), each ratio against the baseline run beside it, so a host
+    that drifts between rounds moves both; and every run's tokens/s and ratio. A failed run fails
+    the row; a round whose baseline failed leaves every row without a ratio."""
     failed = [r for r in runs if "error" in r]
-    if failed:
-        return dict(failed[0], runs_tokens_per_s=[r.get("tokens_per_s") for r in runs])
-    row = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2])
-    ratios = [r["ratio"] for r in runs if r["ratio"] is not None]
-    row["ratio"] = statistics.median(ratios) if ratios else None
-    row["runs_tokens_per_s"], row["runs_ratio"] = [r["tokens_per_s"] for r in runs], [r["ratio"] for r in runs]
+    row = dict(failed[0] if failed else sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2])
+    ratios = [r["ratio"] for r in runs]
+    row["ratio"] = None if failed or None in ratios else statistics.median_low(ratios)
+    row["runs_tokens_per_s"], row["runs_ratio"] = [r.get("tokens_per_s") for r in runs], ratios
     return row
 
 
@@ -432,5 +440,5 @@ def _print_train(rows, baseline) -> None:
         print("every run (tokens/s, and x the baseline run of its round):")
         for r in rows:
             runs = "  ".join("-" if t is None else f"{t:,.0f}" for t in r["runs_tokens_per_s"])
-            ratios = "  ".join("-" if x is None else f"{x:.3f}" for x in r.get("runs_ratio") or ())
-            print(f"  {r['variant']:<40}{runs}" + (f"   x {ratios}" if ratios.strip("- ") else ""))
+            ratios = "  ".join("-" if x is None else f"{x:.3f}" for x in r["runs_ratio"])
+            print(f"  {r['variant']:<40}{runs}" + (f"   x {ratios}" if any(x is not None for x in r["runs_ratio"]) else ""))

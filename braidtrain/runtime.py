@@ -47,6 +47,7 @@ class Runtime:
     attempt: int = 0  # torchrun's restart count (TORCHELASTIC_RESTART_COUNT); 0 for other launchers
     _owns_group: bool = field(default=False, repr=False)
     _store_addr: tuple | None = field(default=None, repr=False)  # (host, port, key prefix of `store`)
+    _env_set: list = field(default_factory=list, repr=False)  # variables default_env set; close() unsets them
 
     @property
     def is_main(self) -> bool:
@@ -82,16 +83,28 @@ class Runtime:
         client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
         return dist.PrefixStore(prefix, client)
 
+    def default_env(self, **values: str) -> None:
+        """Set these environment variables where the user has not (their own setting wins), until close()."""
+        for k, v in values.items():
+            if k not in os.environ:
+                os.environ[k] = v
+                self._env_set.append(k)
+
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        for k in self._env_set:
+            os.environ.pop(k, None)
+        self._env_set = []
 
 
 def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
                  process_rank: int | None = None, gpus_per_node: int | None = None,
                  server: str | None = None, fs_path: str | None = None,
-                 device: str | None = None, timeout_s: float = 300.0) -> Runtime:
+                 device: str | None = None, timeout_s: float = 300.0, nccl_protocol: str | None = None) -> Runtime:
+    """Rendezvous and the process group. nccl_protocol: NCCL_PROTO for this process's NCCL groups
+    (the trainer's choice by layout, docs/design-notes.md); None leaves NCCL its own choice."""
     if timeout_s <= 0:
         raise UserError(f"the rendezvous timeout must be positive, got {timeout_s}")
     deadline = time.monotonic() + timeout_s
@@ -133,7 +146,7 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
         # setting wins): a collective that overlaps compute gets its SMs as soon as blocks free
         # up, rather than queueing behind the compute kernels' -- ZeRO-3 on two H200s 686k ->
         # 807k tokens/s, ZeRO-0/1 unchanged (docs/performance.md).
-        os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
+        rt.default_env(TORCH_NCCL_HIGH_PRIORITY="1", **({"NCCL_PROTO": nccl_protocol} if nccl_protocol else {}))
     try:
         dist.init_process_group(backend, store=dist.PrefixStore("pg", run), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s),

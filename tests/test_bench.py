@@ -3,6 +3,7 @@
 model on the same data, so in fp32 their losses agree -- the benchmark compares like with like."""
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -61,14 +62,51 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
 
 
 def test_median_row_over_rounds():
-    """--repeat: the run of median tokens/s, the median of the rounds' own ratios, a failed run fails the row."""
+    """--repeat: the run of median tokens/s and the median of the rounds' own ratios (the lower middle
+    for an even count); a failed run fails the row, a round without a baseline run leaves no ratio."""
     run = lambda tps, ratio: {"variant": "v", "tokens_per_s": tps, "ratio": ratio}
     row = _median_row([run(300.0, 0.9), run(100.0, 0.5), run(200.0, 1.5)])  # the median run's own ratio: 1.5
     assert (row["tokens_per_s"], row["ratio"]) == (200.0, 0.9)
     assert row["runs_tokens_per_s"] == [300.0, 100.0, 200.0] and row["runs_ratio"] == [0.9, 0.5, 1.5]
-    assert _median_row([run(200.0, None), run(100.0, None)])["tokens_per_s"] == 100.0  # the lower middle
+    even = _median_row([run(200.0, 1.2), run(100.0, 1.1)])
+    assert (even["tokens_per_s"], even["ratio"]) == (100.0, 1.1)
+    assert _median_row([run(200.0, 1.2), run(100.0, None)])["ratio"] is None  # that round's baseline failed
     failed = _median_row([run(200.0, 1.0), {"variant": "v", "error": "boom", "ratio": None}])
-    assert failed["error"] == "boom" and failed["runs_tokens_per_s"] == [200.0, None]
+    assert failed["error"] == "boom" and failed["ratio"] is None
+    assert failed["runs_tokens_per_s"] == [200.0, None] and failed["runs_ratio"] == [1.0, None]
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_rounds_keep_their_runs_apart(tmp_path, monkeypatch, capsys, repeat):
+    """--keep DIR: a single round's runs in DIR itself (benchmarks/two_gpu.sh reads them there),
+    round k's in DIR/roundk; the baseline failing in one round fails its row, and no row gets a ratio."""
+    from braidtrain import bench, cli
+
+    folders = []
+
+    def fake_round(_args, variants, _d, _n, _cuda, _label):
+        cmd = variants[0][1]  # braidtrain's run
+        folders.append(Path(cmd[cmd.index("--out") + 1]).parent)
+        figures = {"mfu": None, "mem_gb": 1.0, "exposed_comm_frac": None, "comm_busbw_GBps": None, "slowest": 1.0, "loss": 5.0}
+        rows = [dict(figures, variant=name, tokens_per_s=100.0 * len(folders), ratio=2.0) for name, _, _ in variants]
+        rows[-1] = {"variant": rows[-1]["variant"], "error": "boom", "ratio": None} if len(folders) == 2 else \
+            dict(rows[-1], ratio=1.0)
+        if len(folders) == 2:
+            rows[0]["ratio"] = None
+        return rows
+
+    monkeypatch.setattr(bench, "_run_variants", fake_round)
+    keep, out = tmp_path / "keep", tmp_path / "rows.json"
+    code = cli.main(["bench", "train", "-i", str(tmp_path), "--nproc", "1", "--device", "cpu", "--layout", "-z 1",
+                     "--torch", "ddp", "--baseline", "ddp", "--keep", str(keep), "--repeat", str(repeat), "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert folders == ([keep] if repeat == 1 else [keep / "round1", keep / "round2"])
+    assert [r["variant"] for r in rows] == ["braidtrain -z 1", "torch ddp"]
+    if repeat == 1:
+        assert code == 0 and [r["ratio"] for r in rows] == [2.0, 1.0] and "every run" not in capsys.readouterr().out
+    else:
+        assert code == 1 and rows[1]["error"] == "boom" and rows[0]["ratio"] is None
+        assert rows[0]["runs_tokens_per_s"] == [100.0, 200.0] and "FAILED: boom" in capsys.readouterr().out
 
 
 def test_slowest_step_against_the_median():
@@ -85,11 +123,15 @@ def test_gpu_load_counts_busy_gpus_only():
     assert gpu_load(["0, 1980, 76.7", "5, 345, 80.1"]) == {} and gpu_load([]) == {}
 
 
-@pytest.mark.parametrize("args", [["comm", "--ops", "all_reduce,bogus"], ["comm", "--max-bytes", "12Q"],
-                                  ["comm", "--min-bytes", "1M", "--max-bytes", "1K"], ["train", "--torch", "ddp,jax"],
-                                  ["train", "--steps", "3", "--warmup", "3"], ["train", "-i", "no/such/data"],
-                                  ["train", "-b", "0"], ["train", "--nproc", "-1"], ["train", "--layout", "-z '1"],
-                                  ["train", "--layout", "-z 7"], ["train", "--repeat", "0"], ["train", "--torch", "ddp", "--baseline", "fsdp2"]])
-def test_bench_bad_input_is_one_line(args):
+@pytest.mark.parametrize("args, names", [
+    (["comm", "--ops", "all_reduce,bogus"], "bogus"), (["comm", "--max-bytes", "12Q"], "12Q"),
+    (["comm", "--min-bytes", "1M", "--max-bytes", "1K"], "--min-bytes"), (["train", "--torch", "ddp,jax"], "jax"),
+    (["train", "--steps", "3", "--warmup", "3"], "--warmup 3"), (["train", "-i", "no/such/data"], "no/such/data"),
+    (["train", "-b", "0"], "--batch-size"), (["train", "--nproc", "-1"], "--nproc"),
+    (["train", "--layout", "-z '1"], "No closing quotation"), (["train", "--layout", "-z 7"], "stage 7"),
+    (["train", "--repeat", "0"], "--repeat"), (["train", "--torch", "ddp", "--baseline", "fsdp2"], "--baseline fsdp2")])
+def test_bench_bad_input_is_one_line(args, names):
+    """One line that names what is wrong (not an error about something else, e.g. the missing default data)."""
     p = braidtrain("bench", *args, check=False)
+    assert names in p.stderr, p.stderr
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: error:"), p.stderr

@@ -170,30 +170,40 @@ def test_single_process(monkeypatch):
     rt.close()
 
 
-@pytest.mark.parametrize("tp, preset, expected", [(1, None, "Simple"), (1, "LL", "LL"), (2, None, None)])
-def test_nccl_protocol_by_layout(tmp_path, shakespeare, monkeypatch, tp, preset, expected):
-    """Data parallelism alone sets NCCL's Simple protocol (docs/design-notes.md) before the process
-    group exists; a user's own NCCL_PROTO wins, and tp > 1 keeps NCCL's choice."""
+@pytest.mark.parametrize("tp, protocol", [(1, "Simple"), (2, None)])
+def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, tp, protocol):
+    """Data parallelism alone asks for NCCL's Simple protocol when the process group is made
+    (docs/design-notes.md); tp > 1 leaves NCCL its own choice."""
+    from braidtrain import train
     from braidtrain.cli import Parser, _train_parser, train_config
-    from braidtrain.train import Trainer
 
+    asked = {}
+
+    def stub(*_args, **kwargs):
+        asked.update(kwargs)
+        raise KeyboardInterrupt  # stop the trainer right there
+
+    monkeypatch.setattr(train, "init_runtime", stub)
+    argv = ["--model", "tiny", "-i", str(tmp_path), "--out", str(tmp_path / "run"), "--tp", str(tp)]
+    with pytest.raises(KeyboardInterrupt):
+        train.Trainer(train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
+    assert asked["nccl_protocol"] == protocol
+
+
+def test_default_env_yields_to_the_user_and_ends_with_close(monkeypatch):
+    """Runtime.default_env (NCCL's variables): set where unset, a user's own value kept, and what it
+    set gone again after close()."""
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("NCCL_PROTO", "restored after the test")
-    monkeypatch.delenv("NCCL_PROTO")
-    if preset:
-        monkeypatch.setenv("NCCL_PROTO", preset)
-    argv = ["--model", "tiny", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "-t", "16", "-b", "2",
-            "-i", str(shakespeare), "--out", str(tmp_path / "run"), "--device", "cpu", "--tp", str(tp)]
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
-    try:
-        t = Trainer(cfg)
-    except UserError:  # tp = 2 on one process: the layout is refused after the protocol's turn
-        assert tp == 2
-    else:
-        t.guard.close(clean=True)
-        t.rt.close()
-    assert os.environ.get("NCCL_PROTO") == expected
+    # setenv first, so that monkeypatch restores "unset" after the test whatever the code did
+    monkeypatch.setenv("BT_TEST_A", "")
+    monkeypatch.delenv("BT_TEST_A")
+    monkeypatch.setenv("BT_TEST_B", "the user's")
+    rt = init_runtime(device="cpu")
+    rt.default_env(BT_TEST_A="ours", BT_TEST_B="ours")
+    assert (os.environ["BT_TEST_A"], os.environ["BT_TEST_B"]) == ("ours", "the user's")
+    rt.close()
+    assert "BT_TEST_A" not in os.environ and os.environ["BT_TEST_B"] == "the user's"
 
 
 # ------------------------------------------------------------------ bad launches
