@@ -9,7 +9,8 @@ time, the GPU's busy time, and the kernel time by category (matrix products, att
 loss, fused elementwise/normalisation kernels, optimizer, copies, communication); where the GPU
 idles between kernels, and where its compute kernels alone do (collectives left out: the time
 compute waits for a collective, or for the host); then the 30 most expensive kernels with their
-launches per step, and the host's most expensive operations.
+launches per step, and the host's most expensive operations. Under torchrun, rank 0 prints all
+this and every other rank one line: its step time and its compute kernels' idle time.
 """
 
 import builtins
@@ -47,8 +48,8 @@ def annotation(e) -> bool:
     return getattr(e, "is_user_annotation", False) or e.key.startswith("nccl:")
 
 
-def idle(what, kernels):
-    """Where `what` idles: gaps between consecutive kernels, with the kernels on either side."""
+def idle(kernels):
+    """Gaps between consecutive kernels: [(microseconds, the kernel before, the kernel after)]."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
     gaps, end, prev = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
     for a, e, name in spans[1:]:
@@ -56,9 +57,7 @@ def idle(what, kernels):
             gaps.append((a - end, prev, name))
         if e > end:
             end, prev = e, name
-    print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
-    for g, before, after in sorted(gaps, reverse=True)[:8]:
-        print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+    return gaps
 
 
 def main(argv):
@@ -91,9 +90,15 @@ def main(argv):
         print(f"  {c:18s} {t / 1e3:8.1f} ms  {100 * t / 1e6 / wall:5.1f}%")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.time_range.end > e.time_range.start and not annotation(e)]
-    idle("the GPU", kernels)
-    idle("compute (collectives left out: where it waits for them or for the host)",
-         [e for e in kernels if category(e.name) != "communication"])
+    compute = [e for e in kernels if category(e.name) != "communication"]
+    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the host)", idle(compute))):
+        print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
+        for g, before, after in sorted(gaps, reverse=True)[:8]:
+            print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+    if not trainer.rt.is_main:  # the other ranks: one line each, to see which of them waits
+        gaps = idle(compute)
+        builtins.print(f"rank {trainer.rt.rank}: step {wall * 1e3:.1f} ms wall, compute idle between kernels "
+                       f"{sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps", flush=True)
     print("top kernels:")
     for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:30]:
         print(f"  {t / 1e3:8.1f} ms  {calls[n]:5d}x  {n[:110]}")
