@@ -436,7 +436,7 @@ def _print_train(rows, baseline) -> None:
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
               f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
               f"{cell(r.get('power_w'), '.0f'):>6}{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")
-    if any(len(r.get("runs_tokens_per_s", ())) > 1 for r in rows):
+    if len(rows[0]["runs_tokens_per_s"]) > 1:
         print("every run (tokens/s, and x the baseline run of its round):")
         for r in rows:
             runs = "  ".join("-" if t is None else f"{t:,.0f}" for t in r["runs_tokens_per_s"])

@@ -152,6 +152,7 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
                                 timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": dev} if backend == "nccl" else {}))
     except (RuntimeError, ValueError) as e:
+        rt.close()  # the environment as it was
         raise UserError(f"rank {rank}: setting up the {backend} process group failed: {_first_line(e)}") from None
     rt.store, rt.launch_store, rt._owns_group = dist.PrefixStore("app", run), launch, True
     rt._store_addr = (store.host, store.port, f"{prefix}/{attempt}/app")
