@@ -33,9 +33,10 @@ an H200 held at its 700 W cap runs below its top clock, and a variant that keeps
 slowed by that (docs/performance.md). The final loss of every variant is shown: they train the
 same model on the same sequences, so the losses must agree to bf16 rounding -- a variant that
 does less work shows it there. Figures on one host move 5-10% between runs of the same command:
---repeat N runs all the variants N times in turn, and each row is then a variant's median run, its
-ratio the median of its rounds' ratios, each against the baseline run of the same round (for an
-even N the lower of the middle two; no ratio where a round's baseline failed).
+--repeat N runs all the variants N times in turn (every other round in reverse order), and each
+row is then a variant's median run, its ratio the median of its rounds' ratios, each against the
+baseline run of the same round (for an even N the lower of the middle two; no ratio where a
+round's baseline failed).
 """
 
 from __future__ import annotations
@@ -358,7 +359,12 @@ def run_train(args) -> int:
                 print(f"bench train: {args.model}, -b {args.batch_size} -t {args.seq_len} -d {d}, {n} process(es), "
                       f"{args.steps} steps ({args.warmup} untimed), {len(variants)} variants"
                       + (f", {args.repeat} rounds" if args.repeat > 1 else ""), file=sys.stderr, flush=True)
-            rounds.append(_run_variants(args, variants, d, n, cuda, f"round {r + 1}/{args.repeat}, " if args.repeat > 1 else ""))
+            # every other round in reverse order, so that what running first or last does to a
+            # variant (a cooler GPU, a warmer one) falls on each variant alike
+            order = list(range(len(variants)))[:: -1 if r % 2 else 1]
+            rows = _run_variants(args, [variants[i] for i in order], d, n, cuda,
+                                 f"round {r + 1}/{args.repeat}, " if args.repeat > 1 else "")
+            rounds.append([row for _, row in sorted(zip(order, rows))])
             if not args.keep and args.repeat > 1:  # each variant's run left a checkpoint (GBs for gpt2)
                 shutil.rmtree(folder, ignore_errors=True)
     rows = [_median_row([r[i] for r in rounds]) for i in range(len(rounds[0]))]

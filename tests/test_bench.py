@@ -48,7 +48,7 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     # two rounds: each variant's row is its slower run (the lower median of two), every run listed
     for r in rows.values():
         assert len(r["runs_tokens_per_s"]) == 2 and r["tokens_per_s"] == min(r["runs_tokens_per_s"]), r
-    assert ref["runs_ratio"] == [1.0, 1.0] and "every run" in p.stdout and "[round 2/2, 2/2] torch ddp" in p.stderr
+    assert ref["runs_ratio"] == [1.0, 1.0] and "every run" in p.stdout and "[round 2/2, 1/2] torch ddp" in p.stderr
     assert all((tmp_path / "keep" / f"round{k}" / "braidtrain0" / "metrics.jsonl").exists() for k in (1, 2))
     for r in rows.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["ranks"] == 2
@@ -79,21 +79,22 @@ def test_median_row_over_rounds():
 @pytest.mark.parametrize("repeat", [1, 2])
 def test_rounds_keep_their_runs_apart(tmp_path, monkeypatch, capsys, repeat):
     """--keep DIR: a single round's runs in DIR itself (benchmarks/two_gpu.sh reads them there),
-    round k's in DIR/roundk; the baseline failing in one round fails its row, and no row gets a ratio."""
+    round k's in DIR/roundk; the second round runs the variants in reverse order; the baseline
+    failing in one round fails its row, and no row gets a ratio."""
     from braidtrain import bench, cli
 
-    folders = []
+    folders, orders = [], []
+    figures = {"mfu": None, "mem_gb": 1.0, "exposed_comm_frac": None, "comm_busbw_GBps": None, "slowest": 1.0, "loss": 5.0}
 
     def fake_round(_args, variants, _d, _n, _cuda, _label):
-        cmd = variants[0][1]  # braidtrain's run
+        cmd = next(c for name, c, _ in variants if name.startswith("braidtrain"))
         folders.append(Path(cmd[cmd.index("--out") + 1]).parent)
-        figures = {"mfu": None, "mem_gb": 1.0, "exposed_comm_frac": None, "comm_busbw_GBps": None, "slowest": 1.0, "loss": 5.0}
-        rows = [dict(figures, variant=name, tokens_per_s=100.0 * len(folders), ratio=2.0) for name, _, _ in variants]
-        rows[-1] = {"variant": rows[-1]["variant"], "error": "boom", "ratio": None} if len(folders) == 2 else \
-            dict(rows[-1], ratio=1.0)
-        if len(folders) == 2:
-            rows[0]["ratio"] = None
-        return rows
+        orders.append([name for name, _, _ in variants])
+        tps = {"braidtrain -z 1": 200.0 * len(folders), "torch ddp": 100.0}
+        if len(folders) == 2:  # the baseline fails in round 2
+            return [{"variant": name, "error": "boom", "ratio": None} if name == "torch ddp" else
+                    dict(figures, variant=name, tokens_per_s=tps[name], ratio=None) for name, _, _ in variants]
+        return [dict(figures, variant=name, tokens_per_s=tps[name], ratio=tps[name] / 100.0) for name, _, _ in variants]
 
     monkeypatch.setattr(bench, "_run_variants", fake_round)
     keep, out = tmp_path / "keep", tmp_path / "rows.json"
@@ -101,26 +102,13 @@ def test_rounds_keep_their_runs_apart(tmp_path, monkeypatch, capsys, repeat):
                      "--torch", "ddp", "--baseline", "ddp", "--keep", str(keep), "--repeat", str(repeat), "--json", str(out)])
     rows = json.loads(out.read_text())
     assert folders == ([keep] if repeat == 1 else [keep / "round1", keep / "round2"])
+    assert orders == [["braidtrain -z 1", "torch ddp"], ["torch ddp", "braidtrain -z 1"]][:repeat]
     assert [r["variant"] for r in rows] == ["braidtrain -z 1", "torch ddp"]
     if repeat == 1:
         assert code == 0 and [r["ratio"] for r in rows] == [2.0, 1.0] and "every run" not in capsys.readouterr().out
     else:
         assert code == 1 and rows[1]["error"] == "boom" and rows[0]["ratio"] is None
-        assert rows[0]["runs_tokens_per_s"] == [100.0, 200.0] and "FAILED: boom" in capsys.readouterr().out
-
-
-def test_slowest_step_against_the_median():
-    assert slowest([0.2, 0.2, 0.2]) == 1.0
-    assert slowest([0.20, 0.30, 0.20, 0.25, 0.60]) == pytest.approx(0.60 / 0.25)  # one stalled step
-
-
-def test_gpu_load_counts_busy_gpus_only():
-    """bench train's SM MHz and W: nvidia-smi's samples (utilization %, MHz, W) of busy GPUs only --
-    not an idle GPU of the host, nor the job's start-up and compilation -- and none on a machine
-    where nothing was busy."""
-    lines = ["0, 1980, 76.7", f"{BUSY}, 1800, 690.0", "100, 1700, 700.0", "100, [N/A], 650.0", "99, 19"]
-    assert gpu_load(lines) == {"sm_mhz": 1750.0, "power_w": 695.0}
-    assert gpu_load(["0, 1980, 76.7", "5, 345, 80.1"]) == {} and gpu_load([]) == {}
+        assert rows[0]["runs_tokens_per_s"] == [200.0, 400.0] and "FAILED: boom" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, names", [
