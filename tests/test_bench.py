@@ -111,6 +111,20 @@ def test_rounds_keep_their_runs_apart(tmp_path, monkeypatch, capsys, repeat):
         assert rows[0]["runs_tokens_per_s"] == [200.0, 400.0] and "FAILED: boom" in capsys.readouterr().out
 
 
+def test_slowest_step_against_the_median():
+    assert slowest([0.2, 0.2, 0.2]) == 1.0
+    assert slowest([0.20, 0.30, 0.20, 0.25, 0.60]) == pytest.approx(0.60 / 0.25)  # one stalled step
+
+
+def test_gpu_load_counts_busy_gpus_only():
+    """bench train's SM MHz and W: nvidia-smi's samples (utilization %, MHz, W) of busy GPUs only --
+    not an idle GPU of the host, nor the job's start-up and compilation -- and none on a machine
+    where nothing was busy."""
+    lines = ["0, 1980, 76.7", f"{BUSY}, 1800, 690.0", "100, 1700, 700.0", "100, [N/A], 650.0", "99, 19"]
+    assert gpu_load(lines) == {"sm_mhz": 1750.0, "power_w": 695.0}
+    assert gpu_load(["0, 1980, 76.7", "5, 345, 80.1"]) == {} and gpu_load([]) == {}
+
+
 @pytest.mark.parametrize("args, names", [
     (["comm", "--ops", "all_reduce,bogus"], "bogus"), (["comm", "--max-bytes", "12Q"], "12Q"),
     (["comm", "--min-bytes", "1M", "--max-bytes", "1K"], "--min-bytes"), (["train", "--torch", "ddp,jax"], "jax"),
