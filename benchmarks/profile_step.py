@@ -90,15 +90,14 @@ def main(argv):
         print(f"  {c:18s} {t / 1e3:8.1f} ms  {100 * t / 1e6 / wall:5.1f}%")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.time_range.end > e.time_range.start and not annotation(e)]
-    compute = [e for e in kernels if category(e.name) != "communication"]
-    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the host)", idle(compute))):
+    waits = idle([e for e in kernels if category(e.name) != "communication"])
+    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the host)", waits)):
         print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
         for g, before, after in sorted(gaps, reverse=True)[:8]:
             print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
     if not trainer.rt.is_main:  # the other ranks: one line each, to see which of them waits
-        gaps = idle(compute)
         builtins.print(f"rank {trainer.rt.rank}: step {wall * 1e3:.1f} ms wall, compute idle between kernels "
-                       f"{sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps", flush=True)
+                       f"{sum(g for g, _, _ in waits) / 1e3:.1f} ms in {len(waits)} gaps", flush=True)
     print("top kernels:")
     for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:30]:
         print(f"  {t / 1e3:8.1f} ms  {calls[n]:5d}x  {n[:110]}")
