@@ -38,12 +38,14 @@ def main(zero, out, mode="fp32"):
     seqs = n * micro
     model.recompute = mode == "bf16-recompute"
     autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if mode != "fp32" else nullcontext
-    launched_early, gathers_in_backward = [], 0
+    launched_early, gathers_in_backward, gathers_in_forward = [], 0, []
     for m in range(micro):
+        before = len(comm.records)
         engine.start_micro_step(m, micro)
         x, y = batch(0, rt.rank * micro + m)
         with autocast():
             loss = model(x, y) / (seqs * 32)
+        gathers_in_forward.append(sum(r.op == "all_gather" for r in list(comm.records)[before:]))
         before = len(comm.records)
         engine.backward(loss)
         gathers_in_backward += sum(r.op == "all_gather" for r in list(comm.records)[before:])
@@ -66,6 +68,7 @@ def main(zero, out, mode="fp32"):
         "rank": rt.rank, "n": n, "buckets": len(engine.buckets), "P": P, "state": opt.state_numel(), "state_bytes": state_bytes,
         "records_after_first_micro": launched_early[0], "first_launch": first_launch, "last_grad": last_grad,
         "norm": norm, "ref_norm": ref_norm, "gathers_in_backward": gathers_in_backward,
+        "gathers_in_forward": gathers_in_forward,
         "block_buckets": sum(1 for b in engine.buckets if b.modules),
     }))
     rt.close()

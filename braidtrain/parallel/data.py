@@ -21,8 +21,8 @@ Reduction. Each parameter's post-accumulate-grad hook counts down its bucket; th
 bucket's last gradient is in, its reduction is launched asynchronously while the backward pass
 goes on with earlier layers. ZeRO-0/1 accumulate micro-batches in the full gradient buffer and
 communicate only on the final micro-step. ZeRO-2/3 hold no full gradient buffer, so they reduce-
-scatter every micro-step from a bucket-sized scratch that is freed as soon as the collective has
-read it, and add the result into the persistent shard: M times the reduce-scatter traffic of
+scatter every micro-step from a bucket-sized scratch -- autograd's gradients of the bucket, held
+until its last is in, packed by one copy -- that is freed as soon as the collective has read it, and add the result into the persistent shard: M times the reduce-scatter traffic of
 ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved. (The other choice,
 accumulating locally and reducing once, needs the full gradient buffer ZeRO-2 exists to remove.)
 Gradients are *summed*: the loss was already divided by the global token count, once.
@@ -49,9 +49,13 @@ every block is marked. Buckets are released once their gradients are reduced. Un
 the backward needs only the bf16 copies of the weights that the forward saved, so a step gathers
 each block once a micro-step, not twice. (A block that checkpoints part of itself would recompute
 that part from released parameters -- an error, not wrong numbers; --recompute checkpoints whole
-blocks.) The embedding group (wte, tied to the head, wpe, ln_f) is used
-at both ends of the model, so it stays gathered from the start of a micro-step until its
-gradients are in.
+blocks.) The embedding group (wte, tied to the head, wpe, ln_f) is used at both ends of the model,
+so it stays gathered from the start of a step's first micro-step until its gradients of the last
+are in: it would be gathered for nearly all of every micro-step anyway. The first block, released
+after its forward, is gathered again as the backward reaches the block after it, while the
+activations are mostly freed, and kept for the next micro-step's forward, which then starts with
+nothing to wait for. (Between micro-steps the parameters do not change; after the last one the
+optimizer changes them, so both are released and gathered afresh.)
 """
 
 from __future__ import annotations
@@ -75,11 +79,12 @@ class Bucket:
         self.padded = math.ceil(self.numel / (n_shards * Q)) * n_shards * Q
         self.shard_size = self.padded // n_shards
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        self.offsets, self.offset_of, off = [], {}, 0
+        self.offsets, off = [], 0
         for _, p in params:
             self.offsets.append(off)
-            self.offset_of[p] = off
             off += p.numel()
+        self.place = {p: i for i, (_, p) in enumerate(params)}
+        self.parts = [None] * len(params)  # ZeRO-2/3: this micro-step's gradients, until all are in
         # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
         self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
         self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
@@ -152,6 +157,11 @@ class DataParallel:
         self.backward_phase = False
         self.keep_gathered = False
         self._watch = None  # ZeRO-3: the saved-tensor hooks of the block running forward
+        # ZeRO-3: gathered from one micro-step into the next (released after the step's last): the
+        # embedding group, in use from a micro-step's start to its end anyway, and the first block,
+        # gathered again near the end of the backward for the next forward
+        blocks = [b for b in self.buckets if b.modules]
+        self.kept = [self.buckets[-1]] + blocks[-1:] if zero == 3 else []
         if zero == 3:
             with torch.no_grad():
                 for b in self.buckets:
@@ -193,7 +203,8 @@ class DataParallel:
     def start_micro_step(self, micro: int, n_micro: int):
         self.last = micro == n_micro - 1
         self.backward_phase = False
-        self._drain()  # ZeRO-2/3: last micro-step's reduce-scatters, so their scratch is free
+        if not self.comm.cuda:  # ZeRO-2/3 on a host backend: last micro-step's reduce-scatters, to free their scratch
+            self._drain()
         for b in self.buckets:
             b.pending = len(b.params)
             if micro == 0:
@@ -224,16 +235,17 @@ class DataParallel:
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
-        if self.zero >= 2:  # copy the gradient out; autograd's tensor is freed right here
-            if b.pending == len(b.params):
-                b.grad = self._take(b.padded) if self.exact else torch.empty(b.padded, device=self.device)
-                b.grad[b.numel :].zero_()
-            off = b.offset_of[p]
-            b.grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        if self.zero >= 2:  # autograd's gradient, held until the bucket's last is in
+            b.parts[b.place[p]] = p.grad.reshape(-1)
             p.grad = None
         b.pending -= 1
         if b.pending:
             return
+        if self.zero >= 2:  # one copy (one kernel) packs the bucket's gradients
+            b.grad = self._take(b.padded) if self.exact else torch.empty(b.padded, device=self.device)
+            torch.cat(b.parts, out=b.grad[: b.numel])
+            b.grad[b.numel :].zero_()
+            b.parts = [None] * len(b.params)
         self.last_grad_time = time.time()
         if self.exact:
             self._fold(b)
@@ -244,7 +256,7 @@ class DataParallel:
                 self._launch(b)
         else:
             self._launch_every_micro_step(b)
-        if self.zero == 3:
+        if self.zero == 3 and (self.last or b not in self.kept):
             self._release(b)
 
     def _fold(self, b):
@@ -388,15 +400,18 @@ class DataParallel:
                     return
                 if not (last and b.needs_full):  # else the backward needs it again at once
                     self._release(b)
+                # the bucket before b (in forward order) is gathered as b's backward starts if its
+                # own backward reads it, or if it is the first block and another micro-step follows
+                early = prev is not None and (prev.needs_full or (prev in self.kept and not self.last))
 
                 def regather(grad, b=b, prev=prev):
                     if b.needs_full:
                         self._gather(b)
-                    if prev is not None and prev.needs_full:
+                    if early:
                         self._gather(prev, wait=False)
                     return grad
 
-                if out.requires_grad and (b.needs_full or (prev is not None and prev.needs_full)):
+                if out.requires_grad and (b.needs_full or early):
                     out.register_hook(regather)
 
             b.modules[0].register_forward_pre_hook(pre)
