@@ -45,9 +45,9 @@ def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
 
 @functools.cache
 def group_size(group) -> int:
-    """A process group's size (1 for None), asked of torch once: get_world_size took 0.4 ms a call
-    on the GPU machine (cProfile, 2 H200s, ZeRO-3's ~26 collectives a micro-step: ~80 ms of host
-    time in a 0.33 s step whose pace the host, not the GPU, was setting)."""
+    """A process group's size (1 for None), asked of torch once: cProfile charged its get_world_size
+    0.39 ms a call on the GPU machine (2 H200s, torch 2.11; ~80 ms of host time a step at ZeRO-3's
+    ~26 collectives a micro-step, in a step whose pace the host, not the GPU, was setting)."""
     return 1 if group is None else dist.get_world_size(group)
 
 

@@ -33,7 +33,7 @@ def _all_reduce(x, group, op=dist.ReduceOp.SUM):
     return x
 
 
-@functools.cache  # torch's queries cost up to 0.4 ms each (comm.group_size); these are asked a layer
+@functools.cache  # asked at every layer call; torch's answer can cost far more (comm.group_size)
 def _tp(group):
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 

@@ -21,8 +21,8 @@ Reduction. Each parameter's post-accumulate-grad hook counts down its bucket; th
 bucket's last gradient is in, its reduction is launched asynchronously while the backward pass
 goes on with earlier layers. ZeRO-0/1 accumulate micro-batches in the full gradient buffer and
 communicate only on the final micro-step. ZeRO-2/3 hold no full gradient buffer, so they reduce-
-scatter every micro-step from a bucket-sized scratch -- autograd's gradients of the bucket, held
-until its last is in, packed by one copy -- that is freed as soon as the collective has read it, and add the result into the persistent shard: M times the reduce-scatter traffic of
+scatter every micro-step from a bucket-sized scratch that is freed as soon as the collective has
+read it, and add the result into the persistent shard: M times the reduce-scatter traffic of
 ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved. (The other choice,
 accumulating locally and reducing once, needs the full gradient buffer ZeRO-2 exists to remove.)
 Gradients are *summed*: the loss was already divided by the global token count, once.
@@ -54,7 +54,8 @@ so it stays gathered from the start of a step's first micro-step until its gradi
 are in: it would be gathered for nearly all of every micro-step anyway. The first block, released
 after its forward, is gathered again as the backward reaches the block after it, while the
 activations are mostly freed, and kept for the next micro-step's forward, which then starts with
-nothing to wait for. (Between micro-steps the parameters do not change; after the last one the
+nothing to wait for (unless all blocks are one bucket: then there is no block after it to start
+the gather, and it is gathered at the micro-step's start, as before). (Between micro-steps the parameters do not change; after the last one the
 optimizer changes them, so both are released and gathered afresh.)
 """
 
@@ -79,12 +80,11 @@ class Bucket:
         self.padded = math.ceil(self.numel / (n_shards * Q)) * n_shards * Q
         self.shard_size = self.padded // n_shards
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        self.offsets, off = [], 0
+        self.offsets, self.offset_of, off = [], {}, 0
         for _, p in params:
             self.offsets.append(off)
+            self.offset_of[p] = off
             off += p.numel()
-        self.place = {p: i for i, (_, p) in enumerate(params)}
-        self.parts = [None] * len(params)  # ZeRO-2/3: this micro-step's gradients, until all are in
         # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
         self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
         self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
@@ -203,8 +203,8 @@ class DataParallel:
     def start_micro_step(self, micro: int, n_micro: int):
         self.last = micro == n_micro - 1
         self.backward_phase = False
-        if not self.comm.cuda:  # ZeRO-2/3 on a host backend: last micro-step's reduce-scatters, to free their scratch
-            self._drain()
+        if not self.comm.cuda:  # ZeRO-2/3: last micro-step's reduce-scatters, so their scratch is free
+            self._drain()  # (on CUDA the allocator holds it for the side stream: no need to wait)
         for b in self.buckets:
             b.pending = len(b.params)
             if micro == 0:
@@ -235,17 +235,16 @@ class DataParallel:
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
-        if self.zero >= 2:  # autograd's gradient, held until the bucket's last is in
-            b.parts[b.place[p]] = p.grad.reshape(-1)
+        if self.zero >= 2:  # copy the gradient out; autograd's tensor is freed right here
+            if b.pending == len(b.params):
+                b.grad = self._take(b.padded) if self.exact else torch.empty(b.padded, device=self.device)
+                b.grad[b.numel :].zero_()
+            off = b.offset_of[p]
+            b.grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
             p.grad = None
         b.pending -= 1
         if b.pending:
             return
-        if self.zero >= 2:  # one copy (one kernel) packs the bucket's gradients
-            b.grad = self._take(b.padded) if self.exact else torch.empty(b.padded, device=self.device)
-            torch.cat(b.parts, out=b.grad[: b.numel])
-            b.grad[b.numel :].zero_()
-            b.parts = [None] * len(b.params)
         self.last_grad_time = time.time()
         if self.exact:
             self._fold(b)
@@ -293,9 +292,9 @@ class DataParallel:
         # Free each scratch as soon as its collective has consumed it, not at the end of the
         # backward: on CUDA the allocator may reuse it once the side stream is past this point;
         # on a host backend, finish whatever collectives have already completed.
-        if scratch.is_cuda:
+        if scratch.is_cuda and self.group is not None:
             scratch.record_stream(self.comm.side)
-        else:
+        else:  # (one rank: the accumulation is done at once)
             done = [h for h in self.pending if h.ready()]
             for h in done:
                 h.wait()
@@ -366,7 +365,11 @@ class DataParallel:
             b.gathered = True
 
     def _release(self, b):
-        if self.keep_gathered or not b.gathered:
+        if self.keep_gathered:
+            return
+        if b.gather_handle is not None:  # a gather in flight lands first: else it would land later,
+            self._gather(b)  # with the values of before an optimizer step, into freed memory
+        if not b.gathered:
             return
         b.full.untyped_storage().resize_(0)
         b.gathered = False
