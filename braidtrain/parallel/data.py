@@ -49,14 +49,14 @@ every block is marked. Buckets are released once their gradients are reduced. Un
 the backward needs only the bf16 copies of the weights that the forward saved, so a step gathers
 each block once a micro-step, not twice. (A block that checkpoints part of itself would recompute
 that part from released parameters -- an error, not wrong numbers; --recompute checkpoints whole
-blocks.) The embedding group (wte, tied to the head, wpe, ln_f) is used at both ends of the model,
-so it stays gathered from the start of a step's first micro-step until its gradients of the last
-are in: it would be gathered for nearly all of every micro-step anyway. The first block, released
-after its forward, is gathered again as the backward reaches the block after it, while the
-activations are mostly freed, and kept for the next micro-step's forward, which then starts with
-nothing to wait for (unless all blocks are one bucket: then there is no block after it to start
-the gather, and it is gathered at the micro-step's start, as before). (Between micro-steps the parameters do not change; after the last one the
-optimizer changes them, so both are released and gathered afresh.)
+blocks.) Between the micro-steps of a step the parameters do not change, so the embedding group
+(wte, tied to the head, wpe, ln_f; used at both ends of the model, so gathered for nearly all of
+every micro-step anyway) stays gathered from the step's first micro-step to the gradients of its
+last. The first block, released after its forward, is gathered again as the backward reaches the
+block after it, the activations mostly freed by then, and kept for the next micro-step's forward,
+which then starts with nothing to wait for. (If all blocks are one bucket, there is no block after
+it: it is gathered at the micro-step's start.) After the last micro-step the optimizer changes the
+parameters: both are released, and gathered afresh.
 """
 
 from __future__ import annotations
