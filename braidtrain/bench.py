@@ -26,6 +26,9 @@ exposed communication is the time the step waited for the gradient reduction aft
 pass, and busbw (GB/s) the step's collectives' bus bytes over their summed duration -- the
 reduction's effective bandwidth while it overlaps the backward pass, to hold against bench comm's
 figure at the bucket size (braidtrain only; the step's few tiny collectives are included);
+"host" is the share of the step the host took to issue its work (metrics' host_s): near 100%, the
+GPU waited for the host -- or a full launch queue held the host back, which a profile tells apart
+(on CPUs always near 100%: the work is done as it is issued);
 "slowest" is the slowest timed step over the median one, which shows a stall the mean hides. On
 GPUs, nvidia-smi samples every GPU five times a second beside each job, and "SM MHz" and "W" are
 the mean SM clock and power draw over the samples of GPUs that were busy (utilization >= BUSY):
@@ -274,6 +277,7 @@ def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
     busbw = sum(b * s for b, s in comm) / sum(s for _, s in comm) if comm else None  # total bus bytes / total time
     return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
             "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "comm_busbw_GBps": busbw,
+            "host_frac": sum(r["host_s"] for r in timed) / secs,
             "slowest": slowest([r["step_s"] for r in timed]), "loss": recs[-1]["loss"]}
 
 
@@ -283,6 +287,7 @@ def _torch_row(path: Path, warmup: int) -> dict:
     tps = r["tokens_per_step"] * len(r["step_s"][warmup:]) / secs
     mfu = tps * r["flops_per_token"] / r["peak_flops"] if r["peak_flops"] else None
     return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "comm_busbw_GBps": None,
+            "host_frac": None,
             "slowest": slowest(r["step_s"][warmup:]), "loss": r["loss"][-1]}
 
 
@@ -431,7 +436,7 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'slowest':>9}{'SM MHz':>8}"
+    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'host':>7}{'slowest':>9}{'SM MHz':>8}"
           f"{'W':>6}{'loss':>9}{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
@@ -440,7 +445,7 @@ def _print_train(rows, baseline) -> None:
         pct = lambda v: None if v is None else 100 * v
         print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
-              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
+              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{cell(pct(r.get('host_frac')), '.0f', '%'):>7}{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
               f"{cell(r.get('power_w'), '.0f'):>6}{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")
     if len(rows[0]["runs_tokens_per_s"]) > 1:
         print("every run (tokens/s, and x the baseline run of its round):")

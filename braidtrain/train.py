@@ -295,6 +295,7 @@ class Trainer:
             losses, norm = self.graph_out
         else:
             losses, norm = self.work()
+        host_s = time.time() - t0  # the step's work issued; nothing has waited for the GPU yet
         if step + 1 < cfg.max_steps:  # while the GPU works: the next step's tokens
             self.next_tokens = step + 1, self.host_tokens(step + 1)
         self.collect_garbage(step)
@@ -309,7 +310,7 @@ class Trainer:
             mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
         comm_s, bus_bytes = self.comm.step_comm()
         return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
-                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "comm_s": comm_s,
+                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "host_s": host_s, "comm_s": comm_s,
                 "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
                 "exposed_comm_s": engine.exposed_comm_s()}
 

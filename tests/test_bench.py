@@ -56,6 +56,8 @@ def test_bench_train_against_torch(tmp_path, shakespeare):
     assert rows["braidtrain -z 3"]["exposed_comm_frac"] >= 0 and ref["exposed_comm_frac"] is None
     # the collectives' effective bandwidth: bus bytes (nccl-tests' factors) over their summed time
     assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
+    # the host's share of the step (on a CPU nearly all of it: the work is done as it is issued)
+    assert 0.5 < rows["braidtrain -z 3"]["host_frac"] <= 1 and ref["host_frac"] is None and " host " in p.stdout
     assert all(isinstance(r["slowest"], float) for r in rows.values()) and "slowest" in p.stdout  # its maths: below
     assert "SM MHz" in p.stdout and not any("sm_mhz" in r for r in rows.values())  # no GPU, no samples
     assert "x ddp" in p.stdout

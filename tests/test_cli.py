@@ -280,7 +280,7 @@ def test_exact_needs_power_of_two_micro_steps(paths, jobs):
 
 # ----------------------------------------------------------------------------- a good run, end to end
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "step_s", "host_s"}
 
 
 def good_run(paths) -> SimpleNamespace:
@@ -310,6 +310,7 @@ def test_train_two_steps(run):
     for r in rows:
         assert METRIC_KEYS <= r.keys(), sorted(r)
         assert np.isfinite(r["loss"]) and r["loss"] > 0 and r["lr"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["host_s"] <= r["step_s"], r  # the host's part of the step: issuing its work
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 2
     assert re.fullmatch(r"[0-9a-f]{64}", summary["weights_sha256"]), summary["weights_sha256"]
