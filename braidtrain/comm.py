@@ -78,15 +78,17 @@ class Record:
 
 
 class Handle:
-    """An in-flight collective. `wait()` returns once its result may be used; `then` (optional)
+    """An in-flight collective. `wait()` returns once its result may be used (on CUDA: by the work
+    queued after it on the stream that launched it, which is made to wait); `then` (optional)
     is the follow-up that consumes the result (the exact reduce-scatter's tree sum, ZeRO-2's
     accumulation): on CUDA it is queued on the side stream right behind the collective, on a host
     backend it runs at wait()."""
 
     def __init__(self, comm: "Comm", rec: Record, work, then=None, events=None, join=None):
         self.comm, self.rec, self.work, self.then, self.events = comm, rec, work, then, events
-        self.join = join  # CUDA: the event the compute stream waits for
+        self.join = join  # CUDA: (the stream that launched it, the event that stream waits for)
         self.done = False
+        self.reuse = False  # CUDA: its timing events may be recorded again once read
         if work is not None and events is None:
             # Host backends (gloo) complete on their own thread: record the real completion time
             # (some gloo collectives have no future; their end is then taken at wait()).
@@ -118,7 +120,8 @@ class Handle:
         if self.work is not None:
             self.work.wait()
         if self.join is not None:
-            torch.cuda.current_stream().wait_event(self.join)
+            stream, event = self.join
+            stream.wait_event(event)
         else:
             self._mark()
         if self.then is not None:
@@ -135,6 +138,8 @@ class Comm:
         self.step = 0  # set by the training loop; stamped on each record
         self.step_handles: list[Handle] = []
         self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.ready = torch.cuda.Event() if self.cuda else None  # recorded on the compute stream, waited for by side
+        self.spare: list[tuple] = []  # timing event pairs already read, to record again
         self.replay_rec: Record | None = None  # the open flight record of a replayed graph
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -147,18 +152,30 @@ class Comm:
             # Launch from our side stream: it first waits (an event) for what the compute stream has
             # queued -- the gradients this collective reads -- and the compute stream goes on with the
             # rest of the backward pass; Handle.wait() makes the compute stream wait for `join`.
-            # (A plain `join` event: inside a capture the timing events are graph nodes, which order
-            # no streams.)
-            (start, end), join = timing_events(), torch.cuda.Event()
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                start.record()
+            # ZeRO-3 comes here ~100 times a step, so the host time counts (on the GPU machine: a
+            # new pair of timing events ~33 us, a reused pair ~7 us, a current-stream lookup ~8 us):
+            # streams are looked up once, and timing events reused once step_comm() has read them --
+            # except inside a capture, where they are graph nodes that every replay records again
+            # (and that order no streams: `join` is then a plain event of its own).
+            capturing = torch.cuda.is_current_stream_capturing()
+            start, end = timing_events() if capturing or not self.spare else self.spare.pop()
+            join = torch.cuda.Event() if capturing else end
+            compute, side = torch.cuda.current_stream(), self.side
+            self.ready.record(compute)
+            side.wait_event(self.ready)
+            torch.cuda.set_stream(side)
+            try:
+                start.record(side)
                 fn(group).wait()
                 if then is not None:
                     then()
-                end.record()
-                join.record()
-            h = Handle(self, rec, None, None, events=(start, end), join=join)
+                end.record(side)
+                if capturing:
+                    join.record(side)
+            finally:
+                torch.cuda.set_stream(compute)
+            h = Handle(self, rec, None, None, events=(start, end), join=(compute, join))
+            h.reuse = not capturing
         else:
             h = Handle(self, rec, fn(group), then)
         h.bus_bytes = rec.nbytes * bus_factor(op, group_size(group))
@@ -174,6 +191,8 @@ class Comm:
                 secs = h.events[0].elapsed_time(h.events[1]) / 1000.0
                 if h.rec.t_end is None:
                     h.rec.t_end = h.rec.t_start + secs
+                if h.reuse:
+                    self.spare.append(h.events)
             elif h.rec.t_end is not None:
                 secs = h.rec.t_end - h.rec.t_start
             else:

@@ -65,7 +65,7 @@ class Config:
     recompute: bool = False
     compile: bool = False  # torch.compile each block (training only; tp = 1)
     cuda_graph: bool = False  # replay each step's GPU work, collectives too, from one CUDA graph (ZeRO 0/1)
-    bucket_mb: float = 25.0
+    bucket_mb: float = 50.0  # a bucket: whole blocks until it holds this (docs/design-notes.md, "Buckets")
     # runtime
     init_method: str = "env"
     num_processes: int | None = None

@@ -14,18 +14,20 @@ wpe, the LayerNorms, the c_proj biases (R = block_size*h + 2h + 6h*L). Per tp ra
 and ZeRO shards P_tp over the replica group, the n = dp ranks of one tp slot, as before.
 
 Model state per GPU (P_tp parameters, n = dp; fp32 master weights and gradients, fp32 Adam m and
-v; bf16 autocast on the GPU). `bucket` is the largest bucket in bytes (bucket_mb of 2^20 bytes,
-rounded up to whole units); `W` the ZeRO-3 working set in bytes: two block buckets in fp32 (the one
-in use and the prefetched one) plus the embedding group wte + wpe + ln_f, which stays gathered for
-the whole micro-step because the tied head uses it again at the end. Buckets hold this tp rank's
-shards (block: (12h^2 + 7h)/tp + 6h; embedding group: vocab_rows(tp)*h/tp + block_size*h + 2h).
+v; bf16 autocast on the GPU). `W` is the ZeRO-3 working set in bytes: two block buckets (whole
+blocks up to bucket_mb of 2^20 bytes) in fp32 (the one in use and the prefetched one) plus the
+embedding group wte + wpe + ln_f, which stays gathered for the whole micro-step because the tied
+head uses it again at the end. `S`, ZeRO-2/3's gradient scratch, is as large: the embedding
+group's (open from its first gradient, early in the backward, to the end) and two block buckets'
+(one filling, one whose reduce-scatter is in flight). Buckets hold this tp rank's shards (block:
+(12h^2 + 7h)/tp + 6h; embedding group: vocab_rows(tp)*h/tp + block_size*h + 2h).
 
     stage    parameters     gradients                optimizer (m, v)   total
     ZeRO-0   4P             4P                       8P                 16P
     ZeRO-1   4P             4P (reduce-scatter in    8P/n               8P + 8P/n
                             place: the shard is a view)
-    ZeRO-2   4P             4P/n + 2*bucket scratch  8P/n               4P + 12P/n + 2*bucket
-    ZeRO-3   4P/n + W       4P/n + 2*bucket scratch  8P/n               16P/n + W + 2*bucket
+    ZeRO-2   4P             4P/n + S                 8P/n               4P + 12P/n + S
+    ZeRO-3   4P/n + W       4P/n + S                 8P/n               16P/n + W + S
                                                                         (P here is P_tp)
 
 Activations per micro-batch (b sequences of t tokens, width h, L layers, padded vocabulary V), on
@@ -106,6 +108,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from braidtrain.config import Config
 from braidtrain.errors import UserError
 
 # Calibration knobs: every number the estimates rest on, named once (bytes per element).
@@ -125,14 +128,13 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GB = 1e9  # what metrics.jsonl's mem_gb uses
 
 
-def model_state_bytes(P: int, n: int, zero: int, bucket_bytes: int, block_params: int, embed_params: int) -> dict:
+def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int) -> dict:
     """Per-GPU bytes of parameters, gradients and optimizer state (the table above).
-    P: parameters this rank holds before ZeRO (P_tp under tp); bucket_bytes: the largest bucket;
-    block_params: elements of the largest block bucket; embed_params: elements of wte + wpe + ln_f
+    P: parameters this rank holds before ZeRO (P_tp under tp); block_params: elements of the largest block bucket; embed_params: elements of wte + wpe + ln_f
     (all three this tp rank's). `transient` is the part of params + grads that exists only during
     the forward/backward pass (scratch, working set): a rank at rest, as measured between steps on
     the CPU, holds the rest."""
-    scratch = 2 * bucket_bytes if zero >= 2 else 0  # buckets whose reduce-scatter is in flight
+    scratch = 4 * (embed_params + 2 * block_params) if zero >= 2 else 0  # S
     working = 4 * (2 * block_params + embed_params) if zero == 3 else 0
     return {
         "params": 4 * P // n + working if zero == 3 else 4 * P,
@@ -233,7 +235,7 @@ class Setup:
     tflops: float = 400.0
     busbw: float = 300.0  # GB/s, the replica (dp) group's
     alpha_us: float = 10.0
-    bucket_mb: float = 25.0
+    bucket_mb: float = Config.bucket_mb
     cpu: bool = False  # the --check on a CPU: fp32, gloo, no CUDA context
     tp_busbw: float | None = None  # GB/s, the tp group's; None: busbw
 
@@ -315,7 +317,7 @@ def estimate(s: Setup, lay: Layout) -> dict:
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = next(k for kind, k in buckets if kind == "embed")
-    state = model_state_bytes(P, n, lay.zero, 4 * max(k for _, k in buckets), max(blocks, default=0), embed)
+    state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), embed)
     act = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, P, tp, lay.sp)
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
     mem["activations"] = act["peak"]
@@ -518,7 +520,7 @@ def add_parser(sub):
     a("--busbw", type=float, default=300.0, help="collective bus bandwidth of the dp (replica) group, GB/s")
     a("--tp-busbw", type=float, help="bus bandwidth of the tp group, GB/s (default --busbw: one node's NVLink)")
     a("--alpha-us", type=float, default=10.0, help="collective latency, microseconds")
-    a("--bucket-mb", type=float, default=25.0)
+    a("--bucket-mb", type=float, default=Config.bucket_mb)
     a("--zero", "-z", type=int, choices=[0, 1, 2, 3], help="only this ZeRO stage")
     a("--batch-size", "-b", type=int, choices=MICRO_BATCHES, help="only this micro-batch")
     a("--recompute", action=argparse.BooleanOptionalAction, help="only layouts with (without) recompute")

@@ -43,21 +43,20 @@ def small_model(n_layer=4):
 
 
 def sizes(cfg, bucket_mb):
-    """(P, largest bucket in bytes, largest block bucket, embedding group) from the planner."""
+    """(P, largest block bucket, embedding group) from the planner."""
     buckets = plan.bucket_numels(cfg, bucket_mb)
-    blocks = [k for kind, k in buckets if kind == "block"]
-    return cfg.num_params(), 4 * max(k for _, k in buckets), max(blocks), buckets[-1][1]
+    return cfg.num_params(), max(k for kind, k in buckets if kind == "block"), buckets[-1][1]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_model_state_formulas_match_hand_arithmetic(n):
     cfg = small_model()
-    P, bucket, block, embed = sizes(cfg, 25.0)
+    P, block, embed = sizes(cfg, 25.0)
     c = cfg.n_embd
     assert block == cfg.n_layer * (12 * c * c + 13 * c)  # 25 MB holds all four blocks
     assert embed == cfg.padded_vocab * c + cfg.block_size * c + 2 * c
     assert P == block + embed
-    scratch = 2 * bucket  # two buckets' reduce-scatters in flight
+    scratch = 4 * (embed + 2 * block)  # the embedding group's gradient, a block bucket's, one in flight
     working = 4 * (2 * block + embed)  # ZeRO-3: two block buckets and the embedding group, fp32
     want = {  # (params, grads, optimizer): fp32 weights and grads, fp32 Adam m and v
         0: (4 * P, 4 * P, 8 * P),
@@ -66,20 +65,21 @@ def test_model_state_formulas_match_hand_arithmetic(n):
         3: (4 * P / n + working, 4 * P / n + scratch, 8 * P / n),
     }
     for zero, (params, grads, opt) in want.items():
-        got = plan.model_state_bytes(P, n, zero, bucket, block, embed)
+        got = plan.model_state_bytes(P, n, zero, block, embed)
         assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((params, grads, opt), rel=1e-12), zero
         assert got["transient"] == (0, 0, scratch, scratch + working)[zero]
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_each_zero_stage_needs_no_more_than_the_one_before(n):
-    # ZeRO-2 trades 4P(1 - 1/n) of gradients for 2 buckets of scratch, ZeRO-3 4P(1 - 1/n) of
-    # parameters for the working set: a gain when buckets are small next to the model, as here
-    # (16 blocks, one per 0.5 MB bucket). With 4 blocks in one bucket it would not be.
+    # ZeRO-2 trades 4P(1 - 1/n) of gradients for a scratch (the embedding group's and two block
+    # buckets'), ZeRO-3 4P(1 - 1/n) of parameters for the working set: a gain when buckets are small
+    # next to the model, as here (16 blocks, one per 0.5 MB bucket). With 4 blocks in one bucket it
+    # would not be.
     cfg = small_model(n_layer=16)
-    P, bucket, block, embed = sizes(cfg, 0.5)
+    P, block, embed = sizes(cfg, 0.5)
     assert block == 12 * cfg.n_embd**2 + 13 * cfg.n_embd  # one block per bucket
-    total = [sum(v for k, v in plan.model_state_bytes(P, n, z, bucket, block, embed).items() if k != "transient")
+    total = [sum(v for k, v in plan.model_state_bytes(P, n, z, block, embed).items() if k != "transient")
              for z in range(4)]
     assert total[0] == 16 * P
     assert all(b <= a for a, b in zip(total, total[1:])), total

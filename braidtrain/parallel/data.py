@@ -21,10 +21,12 @@ Reduction. Each parameter's post-accumulate-grad hook counts down its bucket; th
 bucket's last gradient is in, its reduction is launched asynchronously while the backward pass
 goes on with earlier layers. ZeRO-0/1 accumulate micro-batches in the full gradient buffer and
 communicate only on the final micro-step. ZeRO-2/3 hold no full gradient buffer, so they reduce-
-scatter every micro-step from a bucket-sized scratch that is freed as soon as the collective has
-read it, and add the result into the persistent shard: M times the reduce-scatter traffic of
-ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved. (The other choice,
-accumulating locally and reducing once, needs the full gradient buffer ZeRO-2 exists to remove.)
+scatter every micro-step from a bucket-sized scratch -- opened as the backward reaches the bucket,
+the parameters' .grad views into it so that autograd adds into it in place, and freed as soon as
+the collective has read it -- and add the result into the persistent shard: M times the reduce-
+scatter traffic of ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved.
+(The other choice, accumulating locally and reducing once, needs the full gradient buffer ZeRO-2
+exists to remove.)
 Gradients are *summed*: the loss was already divided by the global token count, once.
 
 Exact mode (DESIGN.md, "Exact reduction"). Each micro-step's gradient lands in a fresh full-size
@@ -80,10 +82,9 @@ class Bucket:
         self.padded = math.ceil(self.numel / (n_shards * Q)) * n_shards * Q
         self.shard_size = self.padded // n_shards
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        self.offsets, self.offset_of, off = [], {}, 0
+        self.offsets, off = [], 0
         for _, p in params:
             self.offsets.append(off)
-            self.offset_of[p] = off
             off += p.numel()
         # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
         self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
@@ -91,6 +92,7 @@ class Bucket:
         self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0
+        self.open = False  # ZeRO-2/3: this micro-step's gradient buffer is open (_open_grad)
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
@@ -167,7 +169,11 @@ class DataParallel:
                 for b in self.buckets:
                     b.data.copy_(b.full[b.lo : b.hi])
                     self._release(b)
-            self._install_zero3_hooks()
+        if zero >= 2:
+            self._install_block_hooks()
+            for b in self.buckets:  # buckets of no block: opened by the first of their gradients
+                for _, p in b.params if not b.modules else []:
+                    p.register_hook(partial(self._open_on_first_grad, b))
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
@@ -212,14 +218,10 @@ class DataParallel:
                 if self.exact and b.grad is not None:  # last step's gradient goes back to the pool
                     self._pool.setdefault(b.padded, []).append(b.grad)
                     b.grad = None
-            if self.zero >= 2:
-                continue  # gradients are copied out of p.grad by the hook
-            if self.exact:  # a fresh buffer per micro-batch: each is a leaf of the tree
-                b.grad = self._take(b.padded)
-            if self.exact or micro == 0:
-                b.grad.zero_()
-                for p, view in b.views(b.grad):
-                    p.grad = view  # autograd accumulates into the flat buffer in place
+            # ZeRO-0/1: the full gradient buffer, fresh in exact mode (each micro-batch a leaf of the
+            # tree); ZeRO-2/3 open a scratch as the backward reaches the bucket
+            if self.zero <= 1 and (self.exact or micro == 0):
+                self._open_grad(b, None if self.exact else b.grad)
         if self.zero == 3:
             self._gather(self.buckets[-1])  # the embedding group, needed first and last
             if len(self.buckets) > 1:
@@ -229,22 +231,38 @@ class DataParallel:
         self.backward_phase = True
         loss.backward()
 
+    def _open_grad(self, b, buf=None):
+        """Zero the bucket's gradient buffer `buf` (None: a fresh one) and point its parameters'
+        .grad at views into it: autograd then adds each gradient into it in place. ZeRO-2/3 open a
+        scratch as the backward reaches the bucket (a hook on the gradient of its output, or of its
+        parameters for a bucket of no block) and hand it to the reduce-scatter when it is complete.
+        (Copying each gradient out in a hook instead cost the GPU machine's host ~28 us a parameter,
+        ~33 ms a gpt2 ZeRO-3 step; the GPU now zeroes and adds -- more bytes, less host time.)"""
+        b.grad = buf if buf is not None else self._take(b.padded)
+        b.grad.zero_()
+        for p, view in b.views(b.grad):
+            p.grad = view
+        b.open = True
+
+    def _open_on_first_grad(self, b, _grad):
+        if not b.open:
+            self._open_grad(b)
+
     def _take(self, n):
         pool = self._pool.setdefault(n, [])
         return pool.pop() if pool else torch.empty(n, device=self.device)
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
-        if self.zero >= 2:  # copy the gradient out; autograd's tensor is freed right here
-            if b.pending == len(b.params):
-                b.grad = self._take(b.padded) if self.exact else torch.empty(b.padded, device=self.device)
-                b.grad[b.numel :].zero_()
-            off = b.offset_of[p]
-            b.grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        if self.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
+            if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
+                raise RuntimeError(f"ZeRO-{self.zero}: a gradient of bucket {b.index} arrived before its buffer was "
+                                   "opened (the hook on its block's output gradient did not run first)")
             p.grad = None
         b.pending -= 1
         if b.pending:
             return
+        b.open = False
         self.last_grad_time = time.time()
         if self.exact:
             self._fold(b)
@@ -374,7 +392,10 @@ class DataParallel:
         b.full.untyped_storage().resize_(0)
         b.gathered = False
 
-    def _install_zero3_hooks(self):
+    def _install_block_hooks(self):
+        """ZeRO-2/3: each block bucket's gradient buffer opens as the backward reaches it (a hook on
+        its output's gradient). ZeRO-3 also gathers and releases the bucket around its forward and,
+        where needed, gathers it again for the backward."""
         blocks = [b for b in self.buckets if b.modules]  # in backward order: last block first
 
         for k, b in enumerate(blocks):
@@ -399,25 +420,28 @@ class DataParallel:
                 if self.backward_phase or not torch.is_grad_enabled():
                     return
                 self._stop_watching()
+                zero3 = self.zero == 3
                 if out is None:  # the forward raised (always_call)
                     return
-                if not (last and b.needs_full):  # else the backward needs it again at once
+                if zero3 and not (last and b.needs_full):  # else the backward needs it again at once
                     self._release(b)
                 # the bucket before b (in forward order) is gathered as b's backward starts if its
                 # own backward reads it, or if it is the first block and another micro-step follows
-                early = prev is not None and (prev.needs_full or (prev in self.kept and not self.last))
+                early = zero3 and prev is not None and (prev.needs_full or (prev in self.kept and not self.last))
 
-                def regather(grad, b=b, prev=prev):
-                    if b.needs_full:
+                def reached(grad, b=b, prev=prev):
+                    if zero3 and b.needs_full:
                         self._gather(b)
                     if early:
                         self._gather(prev, wait=False)
+                    self._open_grad(b)
                     return grad
 
-                if out.requires_grad and (b.needs_full or early):
-                    out.register_hook(regather)
+                if out.requires_grad:
+                    out.register_hook(reached)
 
-            b.modules[0].register_forward_pre_hook(pre)
+            if self.zero == 3:
+                b.modules[0].register_forward_pre_hook(pre)
             b.modules[-1].register_forward_hook(post, always_call=True)
 
     def _stop_watching(self):
