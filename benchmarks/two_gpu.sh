@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The two-GPU figures of issue #7 on nvidia-h200-x2, one part per device call (each fits in ten
 # minutes). Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/two_gpu.sh PART
-#   exact  --exact --compile on 1 and on 2 H200s: the same losses and weights_sha256?
+#   exact  --exact --compile on 1 and on 2 H200s: the same losses and weights_sha256? (any further
+#          arguments go to both runs, e.g. exact -z 3)
 #   quick  bench train on both GPUs: ZeRO-0/1 --compile against torch DDP + compile (5 timed steps)
 #   train  bench train on both GPUs: ZeRO-0/1/3 --compile, DDP + compile, FSDP2; then ZeRO-1
 #          --compile and DDP + compile on one GPU of the same host (the 1 -> 2 scaling)
-#   buckets  bench train on both GPUs, ZeRO-1 --compile at --bucket-mb 10, 25 (the default), 50, 100
+#   buckets  bench train on both GPUs, ZeRO-1 --compile at --bucket-mb 10, 25, 50 (the default), 100
 #   graph  --cuda-graph on both GPUs: --exact --compile eager, with the graph at ZeRO-0 and ZeRO-1
 #          (the collectives captured too), the same losses and weights_sha256?
 #   graph-train  bench train on both GPUs: ZeRO-0/1 --compile --cuda-graph, ZeRO-1 --compile and
@@ -41,7 +42,7 @@ same_bits() {  # --exact --compile on both GPUs (with the arguments given) and o
 }
 case ${1:-} in
 exact)
-  same_bits ;;
+  shift; same_bits "$@" ;;
 graph)
   common="--config gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 65536 -x 6 --val-every 2 --val-steps 2 --ckpt-every 2 --sample-tokens 0 --no-progress --exact --compile"
   for v in "eager" "graph --cuda-graph" "graph_z1 --cuda-graph -z 1"; do
@@ -63,8 +64,8 @@ train)
   steps /tmp/keep-train
   bench --nproc 1 --steps 10 --warmup 3 --torch ddp-compile --layout "-z 1 --compile" --json "$OUT/train1.json" ;;
 buckets)
-  bench --nproc 2 --steps 10 --warmup 3 --torch "" --layout "-z 1 --compile --bucket-mb 10" --layout "-z 1 --compile" \
-    --layout "-z 1 --compile --bucket-mb 50" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" --keep /tmp/keep-buckets
+  bench --nproc 2 --steps 10 --warmup 3 --torch "" --layout "-z 1 --compile --bucket-mb 10" --layout "-z 1 --compile --bucket-mb 25" \
+    --layout "-z 1 --compile" --layout "-z 1 --compile --bucket-mb 100" --json "$OUT/buckets.json" --keep /tmp/keep-buckets
   steps /tmp/keep-buckets ;;
 zero3)
   bench --nproc 2 --steps 10 --warmup 3 --torch fsdp2 --baseline fsdp2 --layout "-z 3 --compile" --json "$OUT/zero3.json" --keep /tmp/keep-zero3
@@ -75,8 +76,8 @@ zero3)
 comm)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter,all_gather --min-bytes 4M --max-bytes 1G --json "$OUT/comm.json"
-  # at the reduction's own message sizes: one GPT-2 block in fp32 (a bucket at the default
-  # --bucket-mb), then x4 and x16 (the embedding group's bucket, 157 MB, lies between)
+  # at the reduction's own message sizes: one GPT-2 block in fp32 (a bucket at --bucket-mb 25;
+  # the default 50 holds two), then x4 and x16 (the embedding group's bucket, 157 MB, lies between)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter --min-bytes 28351488 --max-bytes 512M --json "$OUT/comm_buckets.json" ;;
 *) echo "usage: bash benchmarks/two_gpu.sh exact|graph|graph-train|quick|train|buckets|zero3|comm" >&2; exit 2 ;;
