@@ -2,7 +2,7 @@
 # The two-GPU figures of issue #7 on nvidia-h200-x2, one part per device call (each fits in ten
 # minutes). Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/two_gpu.sh PART
 #   exact  --exact --compile on 1 and on 2 H200s: the same losses and weights_sha256? (any further
-#          arguments go to both runs, e.g. exact -z 3)
+#          arguments go to the two-GPU run, e.g. exact -z 3)
 #   quick  bench train on both GPUs: ZeRO-0/1 --compile against torch DDP + compile (5 timed steps)
 #   train  bench train on both GPUs: ZeRO-0/1/3 --compile, DDP + compile, FSDP2; then ZeRO-1
 #          --compile and DDP + compile on one GPU of the same host (the 1 -> 2 scaling)

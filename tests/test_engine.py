@@ -126,14 +126,17 @@ def test_zero3_release_of_a_gather_in_flight_leaves_no_stale_parameters():
     assert b.full.untyped_storage().nbytes() == 0
 
 
+@pytest.mark.parametrize("failed_before", [False, True], ids=["", "after-a-failed-step"])
 @pytest.mark.parametrize("mode", ["plain", "exact", "recompute"])
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero2_3_gradients_accumulate_in_place_into_the_bucket(zero, mode):
+def test_zero2_3_gradients_accumulate_in_place_into_the_bucket(zero, mode, failed_before):
     """ZeRO-2/3 hold no gradient buffer between micro-steps, but within one a bucket's buffer is
     opened as the backward reaches it, so that autograd adds each parameter's gradient into it in
     place (no copy a parameter) -- also in exact mode (a buffer a micro-step, summed as a tree) and
     under --recompute (the blocks run forward again inside the backward); over two micro-steps the
-    result is plain autograd's."""
+    result is plain autograd's. Also after a step whose second backward (of three) raised part-way,
+    leaving buffers open and, in exact mode, partial sums behind and a buffer already back in the
+    pool: none of it may leak into the next step."""
     cpu = torch.device("cpu")
     model = GPT(model_config("tiny", 256, n_layer=3, n_embd=64, n_head=2, block_size=32))
     init_weights(model, seed=7)
@@ -147,6 +150,19 @@ def test_zero2_3_gradients_accumulate_in_place_into_the_bucket(zero, mode):
     assert sum(1 for b in engine.buckets if b.modules) == 3
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randint(0, 256, (2, 32), generator=gen) for _ in range(2)]
+    if failed_before:
+        bad = torch.randint(0, 256, (2, 32), generator=gen)
+        engine.start_micro_step(0, 3)
+        engine.backward(model(bad, bad))
+        engine.start_micro_step(1, 3)
+        def fail_in_backward(_mod, _args, out):
+            out.register_hook(lambda _g: 1 / 0)
+
+        hook = model.h[0].register_forward_hook(fail_in_backward)
+        with pytest.raises(ZeroDivisionError):  # in block 0's backward: the others' are done
+            engine.backward(model(bad, bad))
+        hook.remove()
+        in_place.clear()
     for micro, x in enumerate(xs):
         engine.start_micro_step(micro, len(xs))
         engine.backward(model(x, x))

@@ -92,7 +92,7 @@ class Bucket:
         self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0
-        self.open = False  # ZeRO-2/3: this micro-step's gradient buffer is open (_open_grad)
+        self.open = False  # this micro-step's gradient buffer is open (_open_grad; ZeRO-2/3 check it)
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
@@ -172,8 +172,9 @@ class DataParallel:
         if zero >= 2:
             self._install_block_hooks()
             for b in self.buckets:  # buckets of no block: opened by the first of their gradients
-                for _, p in b.params if not b.modules else []:
-                    p.register_hook(partial(self._open_on_first_grad, b))
+                if not b.modules:
+                    for _, p in b.params:
+                        p.register_hook(partial(self._open_on_first_grad, b))
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
@@ -212,11 +213,14 @@ class DataParallel:
         if not self.comm.cuda:  # ZeRO-2/3: last micro-step's reduce-scatters, so their scratch is free
             self._drain()  # (on CUDA the allocator holds it for the side stream: no need to wait)
         for b in self.buckets:
-            b.pending = len(b.params)
+            b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
             if micro == 0:
                 b.first = True
+                b.slots.clear()  # exact: partial sums a step that failed part-way left behind
                 if self.exact and b.grad is not None:  # last step's gradient goes back to the pool
-                    self._pool.setdefault(b.padded, []).append(b.grad)
+                    pool = self._pool.setdefault(b.padded, [])
+                    if all(g is not b.grad for g in pool):  # (a failed step may have put it there)
+                        pool.append(b.grad)
                     b.grad = None
             # ZeRO-0/1: the full gradient buffer, fresh in exact mode (each micro-batch a leaf of the
             # tree); ZeRO-2/3 open a scratch as the backward reaches the bucket
@@ -257,7 +261,7 @@ class DataParallel:
         if self.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
                 raise RuntimeError(f"ZeRO-{self.zero}: a gradient of bucket {b.index} arrived before its buffer was "
-                                   "opened (the hook on its block's output gradient did not run first)")
+                                   "opened (the hook that opens it -- on its block's output gradient -- did not run)")
             p.grad = None
         b.pending -= 1
         if b.pending:
