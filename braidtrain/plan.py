@@ -131,9 +131,10 @@ GB = 1e9  # what metrics.jsonl's mem_gb uses
 def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int) -> dict:
     """Per-GPU bytes of parameters, gradients and optimizer state (the table above).
     P: parameters this rank holds before ZeRO (P_tp under tp); block_params: elements of the
-    largest block bucket; embed_params: elements of wte + wpe + ln_f (all three this tp rank's). `transient` is the part of params + grads that exists only during
-    the forward/backward pass (scratch, working set): a rank at rest, as measured between steps on
-    the CPU, holds the rest."""
+    largest block bucket; embed_params: elements of wte + wpe + ln_f (all three this tp rank's).
+    `transient` is the part of params + grads that exists only during the forward/backward pass
+    (scratch S, working set W): a rank at rest, as measured between steps on the CPU, holds the
+    rest."""
     scratch = 4 * (embed_params + 2 * block_params) if zero >= 2 else 0  # S
     working = 4 * (2 * block_params + embed_params) if zero == 3 else 0
     return {

@@ -240,8 +240,9 @@ class DataParallel:
         .grad at views into it: autograd then adds each gradient into it in place. ZeRO-2/3 open a
         scratch as the backward reaches the bucket (a hook on the gradient of its output, or of its
         parameters for a bucket of no block) and hand it to the reduce-scatter when it is complete.
-        (Copying each gradient out in a hook instead cost the GPU machine's host ~28 us a parameter,
-        ~33 ms a gpt2 ZeRO-3 step; the GPU now zeroes and adds -- more bytes, less host time.)"""
+        (Copying each gradient out in a hook instead cost the GPU machine's host 28-30 us a
+        parameter, 33-36 ms a gpt2 ZeRO-3 step; the GPU now zeroes and adds: more bytes, less host
+        time.)"""
         b.grad = buf if buf is not None else self._take(b.padded)
         b.grad.zero_()
         for p, view in b.views(b.grad):
@@ -261,7 +262,7 @@ class DataParallel:
         if self.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
                 raise RuntimeError(f"ZeRO-{self.zero}: a gradient of bucket {b.index} arrived before its buffer was "
-                                   "opened (the hook that opens it -- on its block's output gradient -- did not run)")
+                                   "opened (the hook that opens it did not run first)")
             p.grad = None
         b.pending -= 1
         if b.pending:
