@@ -152,16 +152,16 @@ def _setup(op, nbytes, n, r, device):
 
 def _launch(comm, op, bufs, group, n, r):
     if op == "all_reduce":
-        return comm.all_reduce(bufs[0], group, "world")
+        return comm.all_reduce(bufs[0], group)
     if op == "reduce_scatter":
-        return comm.reduce_scatter(bufs[0], bufs[1], group, "world")
+        return comm.reduce_scatter(bufs[0], bufs[1], group)
     if op == "exact_reduce_scatter":
-        return comm.exact_reduce_scatter(bufs[0], bufs[1], bufs[2] if n > 1 else None, group, "world", n)
+        return comm.exact_reduce_scatter(bufs[0], bufs[1], bufs[2] if n > 1 else None, group)
     if op == "all_gather":
-        return comm.all_gather(bufs[0], bufs[1], group, "world")
+        return comm.all_gather(bufs[0], bufs[1], group)
     if op == "all_to_all":
-        return comm.all_to_all(bufs[0], bufs[1], group, "world")
-    return comm.send_recv(bufs[0], bufs[1], (r + 1) % n, (r - 1) % n, group, "world")
+        return comm.all_to_all(bufs[0], bufs[1], group)
+    return comm.send_recv(bufs[0], bufs[1], (r + 1) % n, (r - 1) % n, group)
 
 
 def _time(comm, op, bufs, group, n, r, iters) -> float:
@@ -172,7 +172,7 @@ def _time(comm, op, bufs, group, n, r, iters) -> float:
     backend, the wall clock over the iterations."""
     import torch
 
-    if comm.cuda and group is not None:
+    if comm.cuda and group.pg is not None:
         torch.cuda._sleep(SLEEP_CYCLES * (iters + 1))  # on the compute stream, which each launch waits for
         awake = torch.cuda.Event()
         awake.record()
@@ -198,9 +198,9 @@ def run(args) -> int:
 
 def run_comm(args) -> int:
     import torch
-    import torch.distributed as dist
 
     from braidtrain.comm import Comm
+    from braidtrain.mesh import build_mesh
     from braidtrain.runtime import init_runtime
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -212,8 +212,8 @@ def run_comm(args) -> int:
     rt = init_runtime("env", device=args.device)
     try:
         n, r = rt.world_size, rt.rank
-        group = dist.group.WORLD if n > 1 else None
         comm = Comm(rt.device)
+        group = build_mesh(r, n, comm).groups["world"]
         sync = torch.cuda.synchronize if rt.device.type == "cuda" else (lambda: None)
         rows = []
         for op in ops:
@@ -227,7 +227,7 @@ def run_comm(args) -> int:
                 sync()
                 rt.barrier()
                 t = _time(comm, op, bufs, group, n, r, args.iters)
-                comm.step_handles.clear()
+                comm.step_comm()  # (its per-step sums are not this command's)
                 t = rt.cpu_sum(t) / n  # the mean over ranks, the same on every rank
                 ok = rt.cpu_sum(0.0 if ok else 1.0) == 0.0
                 algbw = S / t / 1e9

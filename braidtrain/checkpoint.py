@@ -2,14 +2,15 @@
 
 A checkpoint is a folder `checkpoints/step_NNNNNNNN/`:
 
-    meta.json               step, config, model shapes, the saving layout, sha256 of every file
-    rank_00000.safetensors  pieces of parameters, m and v: "param/<name>/<start>" is elements
-    rank_00001.safetensors  [start, start+len) of the flattened full tensor <name>
+    meta.json               step, config, the placement table, the saving layout, sha256 of every file
+    rank_00000.safetensors  pieces of parameters, m and v: "param/<name>/t<r>/<start>" is elements
+    rank_00001.safetensors  [start, start+len) of tp rank r's flattened shard of tensor <name>
 
 Every rank writes the elements of the canonical flat space it owns (its shard of each bucket),
 so no rank ever holds the whole model state in one file and all write in parallel. Because a
-piece is named by (tensor name, element offset), any layout can find the elements it needs:
-loading re-shards to whatever the current mesh, world size and ZeRO stage are.
+piece is named by (tensor name, tp shard, element offset) and meta.json holds the placement table
+(each tensor's full shape and tp split), any layout can find the elements it needs: loading
+re-shards to whatever the current mesh, world size, tp degree and ZeRO stage are.
 
 Publishing is atomic: everything is written into `step_N.tmp/`, fsynced, then rank 0 writes
 meta.json (with every file's sha256 and size) and renames the folder. A save that fails midway (a
@@ -33,14 +34,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from braidtrain.errors import UserError
-from braidtrain.model.layers import shard_of, unshard
+from braidtrain.parallel import placement
 
-FORMAT = 2
+FORMAT = 3  # 3: meta.json holds the placement table; 2 (read too): the table is the model config's
 
 
 def _sha256(path: Path) -> str:
@@ -64,18 +64,23 @@ def pieces(engine):
     fall in this rank's shard [lo, hi) of its bucket: what this rank writes. The key names the
     tensor and its tp shard, "<name>/t<tp rank>"; tp-replicated parameters are written by tp
     rank 0 only, as "<name>/t0"."""
+    tp_rank = engine.tp.index
     for i, b in enumerate(engine.buckets):
         for (name, p), off in zip(b.params, b.offsets):
-            if name in engine.replicated and engine.tp_rank > 0:
+            replicated = engine.table[name].replicated
+            if replicated and tp_rank > 0:
                 continue
-            tag = 0 if name in engine.replicated else engine.tp_rank
             a, e = max(off, b.lo), min(off + p.numel(), b.hi)
             if a < e:
-                yield i, f"{name}/t{tag}", a - off, e - off, a
+                yield i, f"{name}/t{0 if replicated else tp_rank}", a - off, e - off, a
 
 
-def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict, rt, keep: int,
-         midway=None) -> float:
+def layout_record(lay, world_size: int) -> dict:
+    """What meta.json says of the saving layout (and a resume compares with its own)."""
+    return {"world_size": world_size, "dp": lay.dp, "zero": lay.zero, "tp": lay.tp}
+
+
+def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int, midway=None) -> float:
     """Collective: every rank calls it. `info` (config, model, tokenizer) goes into meta.json.
     `midway(step)`, if given, runs after this rank's file is written, before anything is published
     (the fault-injection test hook). Returns the seconds it took."""
@@ -85,7 +90,8 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
     if rt.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    engine.comm.sync("barrier", "world", rt.barrier)
+    world = engine.world
+    engine.comm.barrier(world)
     tensors = {}
     for i, name, a, e, pos in pieces(engine):
         b = engine.buckets[i]
@@ -107,19 +113,15 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
     except OSError as e:  # a full disk, a quota: nothing was published, the previous checkpoint stands
         raise UserError(f"rank {rt.rank} could not write checkpoint {final}: {e.strerror or e} "
                         f"(the previous checkpoint is intact; free space, then --resume auto)") from None
-    sums = [None] * rt.world_size
-    if rt.world_size > 1:
-        engine.comm.sync("all_gather_object", "world", lambda: dist.all_gather_object(sums, (fname, digest)))
-    else:
-        sums = [(fname, digest)]
+    sums = engine.comm.all_gather_object((fname, digest), world)
     if rt.is_main:
         meta = {
             "format": FORMAT,
             "step": step,
             "optimizer_step": opt.step_count,
             **info,
-            "shapes": {k: list(v) for k, v in model_shapes.items()},
-            "layout": {"world_size": rt.world_size, "dp": engine.n, "zero": engine.zero, "tp": engine.tp},
+            "placement": engine.table.to_json(),
+            "layout": layout_record(lay, rt.world_size),
             "files": {f: d[0] for f, d in sums},
             "sizes": {f: d[1] for f, d in sums},
         }
@@ -131,7 +133,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, model_shapes: dict,
         _fsync_dir(ckpt_dir)
         for old in sorted(list_checkpoints(ckpt_dir))[:-keep] + list(ckpt_dir.glob("step_*.tmp")):
             shutil.rmtree(old, ignore_errors=True)  # old checkpoints, and what failed saves left
-    engine.comm.sync("barrier", "world", rt.barrier)
+    engine.comm.barrier(world)
     return time.time() - t0
 
 
@@ -150,7 +152,7 @@ def verify(path: Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"checkpoint {path}: meta.json is damaged") from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (2, FORMAT):
         raise UserError(f"checkpoint {path}: unknown format {meta.get('format')}")
     sizes = meta.get("sizes", {})
     for fname, digest in meta["files"].items():
@@ -180,16 +182,16 @@ def find_resume(spec: str, ckpt_dir: Path, warn) -> Path | None:
     return None
 
 
-def load(path: Path, engine, opt, model) -> dict:
+def load(path: Path, engine, opt) -> dict:
     """Fill this rank's parameters (all of them, or its ZeRO-3 shard) and optimizer state (its
     shard) from a checkpoint saved by any layout: any world size, ZeRO stage or tp degree."""
     meta = json.loads((path / "meta.json").read_text())
-    want = dataclasses.asdict(model.cfg)
+    want = dataclasses.asdict(engine.model.cfg)
     if meta["model"] != want:
         diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
         raise UserError(f"checkpoint {path} was saved from a different model ({diff} saved vs now): "
                         "use the same model config")
-    read = Reader(path, meta, model)
+    read = Reader(path, meta, engine.table)
     with torch.no_grad():
         for i, b in enumerate(engine.buckets):
             m, v, _ = opt.groups[i]
@@ -210,18 +212,19 @@ def load(path: Path, engine, opt, model) -> dict:
 class Reader:
     """Elements [a, e) of this rank's (flattened) tensor `name`, from whichever rank files hold
     them. Saved with the same tp degree: read straight from the pieces of this tp rank's shard.
-    Saved with another: rebuild the full tensor from the saved tp shards (model/layers.unshard),
-    fit the vocabulary padding of wte to this layout (the padding rows are zeros beyond the tp=1
-    padding, and never trained), and cut this rank's shard (shard_of)."""
+    Saved with another: the full tensor from the saved tp shards, then this rank's shard of it
+    (placement.Placed.unshard and .shard: the padding of a split dim is cut and added there).
+    `table`: this layout's placement table (None: one process, tp = 1)."""
 
-    def __init__(self, path: Path, meta: dict, model=None):
-        from braidtrain.model.gpt import GPTConfig, shard_spec
+    def __init__(self, path: Path, meta: dict, table=None):
+        if "placement" in meta:
+            self.saved = placement.Table.from_json(meta["placement"])
+        else:  # format 2: the table of the model config, at tp = 1 (the layout is meta's)
+            from braidtrain.model.gpt import GPTConfig
 
-        self.meta, self.spec = meta, shard_spec
+            self.saved = placement.for_config(GPTConfig(**meta["model"]))
         self.saved_tp = meta["layout"].get("tp", 1)
-        self.tp, self.tp_rank = (model.tp, model.tp_rank) if model is not None else (1, 0)
-        cfg = model.cfg if model is not None else GPTConfig(**meta["model"])
-        self.rows = cfg.vocab_rows(self.tp)  # wte rows in this layout
+        self.tp, self.tp_rank = (table.tp, table.tp_rank) if table is not None else (1, 0)
         self.index: dict[str, list[tuple[int, str, str]]] = {}  # "<name>/t<r>" -> [(start, file, key rest)]
         self.handles, self.cache = {}, {}
         for fname in meta["files"]:
@@ -241,30 +244,22 @@ class Reader:
                 out[lo - a : hi - a] = t[lo - start : hi - start]
         return out
 
-    def full(self, kind: str, name: str, rows: int | None = None) -> torch.Tensor:
-        """The whole unsharded tensor (wte with `rows` rows of vocabulary, if given)."""
-        spec, shape = self.spec(name), self.meta["shapes"][name]
-        n = math.prod(shape)
-        if spec.kind == "replicated":
-            return self._pieces(kind, f"{name}/t0", 0, n).view(shape)
-        parts = [self._pieces(kind, f"{name}/t{r}", 0, n).view(shape) for r in range(self.saved_tp)]
-        full = unshard(parts, spec)
-        if rows is not None and full.shape[0] != rows:  # wte: fit the vocabulary padding
-            fitted = full.new_zeros(rows, *full.shape[1:])
-            k = min(rows, full.shape[0])
-            fitted[:k] = full[:k]
-            full = fitted
-        return full
+    def full(self, kind: str, name: str) -> torch.Tensor:
+        """The whole unsharded tensor, in its full (tp = 1) shape."""
+        e = self.saved[name]
+        if e.replicated:
+            return self._pieces(kind, f"{name}/t0", 0, math.prod(e.shape)).view(e.shape)
+        local = e.local_shape(self.saved_tp)
+        return e.unshard([self._pieces(kind, f"{name}/t{r}", 0, math.prod(local)).view(local) for r in range(self.saved_tp)])
 
     def __call__(self, kind: str, name: str, a: int, e: int) -> torch.Tensor:
-        spec = self.spec(name)
-        if spec.kind == "replicated":
+        entry = self.saved[name]
+        if entry.replicated:
             return self._pieces(kind, f"{name}/t0", a, e)
         if self.saved_tp == self.tp:
             return self._pieces(kind, f"{name}/t{self.tp_rank}", a, e)
         if (kind, name) not in self.cache:
-            full = self.full(kind, name, self.rows if name == "wte.weight" else None)
-            self.cache = {(kind, name): shard_of(full, spec, self.tp_rank, self.tp).reshape(-1)}
+            self.cache = {(kind, name): entry.shard(self.full(kind, name), self.tp_rank, self.tp).reshape(-1)}
         return self.cache[(kind, name)][a:e]
 
 
@@ -272,8 +267,7 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Every full parameter of a checkpoint (for sampling and export, in one process), and its meta."""
     meta = verify(path)
     read = Reader(path, meta)
-    return {name: read.full("param", name, read.rows if name == "wte.weight" else None)
-            for name in meta["shapes"]}, meta
+    return {e.name: read.full("param", e.name) for e in read.saved}, meta
 
 
 def latest(run: Path) -> Path:
@@ -284,20 +278,16 @@ def latest(run: Path) -> Path:
     return path
 
 
-def weights_sha256(model) -> str:
+def weights_sha256(engine) -> str:
     """sha256 over every full parameter as fp32 bytes, in canonical (named_parameters) order.
-    Under tp the shards are gathered and joined first (collective over the tp group), and wte is
-    cut to the tp=1 vocabulary padding, so the hash does not depend on the layout."""
+    Under tp the shards are gathered and joined first (collective over the tp group) into the
+    full, tp = 1 shape (Placed.unshard), so the hash does not depend on the layout."""
     h = hashlib.sha256()
-    tp = getattr(model, "tp", 1)
-    for name, p in model.named_parameters():
-        t = p.detach().float()
-        spec = model.shard_spec(name) if tp > 1 else None
-        if spec is not None and spec.kind != "replicated":
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=model.group)
-            t = unshard(parts, spec)
-        if name == "wte.weight":
-            t = t[: model.cfg.padded_vocab]
+    tp = engine.tp
+    for name, p in engine.model.named_parameters():
+        e, t = engine.table[name], p.detach().float()
+        if tp.size > 1 and not e.replicated:
+            rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
+            t = e.unshard([r.view(t.shape) for r in rows])
         h.update(t.cpu().clone().numpy().tobytes())  # a copy: numpy pins storage
     return h.hexdigest()

@@ -62,8 +62,12 @@ def _train_parser(sub):
     g = p.add_argument_group("parallelism")
     g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters")
     g.add_argument("--tp", type=int, help="tensor-parallel degree (consecutive ranks split each layer)")
+    g.add_argument("--pp", type=int, help="pipeline stages (not available yet)")
+    g.add_argument("--cp", type=int, help="context-parallel degree (not available yet)")
+    g.add_argument("--ep", type=int, help="expert-parallel degree (not available yet)")
     g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside the tp group")
-    g.add_argument("--exact", action="store_true", default=None, help="bitwise-identical results on any layout")
+    g.add_argument("--exact", action="store_true", default=None,
+                   help="bitwise-identical results across dp, ZeRO stages and restarts (at a fixed tp)")
     g.add_argument("--bucket-mb", type=float)
     g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block (training; tp = 1)")
@@ -160,8 +164,8 @@ def cmd_sample(args) -> int:
 
     from braidtrain.checkpoint import latest, load_params
     from braidtrain.data import get_tokenizer
+    from braidtrain.generate import generate
     from braidtrain.model.gpt import GPT, GPTConfig
-    from braidtrain.train import generate
 
     run = Path(args.run)
     params, meta = load_params(run if (run / "meta.json").exists() else latest(run))

@@ -1,10 +1,13 @@
-"""Every collective of the project goes through here.
+"""Every collective and point-to-point operation of the project goes through here.
 
-Each call is recorded (sequence number, operation, axis, shape, dtype, bytes, step, launch and end
-time) in a ring buffer -- the flight log a hung or crashed rank leaves behind (fault.py writes it,
-`braidtrain doctor` reads it) -- and summed per step into `comm_s`. Every rank issues the same
-collectives in the same order, so sequence number k names the same collective on every rank; that is
-what lets doctor line the ranks' logs up. The exact reduce-scatter of DESIGN.md ("Exact reduction")
+A collective runs over a `Group`: a mesh axis (tp, replica, world, ...), its member ranks and
+torch's process group. Each call is recorded (this rank's sequence number, the group's name and
+the group's own sequence number, operation, shape, dtype, bytes, step, launch and end time) in a
+ring buffer -- the flight log a hung or crashed rank leaves behind (fault.py writes it, `braidtrain
+doctor` reads it) -- and summed per step into `comm_s`. The members of a group issue its
+collectives in the same order, so the group's sequence number k names the same collective on
+each of them, however many collectives other groups ran meanwhile; that is what lets doctor line
+the ranks' logs up, group by group. The exact reduce-scatter of DESIGN.md ("Exact reduction")
 lives here too.
 
 Streams: on CUDA, torch's NCCL process group already runs every collective on its own internal
@@ -17,16 +20,19 @@ Inside a CUDA graph capture (--cuda-graph) the collectives are captured with the
 and launched again by every replay, not by Python: their timing events are graph nodes
 (`external`), so each replay times its own collectives, and `replayed()` writes one flight record
 per replayed step in place of the collectives' own.
+
+The collectives of tensor parallelism (model/layers.py) sit on the critical path: the layer waits
+for each at once. They run `inline`: on the stream that issues them, with no side-stream hop.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,14 +49,6 @@ def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     return torch.cuda.Event(enable_timing=True, external=external), torch.cuda.Event(enable_timing=True, external=external)
 
 
-@functools.cache
-def group_size(group) -> int:
-    """A process group's size (1 for None), asked of torch once: cProfile charged its get_world_size
-    0.39 ms a call on the GPU machine (2 H200s, torch 2.11; ~80 ms of host time a step at ZeRO-3's
-    ~26 collectives a micro-step, in a step whose pace the host, not the GPU, was setting)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' bus factor (its PERFORMANCE.md): busbw = (message bytes / time) x this, which
     makes the operations comparable with the link speed. Nothing crosses a link when n = 1."""
@@ -59,11 +57,52 @@ def bus_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
 
 
+def group_name(axis: str, ranks, world: int) -> str:
+    """What flight records call a group: its axis alone when it is every rank of the run (replica
+    under data parallelism alone, world), else the axis and its members, e.g. tp[2,3] -- the
+    same on every member, and telling apart the several groups of one axis."""
+    ranks = list(ranks)
+    if len(ranks) == world:
+        return axis
+    if len(ranks) > 8 and len({b - a for a, b in zip(ranks, ranks[1:])}) == 1:  # a strided line of the mesh
+        return f"{axis}[{ranks[0]}:{ranks[-1] + 1}:{ranks[1] - ranks[0]}]"
+    return f"{axis}[{','.join(map(str, ranks))}]"
+
+
+@dataclass(eq=False)
+class Group:
+    """One process group as braidtrain uses it: the mesh axis it runs along, its members (global
+    ranks, in group order), this rank's index among them, torch's group (None for a group of one
+    rank: nothing to exchange) and the Comm that records every operation on it. The size and
+    index are plain numbers: torch's get_world_size cost 0.39 ms a call on the GPU machine (2
+    H200s, torch 2.11), ~80 ms of ZeRO-3's host time a step when it was asked every collective."""
+
+    axis: str
+    ranks: tuple[int, ...]
+    index: int
+    pg: object
+    comm: "Comm" = field(repr=False)
+    name: str = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+
+def solo(axis: str, comm: "Comm", rank: int = 0) -> Group:
+    """A group of this rank alone (a one-process run; tests)."""
+    return Group(axis, (rank,), 0, None, comm, axis)
+
+
 @dataclass
 class Record:
-    seq: int
+    seq: int  # this rank's count of operations, every group together
     op: str
-    axis: str
+    group: str  # the group's name (group_name)
+    gseq: int  # the group's count: the same operation has the same gseq on every member
     shape: tuple
     dtype: str
     nbytes: int
@@ -122,7 +161,7 @@ class Handle:
         if self.join is not None:
             stream, event = self.join
             stream.wait_event(event)
-        else:
+        elif self.events is None:
             self._mark()
         if self.then is not None:
             self.then()
@@ -135,19 +174,47 @@ class Comm:
         self.cuda = device.type == "cuda"
         self.records: deque[Record] = deque(maxlen=capacity)
         self.seq = 0
-        self.step = 0  # set by the training loop; stamped on each record
+        self.gseq: dict[str, int] = {}  # group name -> operations recorded on it
+        self.members: dict[str, list[int]] = {}  # group name -> its ranks, for the flight log's header
+        self.step = 0  # stamped on each record (begin_step)
         self.step_handles: list[Handle] = []
         self.side = torch.cuda.Stream(device) if self.cuda else None
         self.ready = torch.cuda.Event() if self.cuda else None  # recorded on the compute stream, waited for by side
         self.spare: list[tuple] = []  # timing event pairs already read, to record again
         self.replay_rec: Record | None = None  # the open flight record of a replayed graph
 
+    # -- the step ------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """The training step (1-based) that the next records belong to."""
+        self.step = step
+
+    @contextmanager
+    def capture(self):
+        """Around a CUDA graph capture: yields the list that receives the handles of the
+        collectives launched inside (for replayed()); they are not this step's."""
+        before, captured = len(self.step_handles), []
+        try:
+            yield captured
+        finally:
+            captured += self.step_handles[before:]
+            del self.step_handles[before:]
+
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _launch(self, op, axis, tensor, group, fn, then=None) -> Handle:
-        rec = self._record(op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+    def _launch(self, op, group: Group, tensor, fn, then=None, inline=False) -> Handle:
+        rec = self._record(op, group, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                            tensor.numel() * tensor.element_size())
-        if group is None:  # a one-rank axis: nothing to exchange
+        if group.pg is None:  # a one-rank group: nothing to exchange
             h = Handle(self, rec, None, then)
+        elif self.cuda and inline:
+            # On the critical path (tp): issued on this stream, which waits for it at once.
+            capturing = torch.cuda.is_current_stream_capturing()
+            start, end = timing_events() if capturing or not self.spare else self.spare.pop()
+            stream = torch.cuda.current_stream()
+            start.record(stream)
+            fn(group.pg).wait()
+            end.record(stream)
+            h = Handle(self, rec, None, then, events=(start, end))
+            h.reuse = not capturing
         elif self.cuda:
             # Launch from our side stream: it first waits (an event) for what the compute stream has
             # queued -- the gradients this collective reads -- and the compute stream goes on with the
@@ -166,7 +233,7 @@ class Comm:
             torch.cuda.set_stream(side)
             try:
                 start.record(side)
-                fn(group).wait()
+                fn(group.pg).wait()
                 if then is not None:
                     then()
                 end.record(side)
@@ -177,9 +244,11 @@ class Comm:
             h = Handle(self, rec, None, None, events=(start, end), join=(compute, join))
             h.reuse = not capturing
         else:
-            h = Handle(self, rec, fn(group), then)
-        h.bus_bytes = rec.nbytes * bus_factor(op, group_size(group))
+            h = Handle(self, rec, fn(group.pg), then)
+        h.bus_bytes = rec.nbytes * bus_factor(op, group.size)
         self.step_handles.append(h)
+        if inline:
+            h.wait()
         return h
 
     def step_comm(self) -> tuple[float, float]:
@@ -205,32 +274,56 @@ class Comm:
         self.step_handles = []
         return total, bus
 
-    def replayed(self, handles: list[Handle]) -> None:
+    def replayed(self, handles: list[Handle], world: Group) -> None:
         """Call as a captured CUDA graph is replayed; `handles`: the collectives launched while it
-        was captured. One flight record stands for them all, open until step_comm() (the step's
-        results were used), and their timing events, which the replay records again, count for
-        this step. (Collectives over one-rank axes have no events: there is nothing to time.)"""
+        was captured. One flight record (on the world group) stands for them all, open until
+        step_comm() (the step's results were used), and their timing events, which the replay
+        records again, count for this step. (Collectives over one-rank groups have no events:
+        there is nothing to time.)"""
         timed = [h for h in handles if h.events is not None]
-        self.replay_rec = self._record("graph_replay", "world", (len(timed),), "graph", sum(h.rec.nbytes for h in timed))
+        self.replay_rec = self._record("graph_replay", world, (len(timed),), "graph", sum(h.rec.nbytes for h in timed))
         self.step_handles += timed
 
-    def _record(self, op, axis, shape, dtype, nbytes) -> Record:
-        rec = Record(self.seq, op, axis, shape, dtype, nbytes, time.time(), step=self.step)
+    def _record(self, op, group: Group, shape, dtype, nbytes) -> Record:
+        name = group.name
+        if name not in self.gseq:
+            self.gseq[name], self.members[name] = 0, list(group.ranks)
+        rec = Record(self.seq, op, name, self.gseq[name], shape, dtype, nbytes, time.time(), step=self.step)
         self.seq += 1
+        self.gseq[name] += 1
         self.records.append(rec)
         return rec
 
-    def sync(self, op: str, axis: str, fn):
+    def _sync(self, op: str, group: Group, fn):
         """Run a blocking collective that has no tensor of ours (a barrier, an object gather) and
         record it like the others, so that the flight log has no holes."""
-        rec = self._record(op, axis, (), "object", 0)
-        out = fn()
+        rec = self._record(op, group, (), "object", 0)
+        out = fn() if group.pg is not None else None
         rec.t_end = time.time()
         return out
 
+    def barrier(self, group: Group) -> None:
+        # (NCCL would otherwise guess the GPU from the rank, and warn about it)
+        kw = {"device_ids": [self.device.index]} if self.cuda and group.pg is dist.group.WORLD else {}
+        self._sync("barrier", group, lambda: dist.barrier(group=group.pg, **kw))
+
+    def all_gather_object(self, obj, group: Group) -> list:
+        """Every member's (picklable) obj, in group order."""
+        out = [obj] * group.size
+        self._sync("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=group.pg))
+        return out
+
+    def broadcast_object(self, obj, group: Group, src: int = 0):
+        """The (picklable) obj of group member `src`, on every member."""
+        box = [obj]
+        self._sync("broadcast_object", group, lambda: dist.broadcast_object_list(box, src=group.global_rank(src),
+                                                                                 group=group.pg))
+        return box[0]
+
     def dump(self, path: str, header: dict | None = None) -> None:
-        """Write the ring buffer as JSON lines (after an optional header line), atomically. Safe to
-        call from another thread while this one is blocked in a collective."""
+        """Write the ring buffer as JSON lines (after an optional header line, to which the
+        members of every group recorded are added), atomically. Safe to call from another thread
+        while this one is blocked in a collective."""
         for h in list(self.step_handles):  # CUDA: a finished collective has its end event done
             if h.events is not None and h.rec.t_end is None:
                 try:
@@ -243,50 +336,51 @@ class Comm:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             if header is not None:
-                f.write(json.dumps(header) + "\n")
+                f.write(json.dumps({**header, "groups": dict(self.members)}) + "\n")
             for r in records:
                 f.write(r.to_json() + "\n")
         os.replace(tmp, path)
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, t, group, axis, op=dist.ReduceOp.SUM) -> Handle:
-        return self._launch("all_reduce", axis, t, group, lambda g: dist.all_reduce(t, op=op, group=g, async_op=True))
+    def all_reduce(self, t, group: Group, op=dist.ReduceOp.SUM, inline=False) -> Handle:
+        return self._launch("all_reduce", group, t, lambda g: dist.all_reduce(t, op=op, group=g, async_op=True),
+                            inline=inline)
 
-    def reduce_scatter(self, out, inp, group, axis, then=None) -> Handle:
-        if group is None and out.data_ptr() != inp.data_ptr():
+    def reduce_scatter(self, out, inp, group: Group, then=None, inline=False) -> Handle:
+        if group.pg is None and out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
-        return self._launch("reduce_scatter", axis, inp, group,
-                            lambda g: _reduce_scatter(out, inp, group=g, async_op=True), then=then)
+        return self._launch("reduce_scatter", group, inp, lambda g: _reduce_scatter(out, inp, group=g, async_op=True),
+                            then=then, inline=inline)
 
-    def all_gather(self, out, inp, group, axis) -> Handle:
-        if group is None and out.data_ptr() != inp.data_ptr():
+    def all_gather(self, out, inp, group: Group, inline=False) -> Handle:
+        if group.pg is None and out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
-        return self._launch("all_gather", axis, out, group,
-                            lambda g: _all_gather(out, inp, group=g, async_op=True))
+        return self._launch("all_gather", group, out, lambda g: _all_gather(out, inp, group=g, async_op=True),
+                            inline=inline)
 
-    def all_to_all(self, out, inp, group, axis) -> Handle:
-        if group is None:
+    def all_to_all(self, out, inp, group: Group) -> Handle:
+        if group.pg is None:
             out.copy_(inp)
-        return self._launch("all_to_all", axis, inp, group,
-                            lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
+        return self._launch("all_to_all", group, inp, lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
 
-    def send_recv(self, send, recv, to: int, frm: int, group, axis) -> Handle:
-        """Send `send` to group rank `to` while receiving `recv` from group rank `frm`, posted
+    def send_recv(self, send, recv, to: int, frm: int, group: Group) -> Handle:
+        """Send `send` to group index `to` while receiving `recv` from group index `frm`, posted
         together (batch_isend_irecv) so that a ring of them cannot deadlock."""
         def fn(g):
-            ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(g, to), g),
-                   dist.P2POp(dist.irecv, recv, dist.get_global_rank(g, frm), g)]
+            ops = [dist.P2POp(dist.isend, send, group.global_rank(to), g),
+                   dist.P2POp(dist.irecv, recv, group.global_rank(frm), g)]
             return _AllWorks(dist.batch_isend_irecv(ops))
 
-        if group is None:
+        if group.pg is None:
             recv.copy_(send)
-        return self._launch("send_recv", axis, send, group, fn)
+        return self._launch("send_recv", group, send, fn)
 
-    def exact_reduce_scatter(self, out, inp, scratch, group, axis, n: int) -> Handle:
+    def exact_reduce_scatter(self, out, inp, scratch, group: Group) -> Handle:
         """Sum `inp` (n equal slices, one per rank) over the group into this rank's slice `out`,
         bitwise the same for any power-of-two n: all-to-all moves slice r of every rank to rank r
         (the bandwidth of a reduce-scatter), then the n pieces are added along a complete binary
         tree in rank order -- the top levels of the one tree over all micro-batches."""
+        n = group.size
 
         def tree_sum():
             pieces = list(scratch.chunk(n)) if n > 1 else [inp]
@@ -294,19 +388,16 @@ class Comm:
                 pieces = [a.add_(b) for a, b in zip(pieces[0::2], pieces[1::2])]
             out.copy_(pieces[0])
 
-        if n == 1:
-            return self._launch("exact_reduce_scatter", axis, inp, None, None, then=tree_sum)
-        return self._launch("exact_reduce_scatter", axis, inp, group,
+        return self._launch("exact_reduce_scatter", group, inp,
                             lambda g: dist.all_to_all_single(scratch, inp, group=g, async_op=True), then=tree_sum)
 
-    def gather_rows(self, values: torch.Tensor, group, axis) -> torch.Tensor:
-        """All-gather a small float tensor (same length on every rank); returns (n_ranks, len)."""
-        if group is None:
+    def gather_rows(self, values: torch.Tensor, group: Group) -> torch.Tensor:
+        """All-gather a small tensor (same length on every rank); returns (group size, len)."""
+        if group.pg is None:
             return values.unsqueeze(0)
-        n = group_size(group)
-        out = torch.empty(n * values.numel(), dtype=values.dtype, device=values.device)
-        self.all_gather(out, values, group, axis).wait()
-        return out.view(n, -1)
+        out = torch.empty(group.size * values.numel(), dtype=values.dtype, device=values.device)
+        self.all_gather(out, values, group).wait()
+        return out.view(group.size, -1)
 
 
 class _AllWorks:

@@ -1,10 +1,10 @@
 """What to train and how: one flat dataclass, filled from a TOML file and the command line.
 
 Resolution order: the dataclass defaults, then `--config NAME|PATH` (a TOML file; NAME looks in
-braidtrain/configs/), then command-line options. Every check that can be made before any process
-group exists is made in `validate`, and each failure is a `UserError` whose one line says what to
-change. Checks that need the data (vocabulary) or the world size live next to what they check,
-but still raise `UserError`.
+braidtrain/configs/), then command-line options. `validate` checks each value on its own (a
+positive size, a known name); whether the degrees and features fit together, the world size and
+the model is layout.py's question, asked once before any process group forms. Each failure is a
+`UserError` whose one line says what to change.
 """
 
 from __future__ import annotations
@@ -57,9 +57,12 @@ class Config:
     resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
-    # parallelism
+    # parallelism (layout.py validates them together)
     zero: int = 0
-    tp: int = 1  # tensor-parallel degree (ranks that split each layer); dp = world / tp
+    pp: int = 1  # pipeline stages (not available yet)
+    cp: int = 1  # context-parallel degree (not available yet)
+    tp: int = 1  # tensor-parallel degree (ranks that split each layer); dp = world / (pp * cp * tp)
+    ep: int = 1  # expert-parallel degree (not available yet)
     sp: bool = False  # sequence parallelism within the tp group
     exact: bool = False
     recompute: bool = False
@@ -153,7 +156,7 @@ def validate(cfg: Config) -> None:
     """Checks that need neither the data nor the world size."""
     if cfg.max_steps <= 0 and cfg.max_steps != -1:
         raise UserError(f"max_steps must be positive (or -1 for one epoch), got {cfg.max_steps}")
-    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts", "tp"]
+    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts"]
     positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "total_batch") if getattr(cfg, k) is not None]
     for key in positive:
         if getattr(cfg, key) <= 0:
@@ -167,10 +170,6 @@ def validate(cfg: Config) -> None:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
     if cfg.zero not in (0, 1, 2, 3):
         raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
-    if cfg.compile and cfg.tp > 1:
-        raise UserError("--compile with tensor parallelism (tp > 1) is not supported yet: drop --compile or use tp=1")
-    if cfg.cuda_graph and (cfg.tp > 1 or cfg.zero > 1):
-        raise UserError("--cuda-graph supports ZeRO 0 or 1 without tensor parallelism: drop --cuda-graph, or use -z 0 or 1 and tp=1")
     if cfg.bucket_mb <= 0:
         raise UserError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
     if cfg.init_method not in ("env", "tcp", "fs", "mpi"):
@@ -181,24 +180,3 @@ def validate(cfg: Config) -> None:
         raise UserError(f"timeout must be positive, got {cfg.timeout}")
     if not cfg.heartbeat_timeout >= 0:
         raise UserError(f"heartbeat_timeout must be >= 0 (0 turns the heartbeat off), got {cfg.heartbeat_timeout}")
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one optimizer step's -d tokens are split (DESIGN.md, 'Global batch')."""
-
-    total_tokens: int  # d
-    seqs_per_step: int  # d / t, over all ranks
-    micro_steps: int  # per rank: d / (b * t * dp)
-    seqs_per_rank: int  # micro_steps * b
-
-
-def plan_batch(cfg: Config, dp: int) -> BatchPlan:
-    b, t = cfg.batch_size, cfg.seq_len
-    unit = b * t * dp
-    d = cfg.total_batch if cfg.total_batch is not None else unit
-    if d % unit:
-        near = f"-d {d // unit * unit} or -d {(d // unit + 1) * unit}" if d > unit else f"-d {unit}"
-        raise UserError(f"-d {d} is not a multiple of b*t*dp = {b}*{t}*{dp} = {unit}: use {near}")
-    micro = d // unit
-    return BatchPlan(d, d // t, micro, micro * b)

@@ -26,10 +26,12 @@ So every rank runs a `Guard`:
   crashes    an exception in the training loop writes the flight log (main thread) and propagates.
 
 The flight log is `<run>/flight/rank_NNNNN.jsonl`: a header line (rank, world size, step, attempt,
-session, time, reason), then comm.py's ring buffer of collective records, oldest first.
-`diagnose` (the `doctor` subcommand) lines the ranks' logs up by sequence number. A rank that was
-frozen (SIGSTOP) or killed (SIGKILL) cannot write anything: it is named by the absence of its file
-and by the collective the others were left waiting in.
+session, time, reason, the members of every group it used), then comm.py's ring buffer of
+collective records, oldest first. `diagnose` (the `doctor` subcommand) lines the ranks' logs up
+group by group, by each group's own sequence number: a tp group may have run a hundred
+collectives for every one of the world group, and a pipeline stage's sends are its pair's alone.
+A rank that was frozen (SIGSTOP) or killed (SIGKILL) cannot write anything: it is named by the
+absence of its file and by the collective its group's other members were left waiting in.
 """
 
 from __future__ import annotations
@@ -312,7 +314,7 @@ def _ranks(rs) -> str:
 
 
 def _desc(r: dict) -> str:
-    return f"{r['op']} {r['axis']}, step {r['step']}"
+    return f"{r['op']} {r['group']}, step {r['step']}"
 
 
 def diagnose(run: Path) -> list[str]:
@@ -331,42 +333,63 @@ def diagnose(run: Path) -> list[str]:
         by_reason.setdefault(h["reason"], []).append(r)
     out += [f"  {_ranks(rs)}: {reason} (step {headers[rs[0]]['step']})" for reason, rs in sorted(by_reason.items())]
 
-    seqs = {r: {x["seq"]: x for x in recs} for r, recs in records.items()}
-    # 1. The same sequence number must be the same collective everywhere.
-    common = set.intersection(*(set(s) for s in seqs.values())) if len(seqs) > 1 else set()
-    for k in sorted(common):
-        sig: dict[tuple, list[int]] = {}
-        for r, s in seqs.items():
-            x = s[k]
-            sig.setdefault((x["op"], x["axis"], tuple(x["shape"]), x["dtype"]), []).append(r)
-        if len(sig) > 1:
-            what = "; ".join(f"{_ranks(rs)} issued {op} {axis} {dtype}{list(shape)}" for (op, axis, shape, dtype), rs in sig.items())
-            return out + [f"mismatch at collective #{k} (step {seqs[min(seqs)][k]['step']}): {what}"]
-    # 2. Who was left waiting, and who never came.
-    issued = {r: max(s) if s else -1 for r, s in seqs.items()}
-    waiting = {r: min(k for k, x in s.items() if x["t_end"] is None) for r, s in seqs.items()
-               if any(x["t_end"] is None for x in s.values())}
-    finished = [k for r, s in seqs.items() for k, x in s.items() if x["t_end"] is not None]
-    reached = max(finished, default=-1)  # completed somewhere, so every member rank issued it
+    members = {}  # group name -> its ranks (a log without the table: the group is every rank)
+    for h in headers.values():
+        members.update(h.get("groups", {}))
+    by = {r: {} for r in records}  # rank -> group -> gseq -> record
+    for r, recs in records.items():
+        for x in recs:
+            by[r].setdefault(x["group"], {})[x["gseq"]] = x
+    # 1. The same number in a group must be the same collective on each of its members.
+    for g in sorted({g for r in by for g in by[r]}):
+        logs = {r: by[r][g] for r in by if g in by[r]}
+        common = set.intersection(*(set(v) for v in logs.values())) if len(logs) > 1 else set()
+        for k in sorted(common):
+            sig: dict[tuple, list[int]] = {}
+            for r, v in logs.items():
+                sig.setdefault((v[k]["op"], tuple(v[k]["shape"]), v[k]["dtype"]), []).append(r)
+            if len(sig) > 1:
+                what = "; ".join(f"{_ranks(rs)} issued {op} {g} {dtype}{list(shape)}" for (op, shape, dtype), rs in sig.items())
+                return out + [f"mismatch at collective #{k} (step {logs[min(logs)][k]['step']}): {what}"]
+    # 2. Who was left waiting where, and which member of that group never came.
+    waiting = {}
+    for r, recs in records.items():
+        open_ = [x for x in recs if x["t_end"] is None]
+        if open_:
+            waiting[r] = min(open_, key=lambda x: x["seq"])
     if not waiting:
         if silent:
-            return out + [f"{_ranks(silent)} wrote no flight log; the others were not inside a collective "
-                          f"(last completed: #{reached})"]
+            done = [x for recs in records.values() for x in recs if x["t_end"] is not None]
+            last = max(done, key=lambda x: x["t_end"], default=None)
+            return out + [f"{_ranks(silent)} wrote no flight log; the others were not inside a collective"
+                          + (f" (last completed: #{last['gseq']} ({_desc(last)}))" if last else "")]
         return out + ["no problem found: every rank's last collective completed"]
-    k = min(waiting.values())
-    rec = next(seqs[r][k] for r in waiting if k in seqs[r])
-    behind = [r for r in seqs if issued[r] < k]
-    lines = []
-    for r in behind:
-        last = seqs[r].get(issued[r])
-        lines.append(f"rank {r} stopped at collective #{issued[r]}" + (f" ({_desc(last)})" if last else ""))
-    for r in silent:
-        prev = next((s[reached] for s in seqs.values() if reached in s), None)
-        lines.append(f"rank {r} stopped after collective #{reached}" + (f" ({_desc(prev)})" if prev else "")
-                     + " and wrote no flight log (frozen or killed)")
-    waiters = [r for r in waiting if waiting[r] == k]
-    tail = f"{_ranks(waiters)} waited in #{k} ({_desc(rec)})"
-    if not lines:  # everyone issued it and it still did not complete: the transport, not a rank
-        return out + [f"every rank issued collective #{k} ({_desc(rec)}) but it did not complete on "
+    points: dict[tuple, list[int]] = {}  # (group, gseq) -> the ranks waiting there
+    for r, x in waiting.items():
+        points.setdefault((x["group"], x["gseq"]), []).append(r)
+    culprits, tails, named = [], [], set()
+    for (g, k), waiters in sorted(points.items(), key=lambda p: min(waiting[r]["t_start"] for r in p[1])):
+        for m in members.get(g, range(world)):
+            if m in waiters or m in named or m in waiting:  # one waiting elsewhere is named there
+                continue
+            if m in silent:
+                done = [x for r in by for x in by[r].get(g, {}).values() if x["t_end"] is not None]
+                prev = max(done, key=lambda x: x["gseq"], default=None)
+                culprits.append(f"rank {m} stopped after collective #{prev['gseq'] if prev else -1}"
+                                + (f" ({_desc(prev)})" if prev else "") + " and wrote no flight log (frozen or killed)")
+            else:
+                issued = by[m].get(g, {})
+                j = max(issued, default=-1)
+                if j >= k:
+                    continue
+                culprits.append(f"rank {m} stopped at collective #{j}" + (f" ({_desc(issued[j])})" if issued else ""))
+            named.add(m)
+        tails.append(f"{_ranks(waiters)} waited in #{k} ({_desc(waiting[waiters[0]])})")
+    if not culprits and len(points) > 1:  # each waits for one who waits elsewhere
+        return out + ["; ".join(tails) + ": each waits for a rank that waits elsewhere -- the ranks issued "
+                      "their collectives in orders that cannot meet (a deadlock)"]
+    if not culprits:  # everyone issued it and it still did not complete: the transport, not a rank
+        (g, k), waiters = next(iter(points.items()))
+        return out + [f"every rank issued collective #{k} ({_desc(waiting[waiters[0]])}) but it did not complete on "
                       f"{_ranks(waiters)}: look at the network / NCCL rather than at one rank"]
-    return out + ["; ".join(lines) + "; " + tail]
+    return out + ["; ".join(culprits + tails)]

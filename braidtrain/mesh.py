@@ -11,7 +11,9 @@ line through it along that dim.
 
 The *replica* group of a parameter -- the ranks that average its gradient and share its ZeRO
 shards -- is the dp*cp ranks with the same (pp, tp) coordinates. Expert parallelism (later) shards
-experts over those same ranks.
+experts over those same ranks. `world` is every rank (barriers, the run's small agreements).
+
+The degrees come validated (layout.py); this file only lays the grid out.
 """
 
 from __future__ import annotations
@@ -21,66 +23,57 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from braidtrain.errors import UserError
+from braidtrain.comm import Comm, Group, group_name
 
 AXES = ("pp", "dp", "cp", "tp")
 
 
-def mesh_shape(world: int, pp: int = 1, dp: int | None = None, cp: int = 1, tp: int = 1) -> dict[str, int]:
-    """Validated axis sizes; dp = world / (pp*cp*tp) unless given."""
-    for name, size in (("pp", pp), ("cp", cp), ("tp", tp)):
-        if size < 1:
-            raise UserError(f"{name}={size}: every parallel degree must be >= 1")
-    inner = pp * cp * tp
-    if dp is None:
-        if world % inner:
-            raise UserError(
-                f"world size {world} is not divisible by pp*cp*tp = {pp}*{cp}*{tp} = {inner}: "
-                f"use a world size that is a multiple of {inner}, or change the degrees"
-            )
-        dp = world // inner
-    if dp < 1 or pp * dp * cp * tp != world:
-        raise UserError(f"pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {pp * dp * cp * tp} does not match the world size {world}")
-    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
-
-
 @dataclass
 class Mesh:
-    sizes: dict[str, int]
+    sizes: dict[str, int]  # pp, dp, cp, tp
     coords: dict[str, int]
-    groups: dict[str, object]  # axis (or "replica") -> process group, None where world size is 1
-    ranks: dict[str, list[int]]  # axis -> global ranks of this rank's group, in axis order
-
-    def size(self, axis: str) -> int:
-        return len(self.ranks[axis])
-
-    def coord(self, axis: str) -> int:
-        return self.coords[axis] if axis in self.coords else self.ranks[axis].index(self.rank)
-
+    groups: dict[str, Group]  # pp, dp, cp, tp, replica, world: this rank's group along each
     rank: int = 0
 
+    def size(self, axis: str) -> int:
+        return self.groups[axis].size
 
-def build_mesh(rank: int, world: int, **degrees) -> Mesh:
-    """Every rank must call this with the same degrees: new_group is collective over the world."""
-    sizes = mesh_shape(world, **degrees)
+    def coord(self, axis: str) -> int:
+        return self.coords[axis] if axis in self.coords else self.groups[axis].index
+
+    def loss_ranks(self) -> list[int]:
+        """The ranks whose loss counts: the last pipeline stage's with tp coordinate 0 (every tp
+        rank holds the same full sum), in rank order -- that is, by (dp, cp) coordinate."""
+        pp, dp, cp, tp = (self.sizes[a] for a in AXES)
+        return [((pp - 1) * dp * cp + i) * tp for i in range(dp * cp)]
+
+
+def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, options=None) -> Mesh:
+    """Every rank must call this with the same degrees: new_group is collective over the world.
+    `options(axis)`: the backend's options for that axis's groups (runtime.Runtime.group_options:
+    NCCL stream priority), or None. Lines with the same members share one process group."""
+    assert world % (pp * cp * tp) == 0, (world, pp, cp, tp)  # layout.py said so already
+    sizes = {"pp": pp, "dp": world // (pp * cp * tp), "cp": cp, "tp": tp}
     grid = torch.arange(world).reshape(*(sizes[a] for a in AXES))
-    where = (grid == rank).nonzero()[0].tolist()
-    coords = dict(zip(AXES, where))
-    lines = {}
-    for d, axis in enumerate(AXES):
-        lines[axis] = grid.movedim(d, -1).reshape(-1, sizes[axis]).tolist()
+    coords = dict(zip(AXES, (grid == rank).nonzero()[0].tolist()))
+    lines = {axis: grid.movedim(d, -1).reshape(-1, sizes[axis]).tolist() for d, axis in enumerate(AXES)}
     # replica lines: ranks sharing (pp, tp), varying (dp, cp), in dp-major order
     lines["replica"] = grid.permute(0, 3, 1, 2).reshape(-1, sizes["dp"] * sizes["cp"]).tolist()
-    groups, ranks = {}, {}
+    lines["world"] = [list(range(world))]
+    made: dict[tuple, object] = {}
+    groups = {}
     for axis, axis_lines in lines.items():
         for line in axis_lines:
+            key = tuple(line)
             # new_group must be entered by all ranks for every line, in the same order
-            if world == 1:
-                g = None
-            elif len(line) == world:
-                g = dist.group.WORLD
-            else:
-                g = dist.new_group(line) if len(line) > 1 else None
+            if key not in made:
+                if world == 1 or len(line) == 1:
+                    made[key] = None
+                elif len(line) == world:
+                    made[key] = dist.group.WORLD
+                else:
+                    opts = options(axis) if options else None
+                    made[key] = dist.new_group(line, pg_options=opts) if opts is not None else dist.new_group(line)
             if rank in line:
-                groups[axis], ranks[axis] = g, line
-    return Mesh(sizes, coords, groups, ranks, rank)
+                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world))
+    return Mesh(sizes, coords, groups, rank)

@@ -1,10 +1,11 @@
 """`braidtrain plan`: per-GPU memory and step time of every layout, ranked, and checked for real.
 
-A layout is one point of the mesh (dp x tp, with sequence parallelism on or off when tp > 1) x
-ZeRO stage x micro-batch b x recompute. Each new axis (pp, cp, ep) is one more loop in `meshes`
-and one more term in `estimate`.
+A candidate is one point of the mesh (dp x tp, with sequence parallelism on or off when tp > 1) x
+ZeRO stage x micro-batch b x recompute; layout.make_layout -- the validator `train` runs -- says
+which can run. Each new axis (pp, cp, ep) is one more loop in `meshes` and one more term in
+`estimate`.
 
-Tensor parallelism (model/gpt.py's table) splits each tp rank's parameters into a sharded part,
+Tensor parallelism (the placement table) splits each tp rank's parameters into a sharded part,
 divided by tp -- wte (the vocabulary padded to vocab_rows(tp), a multiple of 128*tp), c_attn,
 c_fc, and the weights of both c_proj -- and a replicated part R that every tp rank holds whole:
 wpe, the LayerNorms, the c_proj biases (R = block_size*h + 2h + 6h*L). Per tp rank
@@ -110,6 +111,7 @@ from pathlib import Path
 
 from braidtrain.config import Config
 from braidtrain.errors import UserError
+from braidtrain.layout import make_layout
 
 # Calibration knobs: every number the estimates rest on, named once (bytes per element).
 ACT_PER_LAYER = 38  # per token x channel of one block (the docstring counts them)
@@ -146,22 +148,20 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
 
 
 def param_counts(cfg, tp: int = 1) -> dict:
-    """Parameters one tp rank holds (model/gpt.py's shard_spec): `replicated` (wpe, ln_f, and per
-    block ln_1, ln_2 and the two c_proj biases) whole, `sharded` (wte padded to vocab_rows(tp),
-    c_attn, c_fc, the c_proj weights) divided by tp; `block` and `embed` are one block's and the
-    embedding group's share of `rank`, the sum."""
-    c, L = cfg.n_embd, cfg.n_layer
-    block_sharded, block_replicated = 12 * c * c + 7 * c, 6 * c
-    embed_replicated = cfg.block_size * c + 2 * c
-    block = block_sharded // tp + block_replicated
-    embed = cfg.vocab_rows(tp) * c // tp + embed_replicated
-    return {"rank": embed + L * block, "block": block, "embed": embed,
-            "replicated": embed_replicated + L * block_replicated,
-            "sharded": (cfg.vocab_rows(tp) * c + L * block_sharded) // tp}
+    """Parameters one tp rank holds, from the placement table (parallel/placement.py):
+    `replicated` (wpe, ln_f, and per block ln_1, ln_2 and the two c_proj biases) whole, `sharded`
+    (wte padded to vocab_rows(tp), c_attn, c_fc, the c_proj weights) divided by tp; `block` and
+    `embed` are one block's and the embedding group's share of `rank`, the sum."""
+    from braidtrain.parallel import placement
+
+    table = placement.for_config(cfg)
+    count = lambda entries: sum(e.local_numel(tp) for e in entries)  # noqa: E731
+    return {"rank": count(table), "block": count(table.units[1][1]), "embed": count(table.units[0][1]),
+            "replicated": count(e for e in table if e.replicated), "sharded": count(e for e in table if not e.replicated)}
 
 
 def bucket_numels(cfg, bucket_mb: float, tp: int = 1) -> list[tuple[str, int]]:
-    """The engine's buckets (parallel/data.py) replayed on sizes, in launch order: whole blocks
+    """The engine's buckets (parallel/buckets.py) replayed on sizes, in launch order: whole blocks
     from the last one backwards until a bucket holds >= bucket_mb, then the embedding group
     (wte, tied to the head, wpe, ln_f) alone: it is used at both ends, so its gradient is last.
     Sizes are one tp rank's (its shards and the replicated parameters)."""
@@ -242,7 +242,9 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
+    """One layout the planner weighs (layout.make_layout decides whether it can run)."""
+
     dp: int
     zero: int
     b: int
@@ -260,20 +262,29 @@ class Layout:
                 + (" --sp" if self.sp else "") + (" --recompute" if self.recompute else ""))
 
 
-def tp_degrees(cfg, gpus: int) -> list[int]:
-    """The tp degrees a model can be split by on this many GPUs (model/gpt.py's check_tp): divisors
-    of the GPU count that divide n_head and the MLP width 4*n_embd."""
-    return [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and cfg.n_head % tp == 0 and 4 * cfg.n_embd % tp == 0]
+def valid(s: Setup, tp: int, sp: bool = False, b: int = 1, d: int | None = None, gpus: int | None = None) -> bool:
+    """Whether `train` would accept this mesh (and, given d, this micro-batch): layout.py's verdict."""
+    try:
+        make_layout(gpus or s.gpus, s.cfg, seq_len=s.t, batch_size=b, total_batch=d, tp=tp, sp=sp)
+    except UserError:
+        return False
+    return True
+
+
+def tp_degrees(s: Setup, gpus: int | None = None) -> list[int]:
+    """The tp degrees the model can be split by on this many GPUs."""
+    gpus = gpus or s.gpus
+    return [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and valid(s, tp, gpus=gpus)]
 
 
 def meshes(s: Setup, tps=None, sps=(False, True)):
     """(dp, tp, sp) for every mesh of s.gpus; tps: only these tp degrees (None: all), sps: these sp
     settings (sp needs tp > 1 and t divisible by tp). pp, cp: one loop each, dp = gpus // (tp*pp*cp)."""
-    for tp in tp_degrees(s.cfg, s.gpus):
+    for tp in tp_degrees(s):
         if tps is not None and tp not in tps:
             continue
         for sp in (False, True) if tp > 1 else (False,):
-            if sp in sps and not (sp and s.t % tp):
+            if sp in sps and valid(s, tp, sp):
                 yield s.gpus // tp, tp, sp
 
 
@@ -281,9 +292,9 @@ def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, T
     for dp, tp, sp in meshes(s, tps, sps):
         for zero in zeros if dp > 1 or len(zeros) == 1 else (0,):  # dp = 1: nothing to shard
             for b in bs:
-                if s.d % (b * s.t * dp) == 0:
+                if valid(s, tp, sp, b, s.d):
                     for rc in recomputes:
-                        yield Layout(dp, zero, b, rc, tp, sp)
+                        yield Candidate(dp, zero, b, rc, tp, sp)
 
 
 def collective_s(s: Setup, kind: str, nbytes: float, n: int, busbw: float | None = None) -> float:
@@ -300,7 +311,7 @@ def exposed(times: list[float], window: float) -> float:
     return times[-1] + max(0.0, sum(times[:-1]) - window) if times else 0.0
 
 
-def tp_comm_s(s: Setup, lay: Layout) -> float:
+def tp_comm_s(s: Setup, lay: Candidate) -> float:
     """Seconds of tp communication in one micro-step, all of it on the critical path: a layer
     cannot go on before its all-reduce (or all-gather) is back."""
     if lay.tp == 1:
@@ -311,7 +322,7 @@ def tp_comm_s(s: Setup, lay: Layout) -> float:
     return s.cfg.n_layer * (passes * t(m["layer_fwd"]) + t(m["layer_bwd"])) + t(m["ends"])
 
 
-def estimate(s: Setup, lay: Layout) -> dict:
+def estimate(s: Setup, lay: Candidate) -> dict:
     cfg, n, tp = s.cfg, lay.dp, lay.tp
     counts = param_counts(cfg, tp)
     P = counts["rank"]  # this tp rank's parameters, then sharded over the replica group by ZeRO
@@ -358,17 +369,17 @@ def estimate(s: Setup, lay: Layout) -> dict:
             "fits": mem["total"] <= s.mem_gb * GB}
 
 
-def lean_layout(s: Setup, gpus: int) -> Layout | None:
+def lean_layout(s: Setup, gpus: int) -> Candidate | None:
     """The leanest layout on this many GPUs that fits: ZeRO-3 b=1 --recompute, with the smallest
     tp (and sp where it can) that fits; None if none does."""
-    for tp in tp_degrees(s.cfg, gpus):
-        lay = Layout(gpus // tp, 3, 1, True, tp, tp > 1 and s.t % tp == 0)
+    for tp in tp_degrees(s, gpus):
+        lay = Candidate(gpus // tp, 3, 1, True, tp, tp > 1 and valid(s, tp, True, gpus=gpus))
         if estimate(replace(s, gpus=gpus), lay)["fits"]:
             return lay
     return None
 
 
-def gpus_needed(s: Setup, limit: int = 1 << 16) -> Layout | None:
+def gpus_needed(s: Setup, limit: int = 1 << 16) -> Candidate | None:
     """The fewest GPUs (doubling) on which a leanest layout fits, and that layout."""
     m = s.gpus * 2
     while m <= limit:
@@ -553,8 +564,6 @@ def setup_from(args) -> Setup:
         from braidtrain.model.gpt import model_config
 
         cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size)
-    if args.seq_len > cfg.block_size:
-        raise UserError(f"-t {args.seq_len} is longer than the model's context ({cfg.block_size}): use -t {cfg.block_size} or less")
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw)
     check_mesh(s, args.tp, args.sp)
@@ -562,20 +571,14 @@ def setup_from(args) -> Setup:
 
 
 def check_mesh(s: Setup, tp: int | None, sp: bool | None) -> None:
-    """One-line UserErrors for a --tp / --sp the GPUs or the model cannot take."""
-    from braidtrain.model.gpt import check_tp
-
-    if tp is not None:
-        if s.gpus % tp:
-            raise UserError(f"--tp {tp} does not divide --gpus {s.gpus}: use tp in {tp_degrees(s.cfg, s.gpus)}")
-        check_tp(s.cfg, tp, bool(sp), s.t)
-    if sp and tp == 1:
-        raise UserError("--sp splits the sequence over the tp ranks: it needs --tp 2 or more (or drop --sp)")
+    """One-line UserErrors for a --tp / --sp the GPUs or the model cannot take (layout.py's)."""
+    make_layout(s.gpus, s.cfg, seq_len=s.t, batch_size=1, tp=tp or 1, sp=bool(sp) and tp is not None,
+                world_name=f"--gpus {s.gpus}")
     if sp and not any(True for _ in meshes(s, None if tp is None else (tp,), (True,))):
         raise UserError(f"--sp: no tp > 1 divides the GPUs ({s.gpus}), n_head ({s.cfg.n_head}) and -t {s.t}")
 
 
-def check_layout(args) -> Layout:
+def check_layout(args) -> Candidate:
     """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp."""
     tp = args.tp or 1
     mesh = dict(dp=args.gpus // tp, tp=tp, sp=bool(args.sp))
@@ -583,14 +586,14 @@ def check_layout(args) -> Layout:
         if args.zero is None or args.batch_size is None:
             raise UserError("--check needs a layout: --check ZERO,B[,recompute], or -z ZERO -b B [--recompute] "
                             "(and --tp N [--sp])")
-        return Layout(zero=args.zero, b=args.batch_size, recompute=bool(args.recompute), **mesh)
+        return Candidate(zero=args.zero, b=args.batch_size, recompute=bool(args.recompute), **mesh)
     m = re.fullmatch(r"([0-3]),([1-9][0-9]*)(,recompute)?", args.check.replace(" ", ""))
     if not m:
         raise UserError(f"--check {args.check!r}: use ZERO,B or ZERO,B,recompute with ZERO 0-3 (e.g. 1,8)")
-    return Layout(zero=int(m[1]), b=int(m[2]), recompute=bool(m[3]), **mesh)
+    return Candidate(zero=int(m[1]), b=int(m[2]), recompute=bool(m[3]), **mesh)
 
 
-def check(s: Setup, lay: Layout, data: str, out: str | None) -> dict:
+def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
     """Two real training steps of this layout (the first optimizer step, which creates Adam's
     state, included), then estimated vs measured mem_gb. On a GPU that is torch's peak
     allocation, compared with `allocated`; on the CPU it is the model state a rank holds between
@@ -631,7 +634,7 @@ def run(args) -> int:
             raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out DIR)")
         r = check(s, check_layout(args), args.data, args.out)
         print(json.dumps(r) if args.json else
-              f"check {Layout(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
+              f"check {Candidate(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
               f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error {100 * r['rel_error']:+.1f}%")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)

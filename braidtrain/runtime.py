@@ -31,6 +31,7 @@ DEFAULT_PORT = 29500
 FS_FILE = "braidtrain_rendezvous.txt"  # the file rank 0 publishes inside -pf
 _POLL_S = 0.2
 _OK = "ok"
+HIGH_PRIORITY = ("world", "dp", "replica", "tp")  # mesh axes whose NCCL groups get high-priority streams
 
 
 @dataclass
@@ -48,6 +49,10 @@ class Runtime:
     _owns_group: bool = field(default=False, repr=False)
     _store_addr: tuple | None = field(default=None, repr=False)  # (host, port, key prefix of `store`)
     _env_set: list = field(default_factory=list, repr=False)  # variables default_env set; close() unsets them
+    _connect: object = field(default=None, repr=False)  # find_runtime's way to the store, for join()
+    _deadline: float = field(default=0.0, repr=False)
+    _timeout: float = field(default=300.0, repr=False)
+    _fs_file: str | None = field(default=None, repr=False)  # -pi fs: the file rank 0 removes once all are in
 
     @property
     def is_main(self) -> bool:
@@ -90,6 +95,47 @@ class Runtime:
                 os.environ[k] = v
                 self._env_set.append(k)
 
+    def group_options(self, axis: str):
+        """The backend's options for the process groups of a mesh axis (mesh.build_mesh): NCCL's
+        kernels on high-priority streams for the data-parallel groups, whose collectives overlap
+        compute (a collective then gets its SMs as soon as blocks free up, rather than queueing
+        behind the compute kernels': ZeRO-3 on two H200s 686k -> 807k tokens/s, ZeRO-0/1
+        unchanged, docs/performance.md), and for tp's, as measured with them; the others keep
+        NCCL's defaults. None: the defaults."""
+        if self.backend != "nccl" or axis not in HIGH_PRIORITY:
+            return None
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        return opts
+
+    def join(self, nccl_protocol: str | None = None) -> None:
+        """Rendezvous and the world's process group. nccl_protocol: NCCL_PROTO for this process
+        (the trainer's choice by layout, docs/design-notes.md); None leaves NCCL its own choice.
+        NCCL reads it once, for every communicator of the process: unlike the stream priority,
+        it has no per-group setting."""
+        if self.world_size == 1:
+            return  # nothing to agree on; no process group, no store
+        rank, world, timeout_s = self.rank, self.world_size, self._timeout
+        store, prefix = self._connect()  # prefix: this launch's own key space in the store
+        # torchrun's agent keeps its store across restarts, so each attempt gets its own key space
+        launch = dist.PrefixStore(prefix, store)
+        run = dist.PrefixStore(str(self.attempt), launch)
+        _check_in(run, rank, world, self._deadline, timeout_s)
+        if self._fs_file and rank == 0:  # everyone is in: don't leave a stale file for the next run
+            os.remove(self._fs_file)
+        store.set_timeout(timedelta(seconds=timeout_s))  # later users (heartbeat) get the full timeout
+        if self.backend == "nccl" and nccl_protocol:
+            self.default_env(NCCL_PROTO=nccl_protocol)
+        try:
+            dist.init_process_group(self.backend, store=dist.PrefixStore("pg", run), rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s), pg_options=self.group_options("world"),
+                                    **({"device_id": self.device} if self.backend == "nccl" else {}))
+        except (RuntimeError, ValueError) as e:
+            self.close()  # the environment as it was
+            raise UserError(f"rank {rank}: setting up the {self.backend} process group failed: {_first_line(e)}") from None
+        self.store, self.launch_store, self._owns_group = dist.PrefixStore("app", run), launch, True
+        self._store_addr = (store.host, store.port, f"{prefix}/{self.attempt}/app")
+
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -99,12 +145,19 @@ class Runtime:
         self._env_set = []
 
 
-def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
+def init_runtime(init_method: str = "env", *, nccl_protocol: str | None = None, **launch) -> Runtime:
+    """find_runtime(...), then join(): who am I, then the process group."""
+    rt = find_runtime(init_method, **launch)
+    rt.join(nccl_protocol)
+    return rt
+
+
+def find_runtime(init_method: str = "env", *, num_processes: int | None = None,
                  process_rank: int | None = None, gpus_per_node: int | None = None,
                  server: str | None = None, fs_path: str | None = None,
-                 device: str | None = None, timeout_s: float = 300.0, nccl_protocol: str | None = None) -> Runtime:
-    """Rendezvous and the process group. nccl_protocol: NCCL_PROTO for this process's NCCL groups
-    (the trainer's choice by layout, docs/design-notes.md); None leaves NCCL its own choice."""
+                 device: str | None = None, timeout_s: float = 300.0) -> Runtime:
+    """Who am I: rank, world size, device -- known before the ranks meet, so that the layout can
+    be validated before any process group forms. Runtime.join() then forms it."""
     if timeout_s <= 0:
         raise UserError(f"the rendezvous timeout must be positive, got {timeout_s}")
     deadline = time.monotonic() + timeout_s
@@ -131,31 +184,9 @@ def init_runtime(init_method: str = "env", *, num_processes: int | None = None,
         raise UserError(f"TORCHELASTIC_RESTART_COUNT must be an integer, got {attempt!r}")
     dev, backend = _pick_device(device, local)
     rt = Runtime(rank, world, local, dev, backend, init_method, attempt=int(attempt))
-    if world == 1:
-        return rt  # nothing to agree on; no process group, no store
-    store, prefix = connect()  # prefix: this launch's own key space in the store
-    # torchrun's agent keeps its store across restarts, so each attempt gets its own key space
-    launch = dist.PrefixStore(prefix, store)
-    run = dist.PrefixStore(attempt, launch)
-    _check_in(run, rank, world, deadline, timeout_s)
-    if init_method == "fs" and rank == 0:  # everyone is in: don't leave a stale file for the next run
-        os.remove(os.path.join(fs_path, FS_FILE))
-    store.set_timeout(timedelta(seconds=timeout_s))  # later users (heartbeat) get the full timeout
-    if backend == "nccl":
-        # NCCL's kernels on high-priority streams (every group of this process; a user's own
-        # setting wins): a collective that overlaps compute gets its SMs as soon as blocks free
-        # up, rather than queueing behind the compute kernels' -- ZeRO-3 on two H200s 686k ->
-        # 807k tokens/s, ZeRO-0/1 unchanged (docs/performance.md).
-        rt.default_env(TORCH_NCCL_HIGH_PRIORITY="1", **({"NCCL_PROTO": nccl_protocol} if nccl_protocol else {}))
-    try:
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", run), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s),
-                                **({"device_id": dev} if backend == "nccl" else {}))
-    except (RuntimeError, ValueError) as e:
-        rt.close()  # the environment as it was
-        raise UserError(f"rank {rank}: setting up the {backend} process group failed: {_first_line(e)}") from None
-    rt.store, rt.launch_store, rt._owns_group = dist.PrefixStore("app", run), launch, True
-    rt._store_addr = (store.host, store.port, f"{prefix}/{attempt}/app")
+    rt._connect, rt._deadline, rt._timeout = connect, deadline, timeout_s
+    if init_method == "fs":
+        rt._fs_file = os.path.join(fs_path, FS_FILE)
     return rt
 
 

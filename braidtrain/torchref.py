@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from braidtrain.config import Config, plan_batch
+from braidtrain.config import Config
+from braidtrain.layout import batch_plan
 from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
 from braidtrain.metrics import peak_flops
 from braidtrain.model.gpt import GPT, init_weights, model_config
@@ -101,7 +102,7 @@ def main(argv=None) -> None:
         torch.cuda.set_device(device)
     bf16 = device.type == "cuda"
     cfg = Config(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t, total_batch=a.d)
-    plan = plan_batch(cfg, world)
+    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, world)
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
     mcfg = model_config(a.model, data.vocab_size, a.n_layer, a.n_head, a.n_embd)

@@ -13,7 +13,7 @@ from braidtrain.comm import Comm
 from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import AdamW
-from braidtrain.parallel.data import DataParallel
+from braidtrain.parallel.engine import Engine
 from braidtrain.runtime import init_runtime
 
 
@@ -32,26 +32,26 @@ def main(zero, out, mode="fp32"):
     reference = GPT(cfg)
     reference.load_state_dict(model.state_dict())
     comm = Comm(rt.device)
-    engine = DataParallel(model, build_mesh(rt.rank, rt.world_size), comm, zero=zero, exact=False, bucket_mb=0.02, device=rt.device)
+    engine = Engine(model, build_mesh(rt.rank, rt.world_size, comm), comm, zero=zero, exact=False, bucket_mb=0.02, device=rt.device)
     opt = AdamW(engine)
     n, micro = rt.world_size, 2
     seqs = n * micro
     model.recompute = mode == "bf16-recompute"
     autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if mode != "fp32" else nullcontext
     launched_early, gathers_in_backward, gathers_in_forward = [], 0, []
+    engine.begin_step(micro)
     for m in range(micro):
         before = len(comm.records)
-        engine.start_micro_step(m, micro)
         x, y = batch(0, rt.rank * micro + m)
-        with autocast():
+        with engine.forward(m), autocast():
             loss = model(x, y) / (seqs * 32)
         gathers_in_forward.append(sum(r.op == "all_gather" for r in list(comm.records)[before:]))
         before = len(comm.records)
-        engine.backward(loss)
+        engine.backward(m, loss, last=m == micro - 1)
         gathers_in_backward += sum(r.op == "all_gather" for r in list(comm.records)[before:])
         launched_early.append(len(comm.records))
     last_grad = engine.last_grad_time
-    engine.finish_reduction()
+    engine.finish_step()
     first_launch = min(r.t_start for r in comm.records)
     norm = engine.grad_norm().item()
     state_bytes = engine.model_state_bytes()

@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from braidtrain.comm import Comm
 from braidtrain.errors import UserError
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import GPT, init_weights, model_config, shard_spec
+from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
                                      shard_of, unshard, vocab_parallel_cross_entropy)
+from braidtrain.parallel import placement
 
 B, T, IN, OUT = 2, 8, 12, 16
 
@@ -28,7 +30,7 @@ def rel(got, want):
 
 def gather(t, group, tp):
     pieces = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(pieces, t.contiguous(), group=group)
+    dist.all_gather(pieces, t.contiguous(), group=group.pg)  # the test's own collective, beside the code's
     return pieces
 
 
@@ -77,7 +79,7 @@ def check_layers(res, group, rank, tp):
         db = lin.bias.grad.clone()
         if sp:  # the bias saw this rank's rows only: a partial gradient, complete once summed over tp
             res["row.sp.db_partial"] = rel(db, b0.grad)
-            dist.all_reduce(db, group=group)
+            dist.all_reduce(db, group=group.pg)
         res[f"row.{tag}.db"] = rel(db, b0.grad)
         # vocab-parallel embedding: rows [rank V/tp, (rank+1) V/tp)
         V = 64
@@ -137,20 +139,16 @@ def check_gpt(res, mesh, pre="gpt"):
     ref_loss.backward()
     ref_logits = ref(idx).detach()
 
-    def full_of(t, n, model):  # wte is padded further under tp: zero rows beyond the tp=1 ones
-        extra = model.full_shape(n)[0] - t.shape[0]
-        return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if n == "wte.weight" and extra else t
-
     for sp in (False, True):
         tag = "sp" if sp else "tp"
         model = GPT(cfg, mesh, sp=sp)
+        table = placement.build(model)  # wte is padded further under tp: zero rows beyond the tp=1 ones
         init_weights(model, seed=5)
         res[f"{pre}.{tag}.same_init"] = all(
-            torch.equal(p.detach(), shard_of(full_of(initial[n], n, model), shard_spec(n), rank, tp))
-            for n, p in model.named_parameters())
+            torch.equal(p.detach(), table[n].shard(initial[n], rank, tp)) for n, p in model.named_parameters())
         with torch.no_grad():  # then the nudged weights
             for n, p in model.named_parameters():
-                p.copy_(shard_of(full_of(ref_params[n].detach(), n, model), shard_spec(n), rank, tp))
+                p.copy_(table[n].shard(ref_params[n].detach(), rank, tp))
         for recompute in (False, True) if sp else (False,):
             model.zero_grad(set_to_none=True)
             model.recompute = recompute
@@ -160,16 +158,16 @@ def check_gpt(res, mesh, pre="gpt"):
             res[f"{key}.loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             losses = gather(loss.detach().reshape(1), group, tp)
             res[f"{key}.loss_same_on_tp_ranks"] = all(torch.equal(l, losses[0]) for l in losses)
-            partial = set(model.tp_partial_grads())
+            partial = table.sp_partial()
             worst, worst_name, replicated_equal = 0.0, "", True
             for n, p in model.named_parameters():
                 grad = p.grad.clone()
                 if n in partial:
-                    dist.all_reduce(grad, group=group)  # what the engine does for sp's partial grads
+                    dist.all_reduce(grad, group=group.pg)  # what the engine does for sp's partial grads
                 pieces = gather(grad, group, tp)
-                if shard_spec(n).kind == "replicated":
+                if table[n].replicated:
                     replicated_equal &= all(torch.equal(q, pieces[0]) for q in pieces)
-                full = unshard(pieces, shard_spec(n))
+                full = unshard(pieces, table[n].split)
                 want = ref_params[n].grad
                 if n == "wte.weight":
                     pad = full[len(want):]  # rows beyond the tp=1 padding
@@ -181,7 +179,7 @@ def check_gpt(res, mesh, pre="gpt"):
             res[f"{key}.grad"] = worst
             res[f"{key}.grad_worst_param"] = worst_name
             res[f"{key}.replicated_grads_equal"] = replicated_equal
-        res[f"{pre}.{tag}.partial"] = sorted(model.tp_partial_grads())
+        res[f"{pre}.{tag}.partial"] = sorted(table.sp_partial())
         if sp:  # a sequence that does not split over the tp ranks: a one-line error, before any collective
             try:
                 model(idx[:, : 2 * tp + 1], y[:, : 2 * tp + 1])
@@ -196,14 +194,15 @@ def main(out):
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous
     world = dist.get_world_size()
     torch.manual_seed(0)
-    mesh = build_mesh(dist.get_rank(), world, tp=world)
+    comm = Comm(torch.device("cpu"))
+    mesh = build_mesh(dist.get_rank(), world, comm, tp=world)
     group, rank, tp = mesh.groups["tp"], mesh.coord("tp"), mesh.size("tp")
     res = {"tp": tp}
     check_layers(res, group, rank, tp)
     check_cross_entropy(res, group, rank, tp)
     check_gpt(res, mesh)
     if tp == 4:  # tp groups that are not the whole world: {0,1} and {2,3}, with dp = 2
-        check_gpt(res, build_mesh(dist.get_rank(), world, tp=2), pre="dp2")
+        check_gpt(res, build_mesh(dist.get_rank(), world, comm, tp=2), pre="dp2")
     with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

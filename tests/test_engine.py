@@ -10,11 +10,18 @@ import pytest
 import torch
 
 from helpers import ROOT, env
-from braidtrain.comm import Comm
+from braidtrain.comm import Comm, solo
 from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import AdamW
-from braidtrain.parallel.data import Q, DataParallel
+from braidtrain.parallel.buckets import Q
+from braidtrain.parallel.engine import Engine
+
+
+def solo_engine(model, zero, exact=False):
+    """The engine of one CPU process (no process group: every group is this rank alone)."""
+    cpu, comm = torch.device("cpu"), Comm(torch.device("cpu"))
+    return Engine(model, build_mesh(0, 1, comm), comm, zero=zero, exact=exact, bucket_mb=0.02, device=cpu)
 
 
 def run_worker(nproc, zero, out, *extra):
@@ -90,39 +97,37 @@ def test_zero3_gathers_again_only_what_the_backward_reads(tmp_path, mode):
 def test_zero3_forward_that_raises_leaves_no_saved_tensor_hook():
     """ZeRO-3 watches a block's forward with a saved-tensor hook; a forward that raises must not
     leave it on autograd's stack, where it would see every later autograd computation."""
-    cpu = torch.device("cpu")
     model = GPT(model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=32))
     init_weights(model, seed=7)
-    engine = DataParallel(model, build_mesh(0, 1), Comm(cpu), zero=3, exact=False, bucket_mb=0.02, device=cpu)
+    engine = solo_engine(model, zero=3)
     x = torch.randint(0, 256, (1, 32))
     autocast = lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)  # noqa: E731
     boom = model.h[1].mlp.register_forward_pre_hook(lambda *_: 1 / 0)
-    engine.start_micro_step(0, 1)
-    with pytest.raises(ZeroDivisionError), autocast():
+    engine.begin_step(1)
+    with pytest.raises(ZeroDivisionError), engine.forward(0), autocast():
         model(x, x)
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     boom.remove()
-    engine.start_micro_step(0, 1)  # and training goes on
-    with autocast():
+    engine.begin_step(1)  # and training goes on
+    with engine.forward(0), autocast():
         loss = model(x, x)
-    engine.backward(loss)
-    engine.finish_reduction()
+    engine.backward(0, loss, last=True)
+    engine.finish_step()
     assert torch.isfinite(engine.grad_norm()) and engine.grad_norm() > 0
 
 
 def test_zero3_release_of_a_gather_in_flight_leaves_no_stale_parameters():
     """A bucket released while its gather is still in flight must not come back, at the next
     gather, with what that earlier gather carried: the optimizer may have changed the shard since."""
-    cpu = torch.device("cpu")
     model = GPT(model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=32))
-    engine = DataParallel(model, build_mesh(0, 1), Comm(cpu), zero=3, exact=False, bucket_mb=0.02, device=cpu)
-    b = engine.buckets[0]
-    engine._gather(b, wait=False)  # a prefetch, not yet waited for
-    engine._release(b)
+    engine = solo_engine(model, zero=3)
+    b, zero = engine.buckets[0], engine.zero_hooks
+    zero._gather(b, wait=False)  # a prefetch, not yet waited for
+    zero._release(b)
     b.data.add_(1.0)  # an optimizer step
-    engine._gather(b)
+    zero._gather(b)
     assert torch.equal(b.full[b.lo : b.hi], b.data)
-    engine._release(b)
+    zero._release(b)
     assert b.full.untyped_storage().nbytes() == 0
 
 
@@ -137,7 +142,6 @@ def test_zero2_3_gradients_accumulate_in_place_into_the_bucket(zero, mode, faile
     result is plain autograd's. Also after a step whose second backward (of three) raised part-way,
     leaving buffers open and, in exact mode, partial sums behind and a buffer already back in the
     pool: none of it may leak into the next step."""
-    cpu = torch.device("cpu")
     model = GPT(model_config("tiny", 256, n_layer=3, n_embd=64, n_head=2, block_size=32))
     init_weights(model, seed=7)
     ref = copy.deepcopy(model)
@@ -146,28 +150,34 @@ def test_zero2_3_gradients_accumulate_in_place_into_the_bucket(zero, mode, faile
     for p in model.parameters():  # runs before the engine's own hook, which lets go of p.grad
         p.register_post_accumulate_grad_hook(
             lambda p: in_place.append(p.grad.untyped_storage().data_ptr() == engine.bucket_of[p].grad.untyped_storage().data_ptr()))
-    engine = DataParallel(model, build_mesh(0, 1), Comm(cpu), zero=zero, exact=mode == "exact", bucket_mb=0.02, device=cpu)
+    engine = solo_engine(model, zero, exact=mode == "exact")
     assert sum(1 for b in engine.buckets if b.modules) == 3
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randint(0, 256, (2, 32), generator=gen) for _ in range(2)]
     if failed_before:
         bad = torch.randint(0, 256, (2, 32), generator=gen)
-        engine.start_micro_step(0, 3)
-        engine.backward(model(bad, bad))
-        engine.start_micro_step(1, 3)
+        engine.begin_step(3)
+        with engine.forward(0):
+            loss = model(bad, bad)
+        engine.backward(0, loss)
+
         def fail_in_backward(_mod, _args, out):
             out.register_hook(lambda _g: 1 / 0)
 
         hook = model.h[0].register_forward_hook(fail_in_backward)
+        with engine.forward(1):
+            loss = model(bad, bad)
         with pytest.raises(ZeroDivisionError):  # in block 0's backward: the others' are done
-            engine.backward(model(bad, bad))
+            engine.backward(1, loss)
         hook.remove()
         in_place.clear()
+    engine.begin_step(len(xs))
     for micro, x in enumerate(xs):
-        engine.start_micro_step(micro, len(xs))
-        engine.backward(model(x, x))
+        with engine.forward(micro):
+            loss = model(x, x)
+        engine.backward(micro, loss, last=micro == len(xs) - 1)
         ref(x, x).backward()
-    engine.finish_reduction()
+    engine.finish_step()
     assert len(in_place) == 2 * len(list(model.parameters())) and all(in_place)
     want = dict(ref.named_parameters())
     for b, _, g in engine.owned():
@@ -179,15 +189,14 @@ def test_zero2_gradient_into_an_unopened_bucket_is_an_error_not_a_loss():
     """ZeRO-2/3 drop autograd's .grad once it is in the bucket's buffer: a gradient that arrives
     before its buffer was opened (here: the block hooks skipped, as they are inside a backward)
     would be dropped unsummed. It is an error instead."""
-    cpu = torch.device("cpu")
     model = GPT(model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=32))
-    engine = DataParallel(model, build_mesh(0, 1), Comm(cpu), zero=2, exact=False, bucket_mb=0.02, device=cpu)
+    engine = solo_engine(model, zero=2)
     x = torch.randint(0, 256, (1, 32))
-    engine.start_micro_step(0, 1)
+    engine.begin_step(1)
     engine.backward_phase = True  # the forward hooks take this forward for a recomputation
     loss = model(x, x)
     with pytest.raises(RuntimeError, match="before its buffer was opened"):
-        engine.backward(loss)
+        engine.backward(0, loss, last=True)
 
 
 class _Shards:
@@ -239,9 +248,10 @@ def test_timing_events_are_recorded_again_once_read_but_a_captured_graphs_never(
             return 1.0
 
     comm = Comm(torch.device("cpu"))
+    replica, world = solo("replica", comm), solo("world", comm)
 
     def collective(reuse):
-        h = Handle(comm, comm._record("all_gather", "replica", (8,), "float32", 32), None, events=(Event(), Event()))
+        h = Handle(comm, comm._record("all_gather", replica, (8,), "float32", 32), None, events=(Event(), Event()))
         h.bus_bytes, h.reuse = 32, reuse
         return h
 
@@ -249,26 +259,56 @@ def test_timing_events_are_recorded_again_once_read_but_a_captured_graphs_never(
     for step in range(3):
         eager = collective(reuse=True)
         comm.step_handles.append(eager)
-        comm.replayed(captured)
+        comm.replayed(captured, world)
         assert comm.step_comm() == (0.002, 64)
         assert comm.spare[-1] is eager.events and all(pair is not captured[0].events for pair in comm.spare)
     assert len(comm.spare) == 3
 
 
-def test_collectives_ask_torch_for_the_group_size_once(monkeypatch):
+def test_collectives_never_ask_torch_for_the_group_size(monkeypatch):
     """cProfile charged torch's get_world_size 0.39 ms a call on the GPU machine: asked at every
-    collective, ~80 ms of ZeRO-3's host time a step. comm.group_size asks once a group."""
+    collective, ~80 ms of ZeRO-3's host time a step. A comm.Group knows its size and this rank's
+    index as plain numbers, from the mesh."""
     import torch.distributed as dist
+
+    from braidtrain.comm import Group
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        group, asked = dist.new_group([0]), []
+        comm, asked = Comm(torch.device("cpu")), []
+        group = Group("replica", (0,), 0, dist.new_group([0]), comm, "replica")
         real = dist.get_world_size
         monkeypatch.setattr(dist, "get_world_size", lambda g=None: asked.append(g) or real(g))
-        comm, t = Comm(torch.device("cpu")), torch.ones(4)
+        t = torch.ones(4)
         for _ in range(5):
-            comm.all_reduce(t, group, "replica").wait()
-            comm.all_gather(t, t, group, "replica").wait()
-        assert t.tolist() == [1.0] * 4 and asked == [group]
+            comm.all_reduce(t, group).wait()
+            comm.all_gather(t, t, group).wait()
+        assert t.tolist() == [1.0] * 4 and asked == []
     finally:
         dist.destroy_process_group()
+
+
+def test_each_flight_record_names_its_group_and_its_number_in_it(tmp_path):
+    """A record carries its group's name and the group's own count, next to this rank's count: the
+    numbers doctor lines up, group by group. The flight log's header lists every group's members."""
+    import json
+
+    from braidtrain.comm import Group, group_name
+
+    comm = Comm(torch.device("cpu"))
+    tp = Group("tp", (2, 3), 0, None, comm, group_name("tp", (2, 3), 8))
+    world = Group("world", tuple(range(8)), 2, None, comm, group_name("world", range(8), 8))
+    t = torch.ones(4)
+    for _ in range(3):
+        comm.all_reduce(t, tp, inline=True)
+    comm.barrier(world)
+    comm.all_gather(t, t, tp).wait()
+    assert [(r.op, r.group, r.gseq, r.seq) for r in comm.records] == [
+        ("all_reduce", "tp[2,3]", 0, 0), ("all_reduce", "tp[2,3]", 1, 1), ("all_reduce", "tp[2,3]", 2, 2),
+        ("barrier", "world", 0, 3), ("all_gather", "tp[2,3]", 3, 4)]
+    assert all(r.t_end is not None for r in comm.records)
+    comm.dump(str(tmp_path / "log.jsonl"), {"rank": 2})
+    head = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert head["groups"] == {"tp[2,3]": [2, 3], "world": list(range(8))}
+    assert group_name("dp", range(0, 64, 8), 64) == "dp[0,8,16,24,32,40,48,56]"
+    assert group_name("dp", range(0, 128, 8), 128) == "dp[0:121:8]"

@@ -248,14 +248,19 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, shakespeare, ref
 
 # ----------------------------------------------------------------------------- doctor, by hand
 
-def write_logs(run: Path, logs: dict[int, list[tuple]], world: int = 4, session: float = 1000.0, reason="peer lost"):
-    """logs: rank -> [(seq, op, done)]; every collective on axis replica, float32[8], step 40 + seq // 10."""
+def write_logs(run: Path, logs: dict[int, list[tuple]], world: int = 4, session: float = 1000.0, reason="peer lost",
+               groups=None):
+    """logs: rank -> [(seq, op, done)] or [(seq, op, done, group, gseq)]; float32[8], step 40 + seq // 10; the
+    group replica (every rank) unless given. `groups`: name -> members, as each header lists them."""
     (run / "flight").mkdir(parents=True, exist_ok=True)
     for rank, recs in logs.items():
         head = {"flight": 1, "rank": rank, "world_size": world, "step": 41, "attempt": 0, "session": session,
-                "time": session + 5, "reason": reason}
-        lines = [head] + [{"seq": s, "op": op, "axis": "replica", "shape": [8], "dtype": "float32", "nbytes": 32,
-                           "t_start": 1.0, "t_end": 2.0 if done else None, "step": 40 + s // 10} for s, op, done in recs]
+                "time": session + 5, "reason": reason, "groups": groups or {"replica": list(range(world))}}
+        lines = [head]
+        for s, op, done, *where in recs:
+            group, gseq = where or ("replica", s)
+            lines.append({"seq": s, "op": op, "group": group, "gseq": gseq, "shape": [8], "dtype": "float32",
+                          "nbytes": 32, "t_start": 1.0 + s, "t_end": 2.0 + s if done else None, "step": 40 + s // 10})
         (run / "flight" / f"rank_{rank:05d}.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
 
 
@@ -305,6 +310,45 @@ def test_doctor_says_when_all_is_well(tmp_path):
     assert lines.returncode == 2 and lines.stderr.count("\n") == 1 and "no flight/ folder" in lines.stderr
 
 
+def test_doctor_lines_up_each_group_on_its_own(tmp_path):
+    """dp 2 x tp 2: the tp groups run ~60 collectives for every one of the world group, so the ranks'
+    own counts disagree; rank 1 freezes inside its tp group's collective #57. Doctor must name it by
+    that group -- where its tp partner was left waiting -- and list the others, each waiting in its
+    replica group (rank 2 behind rank 0, rank 3 behind rank 1), without blaming either."""
+    from braidtrain.fault import diagnose
+
+    groups = {"world": [0, 1, 2, 3], "tp[0,1]": [0, 1], "tp[2,3]": [2, 3], "replica[0,2]": [0, 2], "replica[1,3]": [1, 3]}
+
+    def rank_log(tp, tp_done, replica=None):
+        recs = [(0, "barrier", True, "world", 0)]
+        recs += [(1 + k, "all_reduce", k < tp_done, tp, k) for k in range(tp_done + (tp_done < 58))]
+        if replica:
+            recs.append((len(recs), "reduce_scatter", False, replica, 3))
+        return recs
+
+    write_logs(tmp_path, {0: rank_log("tp[0,1]", 57), 2: rank_log("tp[2,3]", 58, "replica[0,2]"),
+                          3: rank_log("tp[2,3]", 58, "replica[1,3]")}, groups=groups)
+    lines = diagnose(tmp_path)
+    assert "none from rank 1" in lines[0]
+    assert lines[-1] == ("rank 1 stopped after collective #56 (all_reduce tp[0,1], step 45) and wrote no flight log "
+                         "(frozen or killed); rank 0 waited in #57 (all_reduce tp[0,1], step 45); "
+                         "rank 2 waited in #3 (reduce_scatter replica[0,2], step 45); "
+                         "rank 3 waited in #3 (reduce_scatter replica[1,3], step 45)"), lines[-1]
+
+
+def test_doctor_names_a_deadlock_between_two_groups(tmp_path):
+    """Rank 0 waits in group a for rank 1, which waits in group b for rank 0: nobody stopped; the
+    order of their collectives cannot meet."""
+    from braidtrain.fault import diagnose
+
+    groups = {"a": [0, 1], "b": [0, 1]}
+    write_logs(tmp_path, {0: [(0, "send_recv", True, "a", 0), (1, "send_recv", False, "a", 1)],
+                          1: [(0, "send_recv", True, "a", 0), (1, "all_reduce", False, "b", 0)]}, world=2, groups=groups)
+    last = diagnose(tmp_path)[-1]
+    assert last.startswith("rank 0 waited in #1 (send_recv a, step 40); rank 1 waited in #0 (all_reduce b, step 40)")
+    assert "deadlock" in last, last
+
+
 def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     """--cuda-graph: the collectives captured with the step are recorded once, at the capture; each
     replay adds one record (the same on every rank), open until the step's results were used --
@@ -312,7 +356,7 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     timing events count for the step, beside any collective launched eagerly between steps."""
     import torch
 
-    from braidtrain.comm import Comm, Handle
+    from braidtrain.comm import Comm, Group, Handle
     from braidtrain.fault import diagnose
 
     class Event:  # what Comm reads of a CUDA timing event pair: the start's, and a finished end
@@ -325,20 +369,24 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
         def query(self):
             return True
 
+    def of_two(axis, comm):  # rank comm.r's group of both ranks (no process group: nothing is sent)
+        return Group(axis, (0, 1), comm.r, None, comm, axis)
+
     def launch(comm, op, ms):  # a collective on a GPU, as Comm._launch leaves it
-        h = Handle(comm, comm._record(op, "replica", (8,), "float32", 32), None, events=(Event(ms), Event(ms)))
+        h = Handle(comm, comm._record(op, of_two("replica", comm), (8,), "float32", 32), None, events=(Event(ms), Event(ms)))
         h.bus_bytes = 32
         comm.step_handles.append(h)
         return h
 
     def rank(r: int, last_step: int, done: bool):
         comm = Comm(torch.device("cpu"))
-        comm.step = 3
+        comm.r = r
+        comm.begin_step(3)
         captured = [launch(comm, "all_reduce", 2.0), launch(comm, "all_gather", 2.0)]
         assert comm.step_comm() == (0.004, 64)
         for step in range(4, last_step + 1):
-            comm.step = step
-            comm.replayed(captured)
+            comm.begin_step(step)
+            comm.replayed(captured, of_two("world", comm))
             assert comm.records[-1].t_end is None  # open while the step runs
             if step < last_step or done:
                 assert comm.step_comm() == ((0.004, 64) if step == 4 else (0.005, 96))
@@ -358,8 +406,9 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     assert diagnose(tmp_path)[-1] == "no problem found: every rank's last collective completed"
     rank(0, 6, done=False)  # rank 0 waits in step 6's replay; rank 1 never launched it
     rank(1, 5, done=True)
-    assert diagnose(tmp_path)[-1] == ("rank 1 stopped at collective #5 (all_gather replica, step 5); "
-                                      "rank 0 waited in #6 (graph_replay world, step 6)")
+    # (numbered in the group rank 0 waits in: the world's replays, #0 step 4, #1 step 5, #2 step 6)
+    assert diagnose(tmp_path)[-1] == ("rank 1 stopped at collective #1 (graph_replay world, step 5); "
+                                      "rank 0 waited in #2 (graph_replay world, step 6)")
 
 
 @pytest.mark.parametrize("spec, words", [("explode:step=3", "unknown kind"), ("kill:rank=1", "at which step"),

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from helpers import ROOT, env
+from braidtrain.comm import Comm, Group
 from braidtrain.errors import UserError
+from braidtrain.layout import check_tp
 from braidtrain.mesh import Mesh
-from braidtrain.model.gpt import GPT, GPTConfig, check_tp, init_weights, model_config, shard_spec
+from braidtrain.model.gpt import GPT, GPTConfig, init_weights, model_config
 from braidtrain.model.layers import REPLICATED, ShardSpec, shard_of, unshard
+from braidtrain.parallel import placement
 
 TOL = 1e-5
 
@@ -84,8 +87,8 @@ def test_sequence_not_divisible_by_tp_is_one_line_error(ranks):
 
 def fake_mesh(tp):
     """A mesh object for validation only (no process group is created or used)."""
-    return Mesh({"pp": 1, "dp": 1, "cp": 1, "tp": tp}, {"pp": 0, "dp": 0, "cp": 0, "tp": 0},
-                {"tp": None}, {"tp": list(range(tp))}, 0)
+    tp_group = Group("tp", tuple(range(tp)), 0, None, Comm(torch.device("cpu")), "tp")
+    return Mesh({"pp": 1, "dp": 1, "cp": 1, "tp": tp}, {"pp": 0, "dp": 0, "cp": 0, "tp": 0}, {"tp": tp_group}, 0)
 
 
 def test_tp_must_divide_heads_and_mlp():
@@ -123,10 +126,13 @@ def test_shard_specs_slice_and_unshard():
             t = torch.randn(8, 12)
             assert torch.equal(unshard([shard_of(t, s, r, tp) for r in range(tp)], s), t)
     assert torch.equal(unshard([shard_of(full[:, 0], spec, r, 2) for r in range(2)], spec), full[:, 0])
-    assert shard_spec("h.3.attn.c_attn.bias") == spec
-    assert shard_spec("h.3.attn.c_proj.weight") == ShardSpec(1, "contiguous")
-    assert shard_spec("h.3.attn.c_proj.bias") == REPLICATED == shard_spec("wpe.weight") == shard_spec("ln_f.weight")
-    assert shard_spec("wte.weight") == ShardSpec(0, "contiguous") == shard_spec("h.0.mlp.c_fc.bias")
+    # what the layers declare, as the placement table reads it
+    split = {e.name: e.split for e in placement.build(GPT(model_config("tiny", 300, n_layer=4)))}
+    assert split["h.3.attn.c_attn.bias"] == spec
+    assert split["h.3.attn.c_proj.weight"] == ShardSpec(1, "contiguous")
+    assert split["h.3.attn.c_proj.bias"] == REPLICATED == split["wpe.weight"] == split["ln_f.weight"]
+    assert split["h.0.mlp.c_fc.bias"] == ShardSpec(0, "contiguous")
+    assert split["wte.weight"] == ShardSpec(0, "contiguous", 128)  # the vocabulary: padded to 128 * tp rows
 
 
 def test_tp1_mesh_is_the_plain_model():
@@ -137,4 +143,4 @@ def test_tp1_mesh_is_the_plain_model():
     assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     idx = torch.randint(0, 300, (2, 9))
-    assert torch.equal(a(idx, idx), b(idx, idx)) and b.tp_partial_grads() == []
+    assert torch.equal(a(idx, idx), b(idx, idx)) and placement.build(b).sp_partial() == set()

@@ -20,8 +20,9 @@ from braidtrain.cli import Parser
 from braidtrain.comm import Comm
 from braidtrain.errors import UserError
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import GPT, model_config, shard_spec
-from braidtrain.parallel.data import DataParallel
+from braidtrain.model.gpt import GPT, model_config
+from braidtrain.parallel import placement
+from braidtrain.parallel.engine import Engine
 from helpers import ROOT, braidtrain, prepare_bytes
 
 
@@ -88,8 +89,9 @@ def test_each_zero_stage_needs_no_more_than_the_one_before(n):
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.5, 1.7])
 def test_planner_buckets_are_the_engines(bucket_mb):
     cfg = small_model(n_layer=6)
-    engine = DataParallel(GPT(cfg), build_mesh(0, 1), Comm(torch.device("cpu")), zero=0, exact=False,
-                          bucket_mb=bucket_mb, device=torch.device("cpu"))
+    comm = Comm(torch.device("cpu"))
+    engine = Engine(GPT(cfg), build_mesh(0, 1, comm), comm, zero=0, exact=False, bucket_mb=bucket_mb,
+                    device=torch.device("cpu"))
     assert [b.numel for b in engine.buckets] == [k for _, k in plan.bucket_numels(cfg, bucket_mb)]
 
 
@@ -180,14 +182,15 @@ def test_tp_divides_the_sharded_model_state_by_hand(tp):
     extra = (cfg.vocab_rows(tp) - cfg.padded_vocab) * c  # wte's further padding rows
     assert cfg.vocab_rows(tp) % (128 * tp) == 0 and extra > 0
     per_rank = (P + extra - R) // tp + R
-    # the model's own shard specs agree: replicated parameters whole, the rest divided by tp
+    # the model's own placement table agrees: replicated parameters whole, the rest divided by tp
     model = GPT(cfg)
-    by_spec = sum(p.numel() if shard_spec(n).kind == "replicated" else p.numel() // tp for n, p in model.named_parameters())
+    table = placement.build(model)
+    by_spec = sum(p.numel() if table[n].replicated else p.numel() // tp for n, p in model.named_parameters())
     assert by_spec + extra // tp == per_rank == plan.param_counts(cfg, tp)["rank"]
-    assert sum(p.numel() for n, p in model.named_parameters() if shard_spec(n).kind == "replicated") == R
+    assert sum(p.numel() for n, p in model.named_parameters() if table[n].replicated) == R
 
     s = plan.Setup(cfg, gpus=tp, mem_gb=80, t=256, d=256 * 8)
-    dense, split = (plan.estimate(s, plan.Layout(dp, 0, 8, False, t)) for dp, t in ((tp, 1), (1, tp)))
+    dense, split = (plan.estimate(s, plan.Candidate(dp, 0, 8, False, t)) for dp, t in ((tp, 1), (1, tp)))
     assert [dense["state"][k] for k in ("params", "grads", "optimizer")] == [4 * P, 4 * P, 8 * P]
     assert [split["state"][k] for k in ("params", "grads", "optimizer")] == [4 * per_rank, 4 * per_rank, 8 * per_rank]
     # ZeRO-0: 16 bytes per parameter; the sharded part divides by tp, the replicated part stays
@@ -196,7 +199,7 @@ def test_tp_divides_the_sharded_model_state_by_hand(tp):
     assert split["mem"]["comm"] == plan.NCCL_BYTES and dense["mem"]["comm"] == plan.NCCL_BYTES  # tp's; dp's
     # ZeRO over the replica group divides the per-tp-rank state further, as at tp 1
     s8 = plan.replace(s, gpus=2 * tp)
-    z1 = plan.estimate(s8, plan.Layout(2, 1, 8, False, tp))
+    z1 = plan.estimate(s8, plan.Candidate(2, 1, 8, False, tp))
     assert z1["state"]["optimizer"] == 8 * per_rank // 2
     assert z1["mem"]["comm"] == 2 * plan.NCCL_BYTES  # a communicator for each group: replica and tp
 
@@ -224,26 +227,26 @@ def test_tp_communication_by_hand():
     s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=d, busbw=300.0, alpha_us=10.0, tp_busbw=100.0)
     ar = lambda nbytes: 10e-6 + 2 * (2 - 1) / 2 * nbytes / 100e9  # all-reduce over 2 ranks at --tp-busbw
     per_micro = L * (2 * ar(2 * x) + 2 * ar(4 * x)) + 2 * ar(4 * x) + ar(4 * b * t) + ar(8 * b * t)
-    e = plan.estimate(s, plan.Layout(1, 0, b, False, 2))
+    e = plan.estimate(s, plan.Candidate(1, 0, b, False, 2))
     assert e["micro_steps"] == 4 and e["dp_comm_s"] == 0  # dp = 1: no gradient reduction
     assert e["tp_comm_s"] == pytest.approx(4 * per_micro, rel=1e-12)
     assert e["step_s"] == pytest.approx(e["compute_s"] + 4 * per_micro, rel=1e-12)
     # recompute runs the layers' forward messages again
-    rc = plan.estimate(s, plan.Layout(1, 0, b, True, 2))
+    rc = plan.estimate(s, plan.Candidate(1, 0, b, True, 2))
     assert rc["tp_comm_s"] == pytest.approx(4 * (per_micro + L * 2 * ar(2 * x)), rel=1e-12)
     # sp: all-gather + reduce-scatter pairs move the same bus volume (alpha aside)
     s0 = plan.replace(s, alpha_us=0.0)
-    no_sp, sp = (plan.tp_comm_s(s0, plan.Layout(1, 0, b, False, 2, v)) for v in (False, True))
+    no_sp, sp = (plan.tp_comm_s(s0, plan.Candidate(1, 0, b, False, 2, v)) for v in (False, True))
     assert sp == pytest.approx(no_sp, rel=1e-12)
     # ... and once a step sp adds the replicated parameters' partial gradients, gathered over tp
     R = replicated_by_hand(cfg)
-    e_sp = plan.estimate(s0, plan.Layout(1, 0, b, False, 2, True))
+    e_sp = plan.estimate(s0, plan.Candidate(1, 0, b, False, 2, True))
     assert e_sp["tp_comm_s"] == pytest.approx(4 * sp + (2 - 1) / 2 * (4 * R * 2) / 100e9, rel=1e-12)
     # the dp reduction moves the per-tp-rank parameter bytes: under ZeRO-1 on dp = 2 the exposed part
     # is the last reduce-scatter (the embedding group) and the all-gather of every bucket, at --busbw
     counts = plan.param_counts(cfg, 2)
     assert sum(k for _, k in plan.bucket_numels(cfg, s.bucket_mb, 2)) == counts["rank"]
-    z1 = plan.estimate(plan.replace(s, gpus=4, alpha_us=0.0), plan.Layout(2, 1, b, False, 2))
+    z1 = plan.estimate(plan.replace(s, gpus=4, alpha_us=0.0), plan.Candidate(2, 1, b, False, 2))
     assert z1["dp_comm_s"] == pytest.approx(1 / 2 * 4 * (counts["embed"] + counts["rank"]) / 300e9, rel=1e-12)
 
 
@@ -258,7 +261,7 @@ def test_zero3_gathers_blocks_again_for_the_backward_only_in_fp32_or_recompute()
     once = 4 * sum(2 * one(m) for m in buckets)  # 4 micro-steps
     blocks_again = 4 * sum(one(m) for m in buckets[:-1])  # all but the embedding group (launched last)
     for cpu, recompute, want in ((False, False, once), (False, True, once + blocks_again), (True, False, once + blocks_again)):
-        e = plan.estimate(plan.replace(s, cpu=cpu), plan.Layout(2, 3, b, recompute))
+        e = plan.estimate(plan.replace(s, cpu=cpu), plan.Candidate(2, 3, b, recompute))
         assert e["micro_steps"] == 4 and e["dp_comm_s"] == pytest.approx(want, rel=1e-6), (cpu, recompute)
 
 
@@ -291,11 +294,11 @@ def checks(tmp_path_factory, monkeypatch_module):
         n, zero, tp = case
         s = plan.Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
         if tp == 1:
-            return plan.check(s, plan.Layout(n, zero, 2, False), str(data), None)
+            return plan.check(s, plan.Candidate(n, zero, 2, False), str(data), None)
         # from the command line, as a user asks for it: the mesh comes from --tp and --sp
         args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
                      "--tp", tp, "--sp", "--data", data)
-        assert plan.check_layout(args) == plan.Layout(n // tp, zero, 2, False, tp, True)
+        assert plan.check_layout(args) == plan.Candidate(n // tp, zero, 2, False, tp, True)
         return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
 
     with ThreadPoolExecutor(len(CHECKS)) as pool:

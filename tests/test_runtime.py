@@ -171,22 +171,28 @@ def test_single_process(monkeypatch):
 
 
 @pytest.mark.parametrize("tp, protocol", [(1, "Simple"), (2, None)])
-def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, tp, protocol):
+def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, shakespeare, tp, protocol):
     """Data parallelism alone asks for NCCL's Simple protocol when the process group is made
-    (docs/design-notes.md); tp > 1 leaves NCCL its own choice."""
-    from braidtrain import train
+    (docs/design-notes.md); tp > 1 leaves NCCL its own choice. The layout is validated first:
+    a rank that joins the group has a layout that can run."""
+    import torch
+
+    from braidtrain import build
     from braidtrain.cli import Parser, _train_parser, train_config
 
     asked = {}
 
-    def stub(*_args, **kwargs):
-        asked.update(kwargs)
-        raise KeyboardInterrupt  # stop the trainer right there
+    class Launched:  # two ranks found, the group not formed yet
+        rank, world_size, attempt, device = 0, 2, 0, torch.device("cpu")
 
-    monkeypatch.setattr(train, "init_runtime", stub)
-    argv = ["--model", "tiny", "-i", str(tmp_path), "--out", str(tmp_path / "run"), "--tp", str(tp)]
+        def join(self, nccl_protocol=None):
+            asked["nccl_protocol"] = nccl_protocol
+            raise KeyboardInterrupt  # stop the trainer right there
+
+    monkeypatch.setattr(build, "find_runtime", lambda *_a, **_k: Launched())
+    argv = ["--model", "tiny", "-i", str(shakespeare), "--out", str(tmp_path / "run"), "--tp", str(tp)]
     with pytest.raises(KeyboardInterrupt):
-        train.Trainer(train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
+        build.build(train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
     assert asked["nccl_protocol"] == protocol
 
 

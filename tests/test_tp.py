@@ -59,3 +59,28 @@ def test_checkpoint_moves_between_tp_degrees(tmp_path, shakespeare):
     r1 = train(d1, shakespeare, 1, "--resume", "auto", steps=5)
     r4 = train(d4, shakespeare, 4, "--resume", "auto", "--tp", 2, "-z", 3, steps=5)
     assert abs(r4[-1]["loss"] - r1[-1]["loss"]) <= 1e-5 * abs(r1[-1]["loss"])
+
+
+# An exact run at dp 1 x tp 2 with sp (6 steps): its final weights as the code before the engine was
+# reshaped (and tp's collectives went through comm.py) produced them -- on 2 ranks, and the same on
+# 4 (dp 2) -- at commit 1bbac96, torch 2.13 CPU, 2026-12-01.
+PINNED_TP2 = "96f7579a32e2b734b292c19642013d0c76576638c48581f63a1e698b063beea9"
+
+
+def test_exact_at_a_fixed_tp_and_its_resume_on_another(tmp_path, shakespeare):
+    """--exact with tp 2 keeps its pinned bits; resumed at tp 1 it trains on, and says in one line
+    that from there its bits are not those of a run that stayed at tp 2 (resumed at tp 2, no line)."""
+    a = tmp_path / "a"
+    train(a, shakespeare, 2, "--tp", 2, "--sp", "-z", 1, "--exact", steps=6)
+    assert summary(a)["weights_sha256"] == PINNED_TP2
+    for tp, nproc in ((1, 1), (2, 2)):
+        b = tmp_path / f"b{tp}"
+        shutil.copytree(a, b)
+        p = braidtrain("train", *TP_MODEL, "-i", shakespeare, "-d", D, "-x", 7, "--out", b, "--resume", "auto",
+                       "--exact", *(["--tp", 2, "--sp"] if tp == 2 else []), nproc=nproc)
+        notes = [l for l in p.stdout.splitlines() if "at a fixed tp" in l]
+        if tp == 1:
+            assert len(notes) == 1 and "tp=2 checkpoint at tp=1" in notes[0], p.stdout
+        else:
+            assert notes == [], p.stdout
+        assert [r["step"] for r in metrics(b)][-1] == 7

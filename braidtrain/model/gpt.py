@@ -8,12 +8,12 @@ export simple; weights are stored as nn.Linear does ((out, in)), the transpose o
 
 Initialisation does not depend on the layout: every parameter is drawn from its own generator,
 seeded by (seed, parameter name), as one full tensor, and a tensor-parallel rank takes its slice of
-that same tensor (shard_spec says how), so tp=1 and tp=2 start from identical weights.
+that same tensor (the placement table says how), so tp=1 and tp=2 start from identical weights.
 
 Tensor parallelism (GPT(cfg, mesh) with the mesh's tp axis > 1; layers.py has the pieces), in
 Megatron-LM's layout (Shoeybi et al. 2019). Parameter names do not change, only the local shapes:
 
-    tp rank r holds                                    shard_spec
+    tp rank r holds                                    tp_split (the layer declares it)
     wte         vocab rows [r V/tp, (r+1) V/tp)        (0, contiguous)  also the tied head's shard
     c_attn      its n_head/tp heads of q, k and v      (0, qkv)         column-parallel
     attn.c_proj input features of those heads          (1, contiguous)  row-parallel
@@ -21,7 +21,8 @@ Megatron-LM's layout (Shoeybi et al. 2019). Parameter names do not change, only 
     mlp.c_proj  the same input features                (1, contiguous)  row-parallel
     wpe, LayerNorms, row-parallel biases: all of it    replicated
 
-The vocabulary is padded to a multiple of 128*tp, so that every rank holds the same number of rows.
+The vocabulary is padded to a multiple of 128*tp, so that every rank holds the same number of rows
+(wte's split has align 128: the placement table pads and cuts those zero rows).
 With sequence parallelism (sp, Korthikanti et al. 2022) the residual stream between the tp regions
 -- embeddings, LayerNorms, residual additions -- holds only this rank's T/tp rows of the sequence:
 
@@ -41,11 +42,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from braidtrain.errors import UserError
+from braidtrain.layout import check_tp
 from braidtrain.model.attention import causal_attention
 from braidtrain.model.loss import head_loss
-from braidtrain.model.layers import (REPLICATED, ColumnParallelLinear, RowParallelLinear, ShardSpec,
-                                     VocabParallelEmbedding, enter_tp, gather_last_dim, shard_of,
-                                     vocab_parallel_cross_entropy)
+from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp,
+                                     gather_last_dim, vocab_parallel_cross_entropy)
 
 PRESETS = {  # name: (n_layer, n_head, n_embd, block_size)
     "tiny": (4, 4, 128, 256),
@@ -54,6 +55,7 @@ PRESETS = {  # name: (n_layer, n_head, n_embd, block_size)
     "gpt2-large": (36, 20, 1280, 1024),
     "gpt2-xl": (48, 25, 1600, 1024),
 }
+VOCAB_ALIGN = 128  # the vocabulary is padded to a multiple of this (times tp)
 LLMC_DEPTHS = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
                60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}  # llm.c's -e dN: depth -> (channels, heads)
 
@@ -72,7 +74,7 @@ class GPTConfig:
 
     def vocab_rows(self, tp: int = 1) -> int:
         """Rows of the embedding: the vocabulary padded to a multiple of 128*tp."""
-        return -(-self.vocab_size // (128 * tp)) * 128 * tp
+        return -(-self.vocab_size // (VOCAB_ALIGN * tp)) * VOCAB_ALIGN * tp
 
     def num_params(self) -> int:
         """Parameters counted once (the tied head is the embedding)."""
@@ -108,7 +110,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
         self.n_head = cfg.n_head // tp  # this rank's heads
-        self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, group, sp=sp)
+        self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, group, sp=sp, packed=3)
         self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, group, sp=sp)
 
     def forward(self, x):
@@ -153,33 +155,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def _divisors(n: int) -> str:
-    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
-def check_tp(cfg: GPTConfig, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
-    """One-line UserErrors for a tensor-parallel degree this model cannot be split by."""
-    if cfg.n_head % tp:
-        raise UserError(f"tp={tp} does not divide n_head={cfg.n_head}: use tp in {_divisors(cfg.n_head)}")
-    if 4 * cfg.n_embd % tp:
-        raise UserError(f"tp={tp} does not divide the MLP width 4*n_embd={4 * cfg.n_embd}: "
-                        f"use tp in {_divisors(4 * cfg.n_embd)}")
-    if sp and tp > 1 and seq_len is not None and seq_len % tp:
-        raise UserError(f"sequence length {seq_len} is not divisible by tp={tp}: sequence parallelism "
-                        f"splits the sequence over the tp ranks; use a multiple of {tp} (or drop --sp)")
-
-
-def shard_spec(name: str) -> ShardSpec:
-    """How parameter `name`'s full tensor is split over the tp axis (the table in the docstring)."""
-    if name == "wte.weight" or name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
-        return ShardSpec(0, "contiguous")
-    if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-        return ShardSpec(0, "qkv")
-    if name.endswith("c_proj.weight"):
-        return ShardSpec(1, "contiguous")
-    return REPLICATED  # wpe, LayerNorms, the biases of the row-parallel c_proj
-
-
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, mesh=None, sp: bool = False):
         super().__init__()
@@ -189,7 +164,7 @@ class GPT(nn.Module):
         check_tp(cfg, self.tp)
         self.sp = sp and self.tp > 1
         self.group = mesh.groups["tp"] if self.tp > 1 else None  # None: plain dense layers
-        self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp)
+        self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp, align=VOCAB_ALIGN)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg, self.tp, self.group, self.sp) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
@@ -208,12 +183,10 @@ class GPT(nn.Module):
         than the whole model, so each block's backward is still its own autograd node: its
         gradients are complete -- and their bucket's reduction can start -- while earlier blocks
         are still in the backward pass.
-        Module hooks (ZeRO-3's gathers) stay outside the compiled code. tp = 1 only (config.py
+        Module hooks (ZeRO-3's gathers) stay outside the compiled code. tp = 1 only (layout.py
         says so): the tp layers' collectives are not traceable yet."""
         for block in self.h:
             block.compiled = torch.compile(block.body)
-
-    shard_spec = staticmethod(shard_spec)  # how each parameter is split over tp (for the engine)
 
     def param_units(self):
         """Parameter groups for the data-parallel engine, in forward order: the embedding group
@@ -221,23 +194,10 @@ class GPT(nn.Module):
         units = [(None, ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"])]
         return units + [(blk, [f"h.{i}.{n}" for n, _ in blk.named_parameters()]) for i, blk in enumerate(self.h)]
 
-    def full_shape(self, name: str) -> tuple:
-        """The shape of parameter `name` unsharded (wte: the vocabulary padded for this tp)."""
-        shape, spec = list(self.get_parameter(name).shape), shard_spec(name)
-        if spec.kind != "replicated":
-            shape[spec.dim] *= self.tp
-        return tuple(shape)
-
-    def tp_partial_grads(self) -> list[str]:
-        """Parameters whose gradient on each tp rank is only a part, to be all-reduced over tp
-        before use (Megatron's "sequence-parallel" parameters). Under sp the tp-replicated
-        parameters -- LayerNorms, wpe, the row-parallel biases -- act on this rank's T/tp rows of
-        the sequence only, so each rank's gradient is the sum over its rows and the true gradient
-        is the sum over the tp ranks. Without sp they see the whole sequence on every rank and
-        their gradients are already complete (and equal) on each: nothing to do."""
-        if not self.sp:
-            return []
-        return [n for n, _ in self.named_parameters() if shard_spec(n).kind == "replicated"]
+    @staticmethod
+    def tied_users() -> dict[str, tuple[str, ...]]:
+        """Parameters used in more than one place: the embedding, also the output head."""
+        return {"wte.weight": ("lookup", "head")}
 
     def forward(self, idx, targets=None):
         """Returns the logits over the real vocabulary, or, given targets, the *sum* of the
@@ -284,12 +244,8 @@ def init_std(cfg: GPTConfig, name: str) -> float | None:
 
 
 def full_init(cfg: GPTConfig, name: str, shape, seed: int) -> torch.Tensor:
-    """The full fp32 initial tensor of parameter `name`, the same on any rank and any layout.
-    wte's rows beyond the tp=1 padding (tp > 1 pads the vocabulary further) are zeros, so the
-    rows of every layout agree; padding rows are never looked up nor predicted anyway."""
-    if name == "wte.weight" and shape[0] > cfg.padded_vocab:
-        extra = torch.zeros(shape[0] - cfg.padded_vocab, *shape[1:])
-        return torch.cat([full_init(cfg, name, (cfg.padded_vocab, *shape[1:]), seed), extra])
+    """The full fp32 initial tensor of parameter `name` (its tp = 1 shape), the same on any rank
+    and any layout."""
     std = init_std(cfg, name)
     if std is None:
         fill = 1.0 if (".ln_" in name or name.startswith("ln_f")) and name.endswith("weight") else 0.0
@@ -300,7 +256,11 @@ def full_init(cfg: GPTConfig, name: str, shape, seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def init_weights(model: GPT, seed: int) -> None:
-    """Each parameter is this tp rank's slice of its full, layout-independent initial tensor."""
+    """Each parameter is this tp rank's slice of its full, layout-independent initial tensor
+    (under tp, wte's further padding rows are zeros: never looked up nor predicted)."""
+    from braidtrain.parallel import placement
+
+    table = placement.build(model)
     for name, p in model.named_parameters():
-        full = full_init(model.cfg, name, model.full_shape(name), seed)
-        p.copy_(shard_of(full, shard_spec(name), model.tp_rank, model.tp))
+        e = table[name]
+        p.copy_(e.shard(full_init(model.cfg, name, e.shape, seed), model.tp_rank, model.tp))

@@ -2,25 +2,23 @@
 (Korthikanti et al. 2022, arXiv:2205.05198): the collectives autograd must see, the parallel linear
 and embedding layers, the vocab-parallel cross-entropy, and the slicing of full tensors into shards.
 
-Everything takes the mesh's tp process group (`mesh.groups["tp"]`); None -- a one-rank tp axis --
-makes every collective the identity, so a tp=1 model runs the plain dense code. Activations are
-batch-first, (B, T, C): the sequence is tensor dim 1. The collectives call torch.distributed
-directly (comm.py's flight-log recording is the engine's; a later pass may route these through comm
-so that a hang inside a tp layer is named too)."""
+Everything takes the mesh's tp group (`mesh.groups["tp"]`, a comm.Group); None -- a one-rank tp
+axis -- makes every collective the identity, so a tp=1 model runs the plain dense code.
+Activations are batch-first, (B, T, C): the sequence is tensor dim 1. Every collective goes
+through the group's Comm, inline (on the issuing stream, waited for at once: the layer needs its
+result), so a hang inside a tp layer is named in the flight log like any other.
+
+Each layer says how its parameters split over tp (`tp_split`: parameter name -> ShardSpec); the
+placement table (parallel/placement.py) reads it, and nothing infers a split from a name."""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-# torch 2.13 names them *_single; 2.11 has only the *_tensor names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 SEQ = 1  # the sequence dim of a (B, T, C) activation
 
@@ -29,28 +27,27 @@ SEQ = 1  # the sequence dim of a (B, T, C) activation
 
 def _all_reduce(x, group, op=dist.ReduceOp.SUM):
     x = torch.clone(x, memory_format=torch.contiguous_format)  # never write into a caller's tensor
-    dist.all_reduce(x, op=op, group=group)
+    group.comm.all_reduce(x, group, op, inline=True)
     return x
 
 
-@functools.cache  # asked at every layer call; torch's answer can cost far more (comm.group_size)
 def _tp(group):
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    return (1, 0) if group is None else (group.size, group.index)
 
 
 def _all_gather_dim(x, dim, group):
     """Concatenate every rank's x along `dim`, in tp-rank order."""
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((_tp(group)[0] * x.shape[0], *x.shape[1:]))
-    _all_gather(out, x, group=group)
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+    group.comm.all_gather(out, x, group, inline=True)
     return out.movedim(0, dim)
 
 
 def _reduce_scatter_dim(x, dim, group):
     """Sum x over the ranks and keep this rank's chunk along `dim`."""
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.shape[0] // _tp(group)[0], *x.shape[1:]))
-    _reduce_scatter(out, x, group=group)
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    group.comm.reduce_scatter(out, x, group, inline=True)
     return out.movedim(0, dim)
 
 
@@ -157,12 +154,16 @@ class ColumnParallelLinear(nn.Linear):
         [ rows 0   .. o/tp )   0
         [ rows o/tp.. 2o/tp)   1          input x: replicated (f), or its T/tp rows gathered (sp)
 
-    The output stays split unless gather_output (then all-gathered along the last dim)."""
+    The output stays split unless gather_output (then all-gathered along the last dim). `packed`:
+    the output is that many blocks of features side by side (GPT-2's c_attn: q, k, v), each split
+    over tp on its own ("qkv" in shard_of)."""
 
-    def __init__(self, in_features, out_features, group, bias=True, sp=False, gather_output=False):
+    def __init__(self, in_features, out_features, group, bias=True, sp=False, gather_output=False, packed=1):
         tp, _ = _tp(group)
         super().__init__(in_features, out_features // tp, bias=bias)
         self.group, self.sp, self.gather_output = group, sp, gather_output
+        split = ShardSpec(0, "qkv" if packed == 3 else "contiguous")
+        self.tp_split = {"weight": split, "bias": split}
 
     def forward(self, x):
         if self.group is None:
@@ -184,6 +185,7 @@ class RowParallelLinear(nn.Linear):
         tp, _ = _tp(group)
         super().__init__(in_features // tp, out_features, bias=bias)
         self.group, self.sp = group, sp
+        self.tp_split = {"weight": ShardSpec(1, "contiguous"), "bias": REPLICATED}
 
     def forward(self, x):
         if self.group is None:
@@ -199,12 +201,15 @@ class VocabParallelEmbedding(nn.Embedding):
 
     A token outside this rank's range looks up row 0 and is zeroed, so the sum over ranks (all-reduce,
     or reduce-scatter along the sequence under sp) is the full embedding (Shoeybi et al. 2019, sec. 3).
-    The same shard, as a (V/tp, C) weight, is the tied output head's column-parallel slice."""
+    The same shard, as a (V/tp, C) weight, is the tied output head's column-parallel slice.
+    `align`: the caller padded the vocabulary to a multiple of align*tp rows (zero rows past the
+    tp = 1 padding: ShardSpec.align)."""
 
-    def __init__(self, num_embeddings, embedding_dim, group, sp=False):
+    def __init__(self, num_embeddings, embedding_dim, group, sp=False, align=1):
         tp, rank = _tp(group)
         super().__init__(num_embeddings // tp, embedding_dim)
         self.group, self.sp = group, sp
+        self.tp_split = {"weight": ShardSpec(0, "contiguous", align)}
         self.vocab_start = rank * self.num_embeddings
         self.vocab_end = self.vocab_start + self.num_embeddings
 
@@ -262,9 +267,12 @@ def vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, group)
 class ShardSpec(NamedTuple):
     """How a parameter's full tensor is split over the tp axis: `kind` is "replicated" (every rank
     holds it all; dim None), "contiguous" (tp equal chunks along tensor dim `dim`) or "qkv" (GPT-2's
-    c_attn, q, k and v packed along `dim`: each rank takes its chunk of each of the three)."""
+    c_attn, q, k and v packed along `dim`: each rank takes its chunk of each of the three).
+    `align`: under tp the split dim is padded with zero rows to a multiple of align*tp (the
+    vocabulary of wte: 128), so that every rank holds the same number of rows."""
     dim: int | None
     kind: str
+    align: int = 1
 
 
 REPLICATED = ShardSpec(None, "replicated")

@@ -1,0 +1,188 @@
+"""Setting a run up, in the order each part needs the ones before it:
+
+    runtime (who am I) -> data -> model shape -> layout (validated, before any process group)
+    -> process group -> mesh -> model -> engine -> optimizer -> run directory -> guard -> resume
+
+`build(cfg)` returns the parts (a Run); train.py's Trainer drives them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from braidtrain import checkpoint, export, layout
+from braidtrain.comm import Comm
+from braidtrain.config import Config
+from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
+from braidtrain.errors import UserError
+from braidtrain.fault import Fault, Guard
+from braidtrain.mesh import Mesh, build_mesh
+from braidtrain.model.gpt import GPT, GPTConfig, init_weights, model_config
+from braidtrain.optim import AdamW
+from braidtrain.parallel import placement
+from braidtrain.parallel.engine import Engine
+from braidtrain.runtime import Runtime, find_runtime
+
+
+@dataclass
+class Run:
+    cfg: Config
+    rt: Runtime
+    layout: layout.Layout
+    mesh: Mesh
+    comm: Comm
+    mcfg: GPTConfig
+    model: GPT
+    engine: Engine
+    opt: AdamW
+    tok_name: str
+    train_data: TokenData
+    loader: Loader
+    val_loader: Loader
+    out: Path
+    guard: Guard
+    fault: Fault | None
+    bf16: bool
+    start_step: int = 0
+    load_s: float | None = None
+
+
+def build(cfg: Config) -> Run:
+    rt = find_runtime(cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
+                      gpus_per_node=cfg.gpus_per_node, server=cfg.server, fs_path=cfg.fs_path,
+                      device=cfg.device, timeout_s=cfg.timeout)
+    if cfg.resume is None and rt.attempt > 0:  # torchrun restarted the group: carry on
+        cfg.resume = "auto"
+    fault = Fault.from_env(rt.rank, rt.attempt)  # test hook; None in real runs
+    device = rt.device
+    train_files = resolve_files(cfg.train_data, "train")
+    val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
+    tok_name, vocab = data_tokenizer(train_files, cfg.tokenizer)
+    if cfg.init_from:
+        mcfg = hf_model_config(cfg, vocab)
+    else:
+        mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
+    lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
+    if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
+        raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
+    # Data parallelism alone: each collective is a bucket (megabytes) or a few numbers a step, so
+    # NCCL's Simple protocol for all: ZeRO-3 on two H200s 7-14% faster, ZeRO-0/1 unchanged
+    # (docs/performance.md). tp's many mid-sized messages a layer keep NCCL's own choice, where
+    # LL/LL128's lower latency pays.
+    rt.join(nccl_protocol="Simple" if lay.data_parallel_only else None)
+    if cfg.exact:
+        # same kernels, same reduction orders on every rank and every layout
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        # ... but not torch's NaN-filling of every new buffer (a pass over all memory it hands
+        # out): nothing here reads memory it has not written (bucket padding is zeroed)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+
+    comm = Comm(device)
+    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, options=rt.group_options)
+    train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
+    loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
+    val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
+    if cfg.max_steps == -1:  # llm.c's default: one epoch of the training data
+        cfg.max_steps = max(1, loader.n_chunks // lay.batch.seqs_per_step)
+
+    model = GPT(mcfg, mesh=mesh, sp=cfg.sp)
+    init_weights(model, cfg.seed)
+    if cfg.init_from:  # before the engine: under ZeRO-3 a rank then holds only its shard
+        table = placement.build(model)
+        full = export.load_hf(cfg.init_from, mcfg)
+        model.load_state_dict({n: table[n].shard(t, model.tp_rank, model.tp) for n, t in full.items()})
+    model.recompute = cfg.recompute
+    if cfg.exact and device.type == "cuda":
+        model.use_deterministic_attention()
+    if cfg.compile:
+        model.compile_blocks()
+    model = model.to(device)
+    engine = Engine(model, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
+    opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    out, session = resolve_out(cfg, rt, comm, mesh)
+    guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout)
+    guard.start()
+    run = Run(cfg, rt, lay, mesh, comm, mcfg, model, engine, opt, tok_name, train_data, loader, val_loader, out,
+              guard, fault, bf16)
+    try:
+        resume(run)
+        if rt.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.toml").write_text(cfg.to_toml())
+        comm.barrier(mesh.groups["world"])
+    except BaseException:
+        guard.close(clean=False)
+        raise
+    return run
+
+
+def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
+    """--init-from: the model's shape is the HF folder's; explicit sizes must agree with it."""
+    c = export.read_config(cfg.init_from)
+    dims = {"n_layer": c["n_layer"], "n_head": c["n_head"], "n_embd": c["n_embd"], "block_size": c["n_positions"]}
+    for k, v in dims.items():
+        if getattr(cfg, k) not in (None, v):
+            raise UserError(f"--{k.replace('_', '-')} {getattr(cfg, k)} disagrees with --init-from {cfg.init_from} ({k} = {v}): drop it")
+    if c["vocab_size"] != vocab:
+        raise UserError(f"--init-from {cfg.init_from} has a vocabulary of {c['vocab_size']} tokens but the data's "
+                        f"tokenizer has {vocab}: use data prepared with the model's tokenizer")
+    return model_config(cfg.model, vocab, **dims)
+
+
+def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float]:
+    """The run directory, the same on every rank: rank 0 picks the timestamp, and a group that
+    torchrun restarts finds the one its first attempt picked (torchrun's store outlives the
+    restart). Also this session's id, rank 0's clock now: it tells doctor which flight logs
+    belong to one incident."""
+    out = cfg.out
+    if out is None and rt.is_main:
+        out = f"runs/{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        if rt.launch_store is not None:
+            out = rt.launch_store.compare_set("out", "", out).decode()  # the first attempt's wins
+    out, session = comm.broadcast_object((out, time.time()), mesh.groups["world"])
+    return Path(out), session
+
+
+def what_changed(meta: dict, now: dict, cfg: Config) -> str:
+    """'world_size 4 -> 2, zero 1 -> 3, ...': how this run differs from the one that saved."""
+    diff = [f"{k} {meta['layout'].get(k)} -> {v}" for k, v in now.items() if meta["layout"].get(k) != v]
+    saved = tomllib.loads(meta.get("config", ""))
+    mine = tomllib.loads(cfg.to_toml())
+    diff += [f"{k} {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(saved) | set(mine))
+             if k not in now and k != "resume" and saved.get(k) != mine.get(k)]
+    return ", ".join(diff)
+
+
+def resume(run: Run) -> None:
+    cfg, rt = run.cfg, run.rt
+    if not cfg.resume:
+        return
+    ckpt_dir = run.out / "checkpoints"
+    if rt.attempt > 0:
+        rt.log(f"torchrun restart {rt.attempt}: resuming from the newest valid checkpoint in {ckpt_dir}")
+    path = checkpoint.find_resume(cfg.resume, ckpt_dir, rt.log)
+    if path is None:
+        return
+    t0 = time.time()
+    meta = checkpoint.load(path, run.engine, run.opt)
+    run.start_step, run.load_s = meta["step"], time.time() - t0
+    now = checkpoint.layout_record(run.layout, rt.world_size)
+    changed = what_changed(meta, now, cfg)
+    rt.log(f"resumed from {path} (step {run.start_step}) in {run.load_s:.2f} s"
+           + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
+    saved_tp = meta["layout"].get("tp", 1)
+    if cfg.exact and saved_tp != run.layout.tp:
+        rt.log(f"note: --exact is bitwise across dp, ZeRO and restarts at a fixed tp; this run resumes a tp={saved_tp} "
+               f"checkpoint at tp={run.layout.tp}, so from here on its bits differ from a run that stayed at tp={saved_tp}")

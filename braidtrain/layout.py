@@ -1,0 +1,171 @@
+"""The layout of a run: the degrees of the mesh and the engine's features, validated once.
+
+    degrees   pp (pipeline stages) x dp (data-parallel replicas) x cp (context) x tp (tensor),
+              outer to inner, = the world size; ep (expert) is carved from the dp*cp ranks
+    features  ZeRO stage, sp, exact, compile, CUDA graph, recompute, the schedule
+
+`make_layout` is the one place that decides whether a combination can run. `train` calls it
+(through `from_config`) before any process group forms, and `plan` calls it for every layout it
+proposes, so neither can accept what the other refuses. Each refusal is a UserError whose one
+line says what to change. What it needs to know: the world size, the model's shape, the batch
+and the device type -- all known before the ranks have met.
+
+Exact mode (DESIGN.md's first promise) holds at a fixed tp: splitting a matmul over tp ranks
+changes the order of its sums. Across dp, ZeRO stages and restarts the bits are the same; a run
+resumed on another tp says so in one line (build.py) and differs from there on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from braidtrain.errors import UserError
+
+AXES = ("pp", "dp", "cp", "tp")  # the mesh, outer to inner (mesh.py)
+NOT_YET = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's -d tokens are split (DESIGN.md, 'Global batch')."""
+
+    total_tokens: int  # d
+    seqs_per_step: int  # d / t, over all ranks
+    micro_steps: int  # per rank: d / (b * t * dp)
+    seqs_per_rank: int  # micro_steps * b
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    zero: int
+    sp: bool
+    exact: bool
+    compile: bool
+    cuda_graph: bool
+    recompute: bool
+    schedule: str  # the order of a step's forwards and backwards (parallel/schedule.py)
+    batch: BatchPlan
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def data_parallel_only(self) -> bool:
+        return self.pp == self.cp == self.tp == self.ep == 1
+
+    def describe(self) -> str:
+        """One line for the start of a run: 'dp 2 x tp 2 (sp), ZeRO-1, exact'."""
+        axes = " x ".join(f"{a} {getattr(self, a)}" for a in ("pp", "dp", "cp", "tp", "ep")
+                          if getattr(self, a) > 1 or a == "dp")
+        features = [f"ZeRO-{self.zero}"] + [n for n, on in (("exact", self.exact), ("recompute", self.recompute),
+                                                             ("compile", self.compile), ("cuda-graph", self.cuda_graph)) if on]
+        return axes + (" (sp)" if self.sp else "") + ", " + ", ".join(features)
+
+
+def divisors(n: int) -> str:
+    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
+def batch_plan(total_batch: int | None, b: int, t: int, dp: int) -> BatchPlan:
+    unit = b * t * dp
+    d = total_batch if total_batch is not None else unit
+    if d % unit:
+        near = f"-d {d // unit * unit} or -d {(d // unit + 1) * unit}" if d > unit else f"-d {unit}"
+        raise UserError(f"-d {d} is not a multiple of b*t*dp = {b}*{t}*{dp} = {unit}: use {near}")
+    micro = d // unit
+    return BatchPlan(d, d // t, micro, micro * b)
+
+
+def check_tp(model, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
+    """A tensor-parallel degree this model (and, under sp, this sequence length) can be split by."""
+    if model.n_head % tp:
+        raise UserError(f"tp={tp} does not divide n_head={model.n_head}: use tp in {divisors(model.n_head)}")
+    if 4 * model.n_embd % tp:
+        raise UserError(f"tp={tp} does not divide the MLP width 4*n_embd={4 * model.n_embd}: "
+                        f"use tp in {divisors(4 * model.n_embd)}")
+    if sp and tp > 1 and seq_len is not None and seq_len % tp:
+        raise UserError(f"sequence length {seq_len} is not divisible by tp={tp}: sequence parallelism "
+                        f"splits the sequence over the tp ranks; use a multiple of {tp} (or drop --sp)")
+
+
+def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch: int | None = None,
+                pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, zero: int = 0, sp: bool = False,
+                exact: bool = False, compile: bool = False, cuda_graph: bool = False, recompute: bool = False,
+                device: str = "cpu", world_name: str | None = None) -> Layout:
+    """The validated layout, or the UserError of the first thing that cannot run. `model` is a
+    GPTConfig; `device` the device type ('cpu' or 'cuda'); `world_name`: what the world size is
+    to the user (`plan`: its --gpus; `train`: the processes started)."""
+    # 1. each degree, and the features against each other
+    for name, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+        if size < 1:
+            raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
+    for name, size in (("pp", pp), ("cp", cp), ("ep", ep)):
+        if size > 1:
+            raise UserError(f"--{name} {size}: {NOT_YET[name]} is not available yet: use --{name} 1")
+    if sp and tp == 1:
+        raise UserError("--sp splits the sequence over the tp ranks: it needs --tp 2 or more (or drop --sp)")
+    if compile and tp > 1:
+        raise UserError("--compile with tensor parallelism (tp > 1) is not supported yet: drop --compile or use tp=1")
+    if cuda_graph and (tp > 1 or zero > 1):
+        raise UserError("--cuda-graph supports ZeRO 0 or 1 without tensor parallelism: drop --cuda-graph, "
+                        "or use -z 0 or 1 and tp=1")
+    if cuda_graph and device != "cuda":
+        raise UserError(f"--cuda-graph needs a GPU (this run is on {device}): drop --cuda-graph")
+    # 2. against the model and the sequence
+    if seq_len > model.block_size:
+        raise UserError(f"-t {seq_len} is longer than the model's context ({model.block_size}): "
+                        f"use -t {model.block_size} or less")
+    check_tp(model, tp, sp, seq_len)
+    # 3. against the world size and the batch
+    inner = pp * cp * tp
+    if world % inner:
+        what = world_name or f"the world size {world} (processes started)"
+        raise UserError(f"pp*cp*tp = {pp}*{cp}*{tp} = {inner} does not divide {what}: use a multiple of {inner} "
+                        f"ranks, or other degrees")
+    dp = world // inner
+    batch = batch_plan(total_batch, batch_size, seq_len, dp)
+    if exact:
+        _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device)
+    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch)
+
+
+def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
+    """Exact mode needs the canonical tree: dp a power of two, and (when dp > 1) a power-of-two
+    number of micro-steps per rank so that each rank holds one complete subtree; on a GPU, the
+    deterministic Triton attention for the model's head size."""
+    if not _pow2(dp):
+        raise UserError(f"--exact needs a power-of-two data-parallel size, got dp={dp}: use 1, 2, 4, 8 ... processes")
+    if dp > 1 and not _pow2(micro):
+        lo = 1 << (micro.bit_length() - 1)
+        raise UserError(f"--exact with dp={dp} needs a power-of-two number of micro-steps per rank, got "
+                        f"d/(b*t*dp) = {micro}: use -d {lo * unit} or -d {2 * lo * unit}")
+    if device == "cuda":
+        from braidtrain.model import attention
+
+        if not attention.available("cuda"):
+            raise UserError("--exact on GPU needs triton (for the deterministic attention): pip install triton")
+        head = model.n_embd // model.n_head
+        if head not in attention.HEAD_DIMS:
+            raise UserError(f"--exact on GPU supports head sizes {attention.HEAD_DIMS} (n_embd / n_head), got "
+                            f"{model.n_embd} / {model.n_head} = {head}: change --n-head, or drop --exact")
+
+
+def from_config(cfg, world: int, model, device: str) -> Layout:
+    """The layout a training Config asks for on `world` processes (train.py's one call)."""
+    return make_layout(world, model, seq_len=cfg.seq_len, batch_size=cfg.batch_size, total_batch=cfg.total_batch,
+                       pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
+                       compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, device=device)

@@ -1,0 +1,84 @@
+"""Flat buffers and buckets: where a stage's parameters and gradients live, and how they shard.
+
+A stage's parameters become views into flat fp32 buffers, one per *bucket*: runs of whole units
+(a transformer block; the embedding group wte + wpe + ln_f) of about `bucket_mb`, formed per
+reduce group (the placement table's `reduce`: the group that sums the gradient) from the last
+block backwards -- the order the backward pass produces gradients -- and never depending on the
+world size. Each bucket is padded with zeros to a multiple of n * Q (n = its group's size,
+Q = 64 elements), so it splits into n equal, 256-byte aligned shards:
+
+      bucket k (padded):  [ shard 0 | shard 1 | ... | shard n-1 ]
+                            rank 0    rank 1          rank n-1
+
+  what a rank holds      params        grads                   Adam m, v
+  ZeRO-0                 full          full                    full
+  ZeRO-1                 full          full (reduce-scatter    its shard
+                                       in place, keeps shard)
+  ZeRO-2                 full          its shard               its shard
+  ZeRO-3                 its shard     its shard               its shard
+                         (+ gathered buckets in use)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Q = 64  # shard quantum (elements): alignment, and the chunk of the exact gradient norm
+
+
+class Bucket:
+    def __init__(self, index, params, modules, group, device, zero):
+        self.index, self.params, self.modules, self.group = index, params, modules, group  # params: [(name, param)]
+        n = group.size
+        self.numel = sum(p.numel() for _, p in params)
+        self.padded = math.ceil(self.numel / (n * Q)) * n * Q
+        self.shard_size = self.padded // n
+        self.lo, self.hi = group.index * self.shard_size, (group.index + 1) * self.shard_size
+        self.offsets, off = [], 0
+        for _, p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
+        self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
+        self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
+        self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
+        self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
+        self.pending = 0  # gradients still to come in this backward
+        self.open = False  # this backward's gradient buffer is open (Engine._open_grad; ZeRO-2/3 check it)
+        self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
+        self.handle = None  # the reduction in flight
+        self.gathered, self.gather_handle = True, None  # ZeRO-3
+        self.needs_full = True  # ZeRO-3: a backward of this bucket reads the gathered buffer
+        self.small = {off: p.numel() for (_, p), off in zip(params, self.offsets) if p.dim() == 1}  # 1-D params
+
+    def views(self, buf):
+        for (_, p), off in zip(self.params, self.offsets):
+            yield p, buf[off : off + p.numel()].view_as(p)
+
+
+def form(table, named: dict, groups: dict, bucket_mb: float) -> list[tuple[list, list, object]]:
+    """(params, block modules, group) of each bucket, in launch order: per reduce group, whole
+    units from the last backwards until a bucket holds >= bucket_mb, the embedding group (used
+    at both ends, so its gradient is complete last) a bucket of its own. `named`: name -> param;
+    `groups`: the mesh's groups (the table's `reduce` names one)."""
+    limit = max(1, int(bucket_mb * 2**20 / 4))
+    out = []
+    for reduce in dict.fromkeys(e.reduce for e in table):
+        cur, mods, size = [], [], 0
+        for module, entries in reversed(table.units):  # last block first: the backward's order
+            params = [(e.name, named[e.name]) for e in entries if e.reduce == reduce]
+            if not params:
+                continue
+            if module is None:  # the embedding group (used at both ends) is a bucket of its own
+                out += [(cur, mods, groups[reduce])] if cur else []
+                out.append((params, [], groups[reduce]))
+                cur, mods, size = [], [], 0
+                continue
+            cur, mods, size = params + cur, [module] + mods, size + sum(p.numel() for _, p in params)
+            if size >= limit:
+                out.append((cur, mods, groups[reduce]))
+                cur, mods, size = [], [], 0
+        out += [(cur, mods, groups[reduce])] if cur else []
+    return out

@@ -1,0 +1,330 @@
+"""The engine: data parallelism and ZeRO 0-3 over flat buffers, driven by a schedule.
+
+The protocol (DESIGN.md, "Engine protocol"). The schedule decides the order of work; the engine
+is told which micro-batch each forward and backward belongs to, and which backward is the step's
+last:
+
+    engine.begin_step(n_micro)
+    with engine.forward(micro):  out = stage(x)           any order: 1F1B runs forward k+1
+    engine.backward(micro, out, grad, last=...)           before backward k
+    engine.finish_step()  ->  grad_norm()  ->  optimizer  ->  gather_params()
+
+Reduction. Each parameter's post-accumulate-grad hook counts down its bucket (buckets.py); the
+moment a bucket's last gradient of a backward is in, and that backward is the step's last, its
+reduction over the bucket's group is launched asynchronously while the backward pass goes on
+with earlier layers. ZeRO-0/1 accumulate micro-batches in the full gradient buffer and
+communicate once. ZeRO-2/3 hold no full gradient buffer, so they reduce-scatter after every
+backward from a bucket-sized scratch -- opened as the backward reaches the bucket (zero.py), the
+parameters' .grad views into it so that autograd adds into it in place, and freed as soon as
+the collective has read it -- and add the result into the persistent shard: M times the reduce-
+scatter traffic of ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved.
+(The other choice, accumulating locally and reducing once, needs the full gradient buffer ZeRO-2
+exists to remove.) Gradients are *summed*: the loss was already divided by the global token
+count, once. In exact mode each backward's gradient is a leaf of exact.py's tree, by micro-batch
+number: the order the backwards ran in does not change a bit.
+
+ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from braidtrain.comm import Comm, pairwise_sum, timing_events
+from braidtrain.parallel import buckets, placement
+from braidtrain.parallel import exact as exact_sums
+from braidtrain.parallel.buckets import Bucket
+from braidtrain.parallel.zero import Zero
+
+
+class Engine:
+    def __init__(self, model, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device):
+        self.model, self.comm, self.zero, self.exact, self.device = model, comm, zero, exact, device
+        self.table = placement.build(model)
+        self.tp, self.world = mesh.groups["tp"], mesh.groups["world"]
+        # Tensor parallelism: the tp ranks of one replica slot hold different shards of the sharded
+        # parameters and identical copies of the replicated ones. The norm counts those copies
+        # once (Table.counted_here); under sp their gradients are partial sums, added over tp.
+        self.partial = self.table.sp_partial()
+        named = dict(model.named_parameters())
+        formed = buckets.form(self.table, named, mesh.groups, bucket_mb)
+        self.buckets = [Bucket(i, ps, ms, g, device, zero) for i, (ps, ms, g) in enumerate(formed)]
+        self.bucket_of = {}
+        for b in self.buckets:
+            for p, view in b.views(b.full):
+                view.copy_(p.detach())
+                p.data = view  # the parameter now lives in the flat buffer
+                self.bucket_of[p] = b
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.trees = {b: exact_sums.TreeSum(self._recycle) for b in self.buckets} if exact else {}
+        self.scratch = {b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact else {}
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        self.pending: list = []  # ZeRO-2/3: reductions of earlier backwards still in flight
+        self.last_grad_time = 0.0
+        self._exposed = 0.0  # seconds, or a pair of CUDA events (see finish_step)
+        self.n_micro, self.micro, self.last = 1, 0, True
+        self.backward_phase = False  # inside backward(): forward hooks then see a recomputation
+        self.zero_hooks = Zero(self) if zero >= 2 else None
+
+    # -- what the optimizer sees ---------------------------------------------------------------
+    def owned(self):
+        """(bucket, param shard, grad shard) this rank updates: whole buckets for ZeRO-0, its own
+        shard of each bucket otherwise."""
+        for b in self.buckets:
+            if self.zero == 0:
+                yield b, b.data, b.grad
+            elif self.zero == 1:
+                yield b, b.data[b.lo : b.hi], b.grad[b.lo : b.hi]
+            else:
+                yield b, b.data if self.zero == 3 else b.data[b.lo : b.hi], b.shard_grad
+
+    def owned_range(self, b) -> tuple[int, int]:
+        """The bucket positions [lo, hi) whose optimizer state this rank holds."""
+        return (0, b.padded) if self.zero == 0 else (b.lo, b.hi)
+
+    def segments(self, b, keep) -> list[tuple[int, int]]:
+        """Ranges, relative to what this rank owns of bucket b, of the parameters keep(placed) selects."""
+        lo, hi = self.owned_range(b)
+        out = []
+        for (name, p), off in zip(b.params, b.offsets):
+            a, e = max(off, lo), min(off + p.numel(), hi)
+            if keep(self.table[name]) and a < e:
+                out.append((a - lo, e - lo))
+        return out
+
+    def decay_segments(self, b) -> list[tuple[int, int]]:
+        """Where weight decay applies (Placed.decays: 2-D weights)."""
+        return self.segments(b, lambda e: e.decays)
+
+    # -- the step protocol ----------------------------------------------------------------------
+    def begin_step(self, n_micro: int) -> None:
+        """A new step of n_micro micro-batches on this stage. Also clears what a step that
+        failed part-way may have left: open buffers, partial sums, a buffer pooled twice."""
+        self.n_micro = n_micro
+        if not self.comm.cuda:  # ZeRO-2/3: last step's reduce-scatters, so their scratch is free
+            self._drain()  # (on CUDA the allocator holds it for the side stream: no need to wait)
+        for b in self.buckets:
+            b.first, b.open = True, False
+            if self.exact:
+                self.trees[b].clear()
+                if b.grad is not None:  # last step's gradient goes back to the pool
+                    self._recycle(b.grad)
+                    b.grad = None
+            elif self.zero <= 1:  # ZeRO-0/1 accumulate the step's micro-batches in place
+                self._open_grad(b, b.grad)
+
+    @contextmanager
+    def forward(self, micro: int):
+        """Around the forward of micro-batch `micro` (ZeRO-3: its gathers)."""
+        self.backward_phase = False
+        if self.zero_hooks is not None:
+            self.zero_hooks.before_forward()
+        yield
+
+    def backward(self, micro: int, tensors, grads=None, last: bool = False) -> None:
+        """The backward of micro-batch `micro` from `tensors` (the loss, or a stage's outputs
+        with their gradients `grads`); `last`: no other backward follows in this step, so each
+        bucket's reduction starts as its gradients complete."""
+        self.micro, self.last = micro, last
+        for b in self.buckets:
+            b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
+            if self.exact and self.zero <= 1:  # a fresh leaf of the tree (ZeRO-2/3: zero.py opens it)
+                self._open_grad(b)
+        self.backward_phase = True
+        try:
+            torch.autograd.backward(tensors, grads)
+        finally:
+            self.backward_phase = False
+
+    def _open_grad(self, b, buf=None):
+        """Zero the bucket's gradient buffer `buf` (None: a fresh one) and point its parameters'
+        .grad at views into it: autograd then adds each gradient into it in place. ZeRO-2/3 open a
+        scratch as the backward reaches the bucket (zero.py) and hand it to the reduce-scatter
+        when it is complete. (Copying each gradient out in a hook instead cost the GPU machine's
+        host 28-30 us a parameter, 33-36 ms a gpt2 ZeRO-3 step; the GPU now zeroes and adds: more
+        bytes, less host time.)"""
+        b.grad = buf if buf is not None else self._take(b.padded)
+        b.grad.zero_()
+        for p, view in b.views(b.grad):
+            p.grad = view
+        b.open = True
+
+    def _take(self, n):
+        pool = self._pool.setdefault(n, [])
+        return pool.pop() if pool else torch.empty(n, device=self.device)
+
+    def _recycle(self, buf):
+        pool = self._pool.setdefault(buf.numel(), [])
+        if all(g is not buf for g in pool):  # (a failed step may have put it there already)
+            pool.append(buf)
+
+    def _grad_ready(self, p):
+        b = self.bucket_of[p]
+        if self.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
+            if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
+                raise RuntimeError(f"ZeRO-{self.zero}: a gradient of bucket {b.index} arrived before its buffer was "
+                                   "opened (the hook that opens it did not run first)")
+            p.grad = None
+        b.pending -= 1
+        if b.pending:
+            return
+        b.open = False
+        self.last_grad_time = time.time()
+        if self.exact:
+            self.trees[b].add(self.micro, b.grad)
+            b.grad = None
+            if self.last:
+                b.grad = self.trees[b].total(self.n_micro)
+                self._launch_exact(b)
+        elif self.zero <= 1:
+            if self.last:
+                self._launch(b)
+        else:
+            self._launch_every_backward(b)
+        if self.zero_hooks is not None:
+            self.zero_hooks.gradients_done(b)
+
+    def _launch(self, b):
+        if self.zero == 0:
+            b.handle = self.comm.all_reduce(b.grad, b.group)
+        else:  # in place: this rank's shard of b.grad receives the sum
+            b.handle = self.comm.reduce_scatter(b.grad[b.lo : b.hi], b.grad, b.group)
+
+    def _launch_every_backward(self, b):
+        scratch, first, b.grad, b.first = b.grad, b.first, None, False
+
+        def accumulate(b=b, scratch=scratch, first=first):
+            src = scratch[b.lo : b.hi]
+            b.shard_grad.copy_(src) if first else b.shard_grad.add_(src)
+
+        self.pending.append(self.comm.reduce_scatter(scratch[b.lo : b.hi], scratch, b.group, then=accumulate))
+        # Free each scratch as soon as its collective has consumed it, not at the end of the
+        # backward: on CUDA the allocator may reuse it once the side stream is past this point;
+        # on a host backend, finish whatever collectives have already completed.
+        if scratch.is_cuda and b.group.pg is not None:
+            scratch.record_stream(self.comm.side)
+        else:  # (one rank: the accumulation is done at once)
+            done = [h for h in self.pending if h.ready()]
+            for h in done:
+                h.wait()
+            self.pending = [h for h in self.pending if not h.done]
+
+    def _launch_exact(self, b):
+        scratch = self.scratch.get(b)
+        if self.zero >= 2:
+            b.handle = self.comm.exact_reduce_scatter(b.shard_grad, b.grad, scratch, b.group)
+            return
+        h = self.comm.exact_reduce_scatter(b.grad[b.lo : b.hi], b.grad, scratch, b.group)
+        if self.zero == 0 and b.group.size > 1:  # rebuild the full gradient from the reduced shards
+            h = _Then(h, lambda b=b: self.comm.all_gather(b.grad, b.grad[b.lo : b.hi], b.group).wait())
+        b.handle = h
+
+    def _drain(self):
+        for h in self.pending:
+            h.wait()
+        self.pending = []
+
+    def finish_step(self) -> None:
+        """Wait for every bucket's reduction (on CUDA: make the compute stream wait for it).
+        The time this exposes -- how long the step waited after its backward pass -- is taken
+        here, by host clock or by a pair of CUDA events, and read by exposed_comm_s()."""
+        cuda = self.device.type == "cuda"
+        if cuda:  # inside a graph capture, events that every replay records (comm.timing_events)
+            self._exposed = timing_events()
+            self._exposed[0].record()
+        start = time.time()
+        self._drain()
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+        if self.partial:
+            self._sum_partials_over_tp()
+        if cuda:
+            self._exposed[1].record()
+        else:
+            self._exposed = time.time() - start
+
+    def exposed_comm_s(self) -> float:
+        """Seconds of the last finish_step(); on CUDA, call once the step's work is done."""
+        if isinstance(self._exposed, tuple):
+            return self._exposed[0].elapsed_time(self._exposed[1]) / 1000.0
+        return self._exposed
+
+    def _sum_partials_over_tp(self):
+        """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
+        a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank."""
+        owned = [(g, self.segments(b, lambda e: e.name in self.partial)) for b, _, g in self.owned()]
+        flat = torch.cat([g[a:e] for g, segs in owned for a, e in segs])
+        rows = self.comm.gather_rows(flat, self.tp)
+        total, pos = pairwise_sum(rows), 0
+        for g, segs in owned:
+            for a, e in segs:
+                g[a:e].copy_(total[pos : pos + e - a])
+                pos += e - a
+
+    @contextmanager
+    def gathered(self):
+        """Every parameter present in full (ZeRO-3): for evaluation, sampling, hashing, export."""
+        if self.zero != 3:
+            yield
+            return
+        with self.zero_hooks.gathered():
+            yield
+
+    # -- gradient norm and the parameter all-gather --------------------------------------------
+    def norm_view(self, b, g):
+        """The gradient as the norm sees it: tp-replicated parameters only on tp rank 0."""
+        if self.tp.size == 1 or self.tp.index == 0:
+            return g
+        g = g.clone()
+        for a, e in self.segments(b, lambda e: not self.table.counted_here(e)):
+            g[a:e] = 0
+        return g
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradient, each parameter counted once: a 0-dim tensor on
+        the device (reading it is the caller's host synchronisation)."""
+        if self.exact:
+            return exact_sums.grad_norm(self)
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for b, _, g in self.owned():
+            sq += self.norm_view(b, g).float().pow(2).sum()
+        if self.zero >= 1:
+            for group in dict.fromkeys(b.group for b in self.buckets):
+                if group.size > 1:
+                    self.comm.all_reduce(sq, group).wait()
+        if self.tp.size > 1:
+            self.comm.all_reduce(sq, self.tp).wait()
+        return sq.sqrt()
+
+    def gather_params(self):
+        """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
+        ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass."""
+        if self.zero in (0, 3):
+            return
+        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.group.size > 1]
+        for h in handles:
+            h.wait()
+
+    def model_state_bytes(self) -> int:
+        """Bytes of parameters and gradients held in this rank's flat buffers (now)."""
+        n = 0
+        for b in self.buckets:
+            n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if self.zero == 3 else 0)
+            n += b.grad.numel() if self.zero <= 1 else b.shard_grad.numel()
+        return 4 * n
+
+
+class _Then:
+    """A handle whose wait() also runs a follow-up step."""
+
+    def __init__(self, inner, fn):
+        self.inner, self.fn = inner, fn
+
+    def wait(self):
+        self.inner.wait()
+        self.fn()

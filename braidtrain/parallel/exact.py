@@ -1,0 +1,91 @@
+"""Exact mode's sums (DESIGN.md, "Exact reduction"): one fixed tree, whatever the layout and order.
+
+Micro-batches. Each micro-batch's gradient lands in a fresh full-size buffer, a leaf of a binary
+tree indexed by the micro-batch's number on this rank (not by when its backward ran):
+
+      level 2             (0 1 2 3)
+      level 1       (0 1)           (2 3)          node (l, i) = node (l-1, 2i) + node (l-1, 2i+1)
+      level 0     0      1        2      3
+
+Two siblings are added as soon as both exist, so backwards in order hold log2(m) + 1 buffers (a
+binary counter), and any order gives the same tree: IEEE addition is commutative, so only the
+tree's shape fixes the bits. A subtree with no leaves (m not a power of two, possible at dp = 1
+only) is absent, not zero: its sibling passes up unchanged. The all-to-all + pairwise-sum
+reduce-scatter (comm.exact_reduce_scatter) then adds the ranks' subtrees along the same tree:
+any power-of-two dp gives the one tree over all micro-batches, hence the same bits -- at every
+ZeRO stage, which in exact mode therefore also holds the local tree.
+
+The gradient norm is summed in float64 over fixed Q-element chunks with pairwise trees, so it
+does not depend on where shard boundaries fall.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from braidtrain.comm import pairwise_sum
+from braidtrain.parallel.buckets import Q
+
+
+class TreeSum:
+    """The micro-batch tree of one bucket. `recycle(buf)` takes back a buffer added into another."""
+
+    def __init__(self, recycle):
+        self.nodes: dict[tuple[int, int], torch.Tensor] = {}  # (level, index) -> partial sum
+        self.recycle = recycle
+        self.leaves = 0
+
+    def add(self, micro: int, leaf: torch.Tensor) -> None:
+        self.leaves += 1
+        level, i, node = 0, micro, leaf
+        while (level, i ^ 1) in self.nodes:
+            other = self.nodes.pop((level, i ^ 1))
+            left, right = (other, node) if i & 1 else (node, other)
+            left.add_(right)
+            self.recycle(right)
+            level, i, node = level + 1, i >> 1, left
+        self.nodes[(level, i)] = node
+
+    def total(self, n: int) -> torch.Tensor:
+        """The root over micro-batches 0..n-1 (all added), folding the absent subtrees away."""
+        def node(level, i):
+            if (level, i) in self.nodes:
+                return self.nodes.pop((level, i))
+            if level == 0 or i << level >= n:  # no leaf below: absent
+                return None
+            left, right = node(level - 1, 2 * i), node(level - 1, 2 * i + 1)
+            if right is None:
+                return left
+            left.add_(right)
+            self.recycle(right)
+            return left
+
+        assert self.leaves == n, f"{self.leaves} of {n} micro-batch gradients in the tree"
+        root = node(max(0, (n - 1).bit_length()), 0)
+        self.leaves = 0
+        return root
+
+    def clear(self) -> None:
+        """Drop partial sums a step that failed part-way left behind."""
+        self.nodes.clear()
+        self.leaves = 0
+
+
+def grad_norm(engine) -> torch.Tensor:
+    """The exact global gradient norm: float64 sums of Q-element chunks by pairwise trees; chunks
+    gathered in canonical order; per bucket a pairwise tree over its chunks; buckets added in
+    order; tp ranks too, in tp-rank order."""
+    chunks = {b: pairwise_sum(engine.norm_view(b, g).double().pow(2).view(-1, Q).T) for b, _, g in engine.owned()}
+    total = torch.zeros(1, dtype=torch.float64, device=engine.device)
+    for group in dict.fromkeys(b.group for b in engine.buckets):  # each reduce group's shards, gathered
+        mine = [b for b in engine.buckets if b.group is group]
+        local = torch.cat([chunks[b] for b in mine])
+        gathered = engine.comm.gather_rows(local, group) if engine.zero >= 1 else local[None]
+        col = 0
+        for b in mine:
+            k = (b.shard_size if engine.zero >= 1 else b.padded) // Q
+            total += pairwise_sum(gathered[:, col : col + k].reshape(-1))
+            col += k
+    if engine.tp.size > 1:
+        total = pairwise_sum(engine.comm.gather_rows(total, engine.tp))  # tp-rank order
+    return total[0].sqrt()

@@ -1,0 +1,167 @@
+"""The placement table: for every parameter, where it lives and which group reduces its gradient.
+
+    name               full shape    tp split             unit    stage  expert  reduced over  users
+    wte.weight         (V_pad, C)    rows (x 128*tp pad)  embed   0      no      replica       lookup, head
+    wpe.weight         (T, C)        replicated           embed   0      no      replica       lookup
+    h.3.attn.c_attn.*  (3C, C)       rows, q k v apart    block 3 0      no      replica
+    h.3.attn.c_proj.w  (C, C)        columns              block 3 0      no      replica
+    h.3.ln_1.*, biases of c_proj     replicated           block 3 0      no      replica
+    ...
+
+Built once from the model and its layout: each tp layer declares how its parameters split
+(`tp_split`, model/layers.py), the model its units (what is gathered and reduced together: the
+embedding group and each block), stages and the users of a tied parameter. The full shape is
+the tp = 1 shape -- what checkpoints store and weights_sha256 hashes, whatever the layout; under
+tp a split dim with `align` > 1 is padded with zero rows to a multiple of align * tp (wte's
+vocabulary), and `shard` / `unshard` add and cut that padding, so no one else special-cases it.
+
+Readers: the buckets (parallel/buckets.py: one per unit and reduce group), the optimizer (weight
+decay on 2-D weights), clipping (a tp-replicated parameter counted once, on tp rank 0), sp's
+partial gradients (the replicated ones, summed over tp), checkpoints (the table is saved in
+meta.json, so a checkpoint reads back in any layout without the model), export and the planner.
+Nobody infers placement from a parameter's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from braidtrain.model.layers import REPLICATED, ShardSpec, shard_of, unshard
+
+
+@dataclass(frozen=True)
+class Placed:
+    name: str
+    shape: tuple  # full, unsharded, as at tp = 1
+    split: ShardSpec  # how it splits over tp
+    unit: int  # 0: the embedding group; 1 + i: block i (model.param_units order)
+    stage: int = 0  # pipeline stage (all 0 until pipeline parallelism)
+    expert: bool = False
+    reduce: str = "replica"  # the mesh group that reduces its gradient (mesh.groups key)
+    users: tuple = ()  # what uses it, for a parameter used twice: the tied wte's ("lookup", "head")
+
+    @property
+    def replicated(self) -> bool:
+        return self.split.kind == "replicated"
+
+    @property
+    def decays(self) -> bool:
+        """Weight decay applies to 2-D weights, not to biases and LayerNorms."""
+        return len(self.shape) >= 2
+
+    def full_shape(self, tp: int) -> tuple:
+        """The unsharded shape in a layout of this tp: the split dim padded to align * tp."""
+        if self.replicated or self.split.align == 1:
+            return self.shape
+        d, step = self.split.dim, self.split.align * tp
+        return (*self.shape[:d], -(-self.shape[d] // step) * step, *self.shape[d + 1:])
+
+    def local_shape(self, tp: int) -> tuple:
+        shape = list(self.full_shape(tp))
+        if not self.replicated:
+            shape[self.split.dim] //= tp
+        return tuple(shape)
+
+    def local_numel(self, tp: int) -> int:
+        return math.prod(self.local_shape(tp))
+
+    def shard(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        """Tp rank `rank`'s piece of the full tensor (padded with zeros for this tp first)."""
+        want = self.full_shape(tp)
+        if tuple(full.shape) != want:
+            d = self.split.dim
+            pad = full.new_zeros(*want[:d], want[d] - full.shape[d], *want[d + 1:])
+            full = torch.cat([full, pad], d)
+        return shard_of(full, self.split, rank, tp)
+
+    def unshard(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from tp ranks 0, 1, ...'s pieces, padding cut off."""
+        full = unshard(pieces, self.split)
+        if not self.replicated and full.shape[self.split.dim] != self.shape[self.split.dim]:
+            full = full.narrow(self.split.dim, 0, self.shape[self.split.dim]).contiguous()
+        return full
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "split": list(self.split), "unit": self.unit, "stage": self.stage,
+                "expert": self.expert, "reduce": self.reduce, "users": list(self.users)}
+
+    @staticmethod
+    def from_json(name: str, d: dict) -> "Placed":
+        return Placed(name, tuple(d["shape"]), ShardSpec(*d["split"]), d["unit"], d["stage"], d["expert"],
+                      d["reduce"], tuple(d["users"]))
+
+
+class Table:
+    """The placed parameters in canonical (named_parameters) order, and this rank's tp position.
+    `units`: (module, [Placed]) in forward order -- module None for the embedding group, else
+    the block whose hooks gather and reduce it (absent in a table read from a checkpoint)."""
+
+    def __init__(self, entries: list[Placed], tp: int = 1, tp_rank: int = 0, sp: bool = False, modules=None):
+        self.entries, self.tp, self.tp_rank, self.sp = entries, tp, tp_rank, sp
+        self.by_name = {e.name: e for e in entries}
+        n_units = 1 + max(e.unit for e in entries)
+        mods = modules if modules is not None else [None] * n_units
+        self.units = [(mods[u], [e for e in entries if e.unit == u]) for u in range(n_units)]
+
+    def __getitem__(self, name: str) -> Placed:
+        return self.by_name[name]
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def sp_partial(self) -> set[str]:
+        """Parameters whose gradient on each tp rank is only a part, summed over tp before use
+        (Megatron's "sequence-parallel" parameters). Under sp the tp-replicated parameters --
+        LayerNorms, wpe, the row-parallel biases -- act on this rank's T/tp rows of the sequence
+        only, so each rank's gradient is the sum over its rows; without sp they see the whole
+        sequence on every rank and their gradients are already complete (and equal) on each."""
+        return {e.name for e in self.entries if self.sp and self.tp > 1 and e.replicated}
+
+    def counted_here(self, e: Placed) -> bool:
+        """Whether this rank's copy counts in the gradient norm: a tp-replicated parameter once."""
+        return not e.replicated or self.tp_rank == 0
+
+    def to_json(self) -> dict:
+        return {e.name: e.to_json() for e in self.entries}
+
+    @staticmethod
+    def from_json(d: dict) -> "Table":
+        return Table([Placed.from_json(name, v) for name, v in d.items()])
+
+
+def build(model) -> Table:
+    """The table of a model (model/gpt.GPT): every parameter with its layer's tp split
+    (replicated where the layer declares none), its unit, stage and users. Full shapes are those
+    of the same model at tp = 1 (built on the meta device when this one is split)."""
+    if model.tp > 1:
+        with torch.device("meta"):
+            dense = type(model)(model.cfg)
+    else:
+        dense = model
+    full = {n: tuple(p.shape) for n, p in dense.named_parameters()}
+    unit_of, modules = {}, []
+    for u, (module, names) in enumerate(model.param_units()):
+        modules.append(module)
+        unit_of.update(dict.fromkeys(names, u))
+    split_of = {}
+    for mod_name, module in model.named_modules():
+        for pname, split in getattr(module, "tp_split", {}).items():
+            split_of[f"{mod_name}.{pname}" if mod_name else pname] = split
+    users = model.tied_users()
+    entries = [Placed(n, full[n], split_of.get(n, REPLICATED), unit_of[n], users=users.get(n, ()))
+               for n, _ in model.named_parameters()]
+    return Table(entries, model.tp, model.tp_rank, model.sp, modules)
+
+
+@functools.lru_cache(maxsize=32)
+def for_config(cfg) -> Table:
+    """The table of a GPTConfig at tp = 1, from a model built on the meta device (no memory, no
+    initialisation): for a checkpoint saved before tables were saved, and for the planner."""
+    from braidtrain.model.gpt import GPT
+
+    with torch.device("meta"):
+        return build(GPT(cfg))

@@ -1,0 +1,72 @@
+"""layout.py, the one validator of degrees and features (train and plan both call it): every
+combination it refuses, each a one-line UserError naming the fix; and what it builds when the
+combination can run. (The command line turns a UserError into exit 2 and that line: test_cli.)"""
+
+import pytest
+
+from braidtrain import layout
+from braidtrain.errors import UserError
+from braidtrain.layout import make_layout
+from braidtrain.model import attention
+from braidtrain.model.gpt import GPTConfig, model_config
+
+MODEL = model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=64)
+BATCH = dict(seq_len=64, batch_size=2)
+
+REFUSED = [  # (id, world, keyword arguments, words the message must hold)
+    ("degree-below-1", 1, dict(tp=0), ["--tp 0", ">= 1"]),
+    ("pp-not-yet", 2, dict(pp=2), ["--pp 2", "pipeline parallelism", "not available yet", "--pp 1"]),
+    ("cp-not-yet", 2, dict(cp=2), ["--cp 2", "context parallelism", "--cp 1"]),
+    ("ep-not-yet", 2, dict(ep=2), ["--ep 2", "expert parallelism", "--ep 1"]),
+    ("sp-without-tp", 1, dict(sp=True), ["--sp", "--tp 2 or more"]),
+    ("compile-with-tp", 2, dict(tp=2, compile=True), ["--compile", "tp", "drop --compile"]),
+    ("cuda-graph-zero-2", 1, dict(zero=2, cuda_graph=True, device="cuda"), ["--cuda-graph", "ZeRO", "-z 0 or 1"]),
+    ("cuda-graph-with-tp", 2, dict(tp=2, cuda_graph=True, device="cuda"), ["--cuda-graph", "tp=1"]),
+    ("cuda-graph-on-cpu", 1, dict(cuda_graph=True), ["--cuda-graph", "needs a GPU", "cpu"]),
+    ("seq-over-context", 1, dict(seq_len=100), ["-t 100", "context (64)", "-t 64 or less"]),
+    ("tp-not-dividing-heads", 3, dict(tp=3), ["tp=3 does not divide n_head=2", "{1,2}"]),
+    ("sp-seq-not-divisible", 2, dict(tp=2, sp=True, seq_len=63), ["sequence length 63", "tp=2", "multiple of 2"]),
+    ("world-not-divisible", 3, dict(tp=2), ["pp*cp*tp = 1*1*2 = 2 does not divide the world size 3"]),
+    ("d-not-multiple", 2, dict(total_batch=300), ["-d 300", "b*t*dp = 2*64*2 = 256", "-d 256 or -d 512"]),
+    ("exact-dp-not-pow2", 3, dict(exact=True), ["--exact", "power-of-two data-parallel size", "dp=3"]),
+    ("exact-micro-not-pow2", 2, dict(exact=True, total_batch=3 * 256), ["micro-steps", "= 3", "-d 512 or -d 1024"]),
+    ("exact-gpu-head-size", 1, dict(exact=True, device="cuda", model=GPTConfig(2, 2, 96, 64, 256)),
+     ["head sizes", "96 / 2 = 48", "--n-head"]),
+]
+
+
+@pytest.mark.parametrize("world, kwargs, words", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_refused_with_one_line_that_names_the_fix(world, kwargs, words):
+    kwargs = {**BATCH, "model": MODEL, **kwargs}
+    with pytest.raises(UserError) as e:
+        make_layout(world, kwargs.pop("model"), **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_exact_on_a_gpu_without_triton_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(attention, "available", lambda _device: False)
+    with pytest.raises(UserError, match="needs triton.*pip install triton"):
+        make_layout(1, MODEL, exact=True, device="cuda", **BATCH)
+
+
+def test_what_can_run_is_built():
+    lay = make_layout(8, MODEL, tp=2, sp=True, zero=3, exact=True, total_batch=2048, **BATCH)
+    assert (lay.pp, lay.dp, lay.cp, lay.tp, lay.world, lay.schedule) == (1, 4, 1, 2, 8, "sequential")
+    assert lay.batch == layout.BatchPlan(total_tokens=2048, seqs_per_step=32, micro_steps=4, seqs_per_rank=8)
+    assert lay.describe() == "dp 4 x tp 2 (sp), ZeRO-3, exact"
+    assert not lay.data_parallel_only and make_layout(2, MODEL, **BATCH).data_parallel_only
+    # exact mode at tp > 1 is allowed: it holds at a fixed tp (the resume note in build.py says so)
+    assert make_layout(4, MODEL, tp=2, exact=True, **BATCH).exact
+
+
+def test_the_planner_asks_the_same_question(capsys):
+    """plan --tp 3 on 8 GPUs is refused by the same check, in the planner's terms (--gpus)."""
+    from braidtrain import plan
+
+    s = plan.Setup(model_config("tiny", 256, n_head=12, n_embd=96), gpus=8, mem_gb=80, t=64, d=64 * 8)
+    with pytest.raises(UserError, match=r"^pp\*cp\*tp = 1\*1\*3 = 3 does not divide --gpus 8"):
+        plan.check_mesh(s, 3, False)
+    assert not plan.valid(s, 2, True, gpus=3) and plan.valid(s, 2, True)
