@@ -89,7 +89,7 @@ def build(cfg: Config) -> Run:
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
 
     comm = Comm(device)
-    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, options=rt.group_options)
+    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, new_group=rt.new_group)
     train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)

@@ -92,11 +92,6 @@ class Group:
         return self.ranks[index]
 
 
-def solo(axis: str, comm: "Comm", rank: int = 0) -> Group:
-    """A group of this rank alone (a one-process run; tests)."""
-    return Group(axis, (rank,), 0, None, comm, axis)
-
-
 @dataclass
 class Record:
     seq: int  # this rank's count of operations, every group together

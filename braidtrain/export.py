@@ -1,7 +1,8 @@
 """HuggingFace interchange: `braidtrain export RUN --format hf --out DIR` and `train --init-from DIR`.
 
 A HuggingFace GPT-2 folder is config.json plus model.safetensors. Our parameter names already are
-HF's GPT-2 names (model/gpt.py), so the mapping is short:
+HF's GPT-2 names (model/gpt.py), so the mapping is short (names and full shapes from the placement
+table; the vocabulary is its one padded dim):
 
     ours                       HF (GPT2LMHeadModel)
     wte.weight  (V_pad, C)     transformer.wte.weight  (V, C)    rows past the real vocabulary cut off
@@ -26,19 +27,27 @@ from safetensors.torch import load_file, save_file
 from braidtrain.checkpoint import latest, load_params
 from braidtrain.errors import UserError
 from braidtrain.model.gpt import GPTConfig
+from braidtrain.parallel import placement
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 EOT = {"gpt2": 50256, "bytes": 0}  # the tokenizers' end-of-text ids (data.get_tokenizer)
 
 
+def hf_shape(e: placement.Placed, cfg: GPTConfig) -> tuple:
+    """The shape HF stores parameter e in: the real vocabulary, not its padding; Conv1D transposed."""
+    shape = list(e.shape)
+    if e.split.align > 1:  # the padded dim: the vocabulary
+        shape[e.split.dim] = cfg.vocab_size
+    return tuple(shape[::-1]) if e.name.endswith(CONV1D) else tuple(shape)
+
+
 def to_hf(params: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     out = {}
-    for name, t in params.items():
-        if name == "wte.weight":
-            t = t[: cfg.vocab_size]
-        elif name.endswith(CONV1D):
-            t = t.t()
-        out[f"transformer.{name}"] = t.contiguous().clone()
+    for e in placement.for_config(cfg):
+        t = params[e.name]
+        if e.split.align > 1:
+            t = t.narrow(e.split.dim, 0, cfg.vocab_size)
+        out[f"transformer.{e.name}"] = (t.t() if e.name.endswith(CONV1D) else t).contiguous().clone()
     return out
 
 
@@ -49,28 +58,22 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: GPTConfig, where: str) -> dic
     head = got.pop("lm_head.weight", None)
     if head is not None and not torch.equal(head, got.get("wte.weight", head)):
         raise UserError(f"{where}: lm_head.weight differs from wte.weight; braidtrain's head is tied to the embedding")
-    C, V = cfg.n_embd, cfg.vocab_size
-    want = {"wte.weight": (V, C), "wpe.weight": (cfg.block_size, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
-    for i in range(cfg.n_layer):
-        for n, shape in (("ln_1", (C,)), ("ln_2", (C,)), ("attn.c_attn", (C, 3 * C)), ("attn.c_proj", (C, C)),
-                         ("mlp.c_fc", (C, 4 * C)), ("mlp.c_proj", (4 * C, C))):
-            want[f"h.{i}.{n}.weight"] = shape
-            want[f"h.{i}.{n}.bias"] = (shape[-1],)
-    unknown = sorted(set(got) - set(want))
+    table = placement.for_config(cfg)
+    unknown = sorted(set(got) - {e.name for e in table})
     if unknown:
         raise UserError(f"{where}: unexpected tensors {unknown[:3]}: not a GPT-2 model of this shape")
     out = {}
-    for name, shape in want.items():
-        if name not in got:
-            raise UserError(f"{where}: model.safetensors has no {name}")
-        t = got[name].float()
+    for e in table:
+        if e.name not in got:
+            raise UserError(f"{where}: model.safetensors has no {e.name}")
+        t, shape = got[e.name].float(), hf_shape(e, cfg)
         if tuple(t.shape) != shape:
-            raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape} from config.json")
-        if name == "wte.weight":
-            t = torch.cat([t, t.new_zeros(cfg.padded_vocab - V, C)])
-        elif name.endswith(CONV1D):
-            t = t.t()
-        out[name] = t.contiguous()
+            raise UserError(f"{where}: {e.name} has shape {tuple(t.shape)}, expected {shape} from config.json")
+        t = t.t() if e.name.endswith(CONV1D) else t
+        if e.split.align > 1:  # the vocabulary's padding rows: zeros, never looked up nor predicted
+            d = e.split.dim
+            t = torch.cat([t, t.new_zeros(*t.shape[:d], e.shape[d] - t.shape[d], *t.shape[d + 1:])], d)
+        out[e.name] = t.contiguous()
     return out
 
 

@@ -336,6 +336,10 @@ def diagnose(run: Path) -> list[str]:
     members = {}  # group name -> its ranks (a log without the table: the group is every rank)
     for h in headers.values():
         members.update(h.get("groups", {}))
+    for recs in records.values():  # logs written before records named their group: one numbering
+        for x in recs:
+            x.setdefault("group", x.get("axis", "world"))
+            x.setdefault("gseq", x["seq"])
     by = {r: {} for r in records}  # rank -> group -> gseq -> record
     for r, recs in records.items():
         for x in recs:
@@ -367,10 +371,13 @@ def diagnose(run: Path) -> list[str]:
     points: dict[tuple, list[int]] = {}  # (group, gseq) -> the ranks waiting there
     for r, x in waiting.items():
         points.setdefault((x["group"], x["gseq"]), []).append(r)
-    culprits, tails, named = [], [], set()
+    culprits, tails, named, stuck_elsewhere = [], [], set(), False
     for (g, k), waiters in sorted(points.items(), key=lambda p: min(waiting[r]["t_start"] for r in p[1])):
         for m in members.get(g, range(world)):
-            if m in waiters or m in named or m in waiting:  # one waiting elsewhere is named there
+            if m in waiters or m in named:
+                continue
+            if m in waiting:  # waits elsewhere: named where it waits; it holds this group up if it never came
+                stuck_elsewhere |= max(by[m].get(g, {}), default=-1) < k
                 continue
             if m in silent:
                 done = [x for r in by for x in by[r].get(g, {}).values() if x["t_end"] is not None]
@@ -385,11 +392,11 @@ def diagnose(run: Path) -> list[str]:
                 culprits.append(f"rank {m} stopped at collective #{j}" + (f" ({_desc(issued[j])})" if issued else ""))
             named.add(m)
         tails.append(f"{_ranks(waiters)} waited in #{k} ({_desc(waiting[waiters[0]])})")
-    if not culprits and len(points) > 1:  # each waits for one who waits elsewhere
+    if not culprits and stuck_elsewhere:  # each waits for one who waits elsewhere
         return out + ["; ".join(tails) + ": each waits for a rank that waits elsewhere -- the ranks issued "
                       "their collectives in orders that cannot meet (a deadlock)"]
-    if not culprits:  # everyone issued it and it still did not complete: the transport, not a rank
-        (g, k), waiters = next(iter(points.items()))
-        return out + [f"every rank issued collective #{k} ({_desc(waiting[waiters[0]])}) but it did not complete on "
-                      f"{_ranks(waiters)}: look at the network / NCCL rather than at one rank"]
+    if not culprits:  # everyone issued what they wait in, and it did not complete: the transport, not a rank
+        what = ", and ".join(f"#{k} ({_desc(waiting[ws[0]])}) on {_ranks(ws)}" for (_, k), ws in points.items())
+        return out + [f"every rank issued collective {what}, but it did not complete: look at the network / NCCL "
+                      f"rather than at one rank"]
     return out + ["; ".join(culprits + tails)]

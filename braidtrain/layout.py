@@ -10,7 +10,7 @@ proposes, so neither can accept what the other refuses. Each refusal is a UserEr
 line says what to change. What it needs to know: the world size, the model's shape, the batch
 and the device type -- all known before the ranks have met.
 
-Exact mode (DESIGN.md's first promise) holds at a fixed tp: splitting a matmul over tp ranks
+Exact mode (README's first promise) holds at a fixed tp: splitting a matmul over tp ranks
 changes the order of its sums. Across dp, ZeRO stages and restarts the bits are the same; a run
 resumed on another tp says so in one line (build.py) and differs from there on.
 """
@@ -21,13 +21,12 @@ from dataclasses import dataclass
 
 from braidtrain.errors import UserError
 
-AXES = ("pp", "dp", "cp", "tp")  # the mesh, outer to inner (mesh.py)
 NOT_YET = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one optimizer step's -d tokens are split (DESIGN.md, 'Global batch')."""
+    """How one optimizer step's -d tokens are split: the same d over any layout, micro-steps d / (b*t*dp)."""
 
     total_tokens: int  # d
     seqs_per_step: int  # d / t, over all ranks
@@ -54,10 +53,6 @@ class Layout:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
-
-    @property
-    def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
 
     @property
     def data_parallel_only(self) -> bool:

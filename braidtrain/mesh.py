@@ -41,17 +41,21 @@ class Mesh:
     def coord(self, axis: str) -> int:
         return self.coords[axis] if axis in self.coords else self.groups[axis].index
 
-    def loss_ranks(self) -> list[int]:
+    def loss_ranks(self) -> slice:
         """The ranks whose loss counts: the last pipeline stage's with tp coordinate 0 (every tp
-        rank holds the same full sum), in rank order -- that is, by (dp, cp) coordinate."""
+        rank holds the same full sum), in rank order -- that is, by (dp, cp) coordinate. A slice
+        of the world's ranks (every tp-th of the last stage's), so that picking their rows out of
+        a device tensor needs no index copied to the device."""
         pp, dp, cp, tp = (self.sizes[a] for a in AXES)
-        return [((pp - 1) * dp * cp + i) * tp for i in range(dp * cp)]
+        first = (pp - 1) * dp * cp * tp
+        return slice(first, first + dp * cp * tp, tp)
 
 
-def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, options=None) -> Mesh:
+def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, new_group=None) -> Mesh:
     """Every rank must call this with the same degrees: new_group is collective over the world.
-    `options(axis)`: the backend's options for that axis's groups (runtime.Runtime.group_options:
-    NCCL stream priority), or None. Lines with the same members share one process group."""
+    `new_group(ranks, axis)` makes one line's process group (runtime.Runtime.new_group: the run's
+    timeout, the axis's NCCL stream priority; default torch's own). Lines with the same members
+    share one process group."""
     assert world % (pp * cp * tp) == 0, (world, pp, cp, tp)  # layout.py said so already
     sizes = {"pp": pp, "dp": world // (pp * cp * tp), "cp": cp, "tp": tp}
     grid = torch.arange(world).reshape(*(sizes[a] for a in AXES))
@@ -72,8 +76,7 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
                 elif len(line) == world:
                     made[key] = dist.group.WORLD
                 else:
-                    opts = options(axis) if options else None
-                    made[key] = dist.new_group(line, pg_options=opts) if opts is not None else dist.new_group(line)
+                    made[key] = new_group(line, axis) if new_group else dist.new_group(line)
             if rank in line:
                 groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world))
     return Mesh(sizes, coords, groups, rank)

@@ -161,19 +161,15 @@ def param_counts(cfg, tp: int = 1) -> dict:
 
 
 def bucket_numels(cfg, bucket_mb: float, tp: int = 1) -> list[tuple[str, int]]:
-    """The engine's buckets (parallel/buckets.py) replayed on sizes, in launch order: whole blocks
-    from the last one backwards until a bucket holds >= bucket_mb, then the embedding group
-    (wte, tied to the head, wpe, ln_f) alone: it is used at both ends, so its gradient is last.
-    Sizes are one tp rank's (its shards and the replicated parameters)."""
-    counts = param_counts(cfg, tp)
-    limit = max(1, int(bucket_mb * 2**20 / 4))
-    out, size = [], 0
-    for _ in range(cfg.n_layer):
-        size += counts["block"]
-        if size >= limit:
-            out.append(("block", size))
-            size = 0
-    return out + ([("block", size)] if size else []) + [("embed", counts["embed"])]
+    """The engine's buckets (parallel/buckets.form on the placement table), in launch order, as
+    ("block" or "embed", elements): whole blocks from the last one backwards until a bucket holds
+    >= bucket_mb, then the embedding group (wte, tied to the head, wpe, ln_f) alone: it is used at
+    both ends, so its gradient is last. Sizes are one tp rank's (its shards and the replicated
+    parameters)."""
+    from braidtrain.parallel import buckets, placement
+
+    formed = buckets.form(placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb)
+    return [("block" if mods else "embed", sum(e.local_numel(tp) for e in entries)) for entries, mods, _ in formed]
 
 
 def layer_activation(tp: int = 1, sp: bool = False) -> float:
@@ -602,9 +598,8 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
     import torch
 
     s = replace(s, cpu=not torch.cuda.is_available())  # where `braidtrain train` will run
-    if s.d % (lay.b * s.t * lay.dp):
-        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = {lay.b}*{s.t}*{lay.dp}")
-    check_mesh(replace(s, gpus=lay.gpus), lay.tp, lay.sp)
+    make_layout(lay.gpus, s.cfg, seq_len=s.t, batch_size=lay.b, total_batch=s.d, tp=lay.tp, sp=lay.sp, zero=lay.zero,
+                recompute=lay.recompute, world_name=f"--gpus {lay.gpus}")  # what `train` will ask
     e, c = estimate(s, lay), s.cfg
     cmd = ["-m", "braidtrain", "train", "--model", "gpt2", "--n-layer", c.n_layer, "--n-head", c.n_head,
            "--n-embd", c.n_embd, "--block-size", c.block_size, "-i", data, "-b", lay.b, "-t", s.t, "-d", s.d,

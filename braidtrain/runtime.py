@@ -96,17 +96,25 @@ class Runtime:
                 self._env_set.append(k)
 
     def group_options(self, axis: str):
-        """The backend's options for the process groups of a mesh axis (mesh.build_mesh): NCCL's
-        kernels on high-priority streams for the data-parallel groups, whose collectives overlap
-        compute (a collective then gets its SMs as soon as blocks free up, rather than queueing
-        behind the compute kernels': ZeRO-3 on two H200s 686k -> 807k tokens/s, ZeRO-0/1
-        unchanged, docs/performance.md), and for tp's, as measured with them; the others keep
-        NCCL's defaults. None: the defaults."""
-        if self.backend != "nccl" or axis not in HIGH_PRIORITY:
+        """The backend's options for the process groups of a mesh axis: NCCL's kernels on
+        high-priority streams for the data-parallel groups, whose collectives overlap compute (a
+        collective then gets its SMs as soon as blocks free up, rather than queueing behind the
+        compute kernels': ZeRO-3 on two H200s 686k -> 807k tokens/s, ZeRO-0/1 unchanged,
+        docs/performance.md), and for tp's, as measured with them; the others keep NCCL's
+        defaults. None: the defaults -- also wherever the user set TORCH_NCCL_HIGH_PRIORITY."""
+        if self.backend != "nccl" or axis not in HIGH_PRIORITY or "TORCH_NCCL_HIGH_PRIORITY" in os.environ:
             return None
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = True
+        opts._timeout = timedelta(seconds=self._timeout)  # what torch sets it to (else it warns)
         return opts
+
+    def new_group(self, ranks: list[int], axis: str):
+        """The process group of one line of the mesh (mesh.build_mesh calls it on every rank for
+        every line, in the same order), with the run's timeout and its axis's options."""
+        opts = self.group_options(axis)
+        return dist.new_group(ranks, timeout=timedelta(seconds=self._timeout),
+                              **({"pg_options": opts} if opts is not None else {}))
 
     def join(self, nccl_protocol: str | None = None) -> None:
         """Rendezvous and the world's process group. nccl_protocol: NCCL_PROTO for this process

@@ -1,6 +1,7 @@
 """Stop, resume, and end with the same weights: on the same layout, on another layout (exact
 mode), and past a damaged checkpoint."""
 
+import json
 import shutil
 
 from helpers import SMALL, braidtrain, metrics, summary
@@ -51,6 +52,17 @@ def test_exact_resume_on_another_layout(tmp_path, shakespeare):
     p = run(shakespeare, resumed3, "--exact", "-z", 3, "--resume", "auto", nproc=4)
     assert "step_00000004" in p.stdout
     assert summary(resumed3)["weights_sha256"] == summary(ref)["weights_sha256"]
+    # a checkpoint in the format before meta.json held the placement table (format 2: the tensors'
+    # local shapes instead) still resumes, the table then built from its model config
+    old = tmp_path / "format2"
+    interrupt(two, old)
+    meta_path = old / "checkpoints" / "step_00000004" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["placement"]
+    meta.update(format=2, shapes={"wte.weight": [256, 64]})  # (not read: every reader takes the table)
+    meta_path.write_text(json.dumps(meta))
+    run(shakespeare, old, "--exact", "--resume", "auto")
+    assert summary(old)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
 def test_damaged_checkpoint_is_skipped(tmp_path, shakespeare):

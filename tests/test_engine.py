@@ -10,12 +10,17 @@ import pytest
 import torch
 
 from helpers import ROOT, env
-from braidtrain.comm import Comm, solo
+from braidtrain.comm import Comm, Group
 from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import AdamW
 from braidtrain.parallel.buckets import Q
 from braidtrain.parallel.engine import Engine
+
+
+def solo(axis, comm):
+    """A group of this rank alone: its collectives are recorded, nothing is sent."""
+    return Group(axis, (0,), 0, None, comm, axis)
 
 
 def solo_engine(model, zero, exact=False):
@@ -271,8 +276,6 @@ def test_collectives_never_ask_torch_for_the_group_size(monkeypatch):
     index as plain numbers, from the mesh."""
     import torch.distributed as dist
 
-    from braidtrain.comm import Group
-
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         comm, asked = Comm(torch.device("cpu")), []
@@ -293,7 +296,7 @@ def test_each_flight_record_names_its_group_and_its_number_in_it(tmp_path):
     numbers doctor lines up, group by group. The flight log's header lists every group's members."""
     import json
 
-    from braidtrain.comm import Group, group_name
+    from braidtrain.comm import group_name
 
     comm = Comm(torch.device("cpu"))
     tp = Group("tp", (2, 3), 0, None, comm, group_name("tp", (2, 3), 8))

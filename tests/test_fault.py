@@ -349,6 +349,36 @@ def test_doctor_names_a_deadlock_between_two_groups(tmp_path):
     assert "deadlock" in last, last
 
 
+def test_doctor_blames_no_rank_when_every_member_issued_the_collective(tmp_path):
+    """dp 2 x tp 2, all four ranks inside their replica group's #3, each issued by both members: no
+    rank held anyone up (nor is it a deadlock); the collectives themselves did not complete."""
+    from braidtrain.fault import diagnose
+
+    groups = {"replica[0,2]": [0, 2], "replica[1,3]": [1, 3]}
+    write_logs(tmp_path, {r: [(0, "all_reduce", True, f"replica[{r % 2},{r % 2 + 2}]", 0),
+                              (1, "reduce_scatter", False, f"replica[{r % 2},{r % 2 + 2}]", 1)] for r in range(4)},
+               groups=groups)
+    assert diagnose(tmp_path)[-1] == ("every rank issued collective #1 (reduce_scatter replica[0,2], step 40) on ranks 0,2, "
+                                      "and #1 (reduce_scatter replica[1,3], step 40) on ranks 1,3, but it did not "
+                                      "complete: look at the network / NCCL rather than at one rank")
+
+
+def test_doctor_reads_flight_logs_from_before_groups_were_named(tmp_path):
+    """A log of the code before: records with a mesh axis and one count per rank, no group table."""
+    from braidtrain.fault import diagnose
+
+    write_logs(tmp_path, {r: history(13, (13, "all_gather", False)) for r in (0, 1, 2)} | {3: history(13)})
+    for f in (tmp_path / "flight").iterdir():
+        lines = [json.loads(l) for l in f.read_text().splitlines()]
+        del lines[0]["groups"]
+        for x in lines[1:]:
+            x["axis"] = x.pop("group")
+            del x["gseq"]
+        f.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    assert diagnose(tmp_path)[-1] == ("rank 3 stopped at collective #12 (all_reduce replica, step 41); "
+                                      "ranks 0,1,2 waited in #13 (all_gather replica, step 41)")
+
+
 def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     """--cuda-graph: the collectives captured with the step are recorded once, at the capture; each
     replay adds one record (the same on every rank), open until the step's results were used --

@@ -62,8 +62,8 @@ def test_checkpoint_moves_between_tp_degrees(tmp_path, shakespeare):
 
 
 # An exact run at dp 1 x tp 2 with sp (6 steps): its final weights as the code before the engine was
-# reshaped (and tp's collectives went through comm.py) produced them -- on 2 ranks, and the same on
-# 4 (dp 2) -- at commit 1bbac96, torch 2.13 CPU, 2026-12-01.
+# reshaped (and tp's collectives went through comm.py) produced them on 2 ranks (on 4, at dp 2, it
+# gave the same) at commit 1bbac96, torch 2.13 CPU, 2026-12-01.
 PINNED_TP2 = "96f7579a32e2b734b292c19642013d0c76576638c48581f63a1e698b063beea9"
 
 

@@ -159,6 +159,7 @@ class ColumnParallelLinear(nn.Linear):
     over tp on its own ("qkv" in shard_of)."""
 
     def __init__(self, in_features, out_features, group, bias=True, sp=False, gather_output=False, packed=1):
+        assert packed in (1, 3), "shard_of knows contiguous and q,k,v-packed outputs"
         tp, _ = _tp(group)
         super().__init__(in_features, out_features // tp, bias=bias)
         self.group, self.sp, self.gather_output = group, sp, gather_output

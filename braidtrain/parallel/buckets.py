@@ -58,27 +58,28 @@ class Bucket:
             yield p, buf[off : off + p.numel()].view_as(p)
 
 
-def form(table, named: dict, groups: dict, bucket_mb: float) -> list[tuple[list, list, object]]:
-    """(params, block modules, group) of each bucket, in launch order: per reduce group, whole
-    units from the last backwards until a bucket holds >= bucket_mb, the embedding group (used
-    at both ends, so its gradient is complete last) a bucket of its own. `named`: name -> param;
-    `groups`: the mesh's groups (the table's `reduce` names one)."""
+def form(table, numel, bucket_mb: float) -> list[tuple[list, list, str]]:
+    """(placed parameters, block modules, reduce group) of each bucket, in launch order: per reduce
+    group, whole units from the last backwards until a bucket holds >= bucket_mb, the embedding
+    group (used at both ends, so its gradient is complete last) a bucket of its own. `numel(e)`:
+    the elements this rank holds of placed parameter e (the engine's tensors; the planner's
+    sizes)."""
     limit = max(1, int(bucket_mb * 2**20 / 4))
     out = []
     for reduce in dict.fromkeys(e.reduce for e in table):
         cur, mods, size = [], [], 0
         for module, entries in reversed(table.units):  # last block first: the backward's order
-            params = [(e.name, named[e.name]) for e in entries if e.reduce == reduce]
-            if not params:
+            mine = [e for e in entries if e.reduce == reduce]
+            if not mine:
                 continue
             if module is None:  # the embedding group (used at both ends) is a bucket of its own
-                out += [(cur, mods, groups[reduce])] if cur else []
-                out.append((params, [], groups[reduce]))
+                out += [(cur, mods, reduce)] if cur else []
+                out.append((mine, [], reduce))
                 cur, mods, size = [], [], 0
                 continue
-            cur, mods, size = params + cur, [module] + mods, size + sum(p.numel() for _, p in params)
+            cur, mods, size = mine + cur, [module] + mods, size + sum(numel(e) for e in mine)
             if size >= limit:
-                out.append((cur, mods, groups[reduce]))
+                out.append((cur, mods, reduce))
                 cur, mods, size = [], [], 0
-        out += [(cur, mods, groups[reduce])] if cur else []
+        out += [(cur, mods, reduce)] if cur else []
     return out

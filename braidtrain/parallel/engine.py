@@ -1,6 +1,6 @@
 """The engine: data parallelism and ZeRO 0-3 over flat buffers, driven by a schedule.
 
-The protocol (DESIGN.md, "Engine protocol"). The schedule decides the order of work; the engine
+The protocol (docs/design-notes.md, "One validator, one table, one schedule"). The schedule decides the order of work; the engine
 is told which micro-batch each forward and backward belongs to, and which backward is the step's
 last:
 
@@ -50,8 +50,9 @@ class Engine:
         # once (Table.counted_here); under sp their gradients are partial sums, added over tp.
         self.partial = self.table.sp_partial()
         named = dict(model.named_parameters())
-        formed = buckets.form(self.table, named, mesh.groups, bucket_mb)
-        self.buckets = [Bucket(i, ps, ms, g, device, zero) for i, (ps, ms, g) in enumerate(formed)]
+        formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb)
+        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero)
+                        for i, (es, ms, reduce) in enumerate(formed)]
         self.bucket_of = {}
         for b in self.buckets:
             for p, view in b.views(b.full):
@@ -104,8 +105,6 @@ class Engine:
         """A new step of n_micro micro-batches on this stage. Also clears what a step that
         failed part-way may have left: open buffers, partial sums, a buffer pooled twice."""
         self.n_micro = n_micro
-        if not self.comm.cuda:  # ZeRO-2/3: last step's reduce-scatters, so their scratch is free
-            self._drain()  # (on CUDA the allocator holds it for the side stream: no need to wait)
         for b in self.buckets:
             b.first, b.open = True, False
             if self.exact:
@@ -118,7 +117,8 @@ class Engine:
 
     @contextmanager
     def forward(self, micro: int):
-        """Around the forward of micro-batch `micro` (ZeRO-3: its gathers)."""
+        """Around the forward of micro-batch `micro` (ZeRO-3: its gathers). Which micro-batch it is
+        changes nothing today; a backward's number places its gradient in exact mode's tree."""
         self.backward_phase = False
         if self.zero_hooks is not None:
             self.zero_hooks.before_forward()
@@ -129,6 +129,8 @@ class Engine:
         with their gradients `grads`); `last`: no other backward follows in this step, so each
         bucket's reduction starts as its gradients complete."""
         self.micro, self.last = micro, last
+        if not self.comm.cuda:  # ZeRO-2/3: the last backward's reduce-scatters, so that their scratch is
+            self._drain()  # free and each shard adds them in order (on CUDA the side stream runs them in order)
         for b in self.buckets:
             b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
             if self.exact and self.zero <= 1:  # a fresh leaf of the tree (ZeRO-2/3: zero.py opens it)
@@ -290,16 +292,19 @@ class Engine:
         the device (reading it is the caller's host synchronisation)."""
         if self.exact:
             return exact_sums.grad_norm(self)
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for b, _, g in self.owned():
-            sq += self.norm_view(b, g).float().pow(2).sum()
-        if self.zero >= 1:
-            for group in dict.fromkeys(b.group for b in self.buckets):
-                if group.size > 1:
-                    self.comm.all_reduce(sq, group).wait()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        owned = list(self.owned())
+        for group in dict.fromkeys(b.group for b in self.buckets):  # each reduce group's shards, summed over it
+            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            for b, _, g in owned:
+                if b.group is group:
+                    sq += self.norm_view(b, g).float().pow(2).sum()
+            if self.zero >= 1 and group.size > 1:
+                self.comm.all_reduce(sq, group).wait()
+            total += sq
         if self.tp.size > 1:
-            self.comm.all_reduce(sq, self.tp).wait()
-        return sq.sqrt()
+            self.comm.all_reduce(total, self.tp).wait()
+        return total.sqrt()
 
     def gather_params(self):
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.

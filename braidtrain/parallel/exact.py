@@ -1,4 +1,4 @@
-"""Exact mode's sums (DESIGN.md, "Exact reduction"): one fixed tree, whatever the layout and order.
+"""Exact mode's sums (docs/design-notes.md, "Exact mode"): one fixed tree, whatever the layout and order.
 
 Micro-batches. Each micro-batch's gradient lands in a fresh full-size buffer, a leaf of a binary
 tree indexed by the micro-batch's number on this rank (not by when its backward ran):

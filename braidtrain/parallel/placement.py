@@ -18,8 +18,9 @@ vocabulary), and `shard` / `unshard` add and cut that padding, so no one else sp
 Readers: the buckets (parallel/buckets.py: one per unit and reduce group), the optimizer (weight
 decay on 2-D weights), clipping (a tp-replicated parameter counted once, on tp rank 0), sp's
 partial gradients (the replicated ones, summed over tp), checkpoints (the table is saved in
-meta.json, so a checkpoint reads back in any layout without the model), export and the planner.
-Nobody infers placement from a parameter's name.
+meta.json, so a checkpoint reads back in any layout without the model), export (the names and
+shapes it expects of a HuggingFace file) and the planner (parameter counts, buckets). Nobody
+infers placement from a parameter's name.
 """
 
 from __future__ import annotations
@@ -138,11 +139,9 @@ def build(model) -> Table:
     (replicated where the layer declares none), its unit, stage and users. Full shapes are those
     of the same model at tp = 1 (built on the meta device when this one is split)."""
     if model.tp > 1:
-        with torch.device("meta"):
-            dense = type(model)(model.cfg)
+        full = {e.name: e.shape for e in for_config(model.cfg)}
     else:
-        dense = model
-    full = {n: tuple(p.shape) for n, p in dense.named_parameters()}
+        full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     unit_of, modules = {}, []
     for u, (module, names) in enumerate(model.param_units()):
         modules.append(module)
@@ -160,7 +159,8 @@ def build(model) -> Table:
 @functools.lru_cache(maxsize=32)
 def for_config(cfg) -> Table:
     """The table of a GPTConfig at tp = 1, from a model built on the meta device (no memory, no
-    initialisation): for a checkpoint saved before tables were saved, and for the planner."""
+    initialisation): the full shapes of a split model's table, a checkpoint saved before tables
+    were saved, export and the planner."""
     from braidtrain.model.gpt import GPT
 
     with torch.device("meta"):

@@ -1,4 +1,5 @@
-"""Schedules as data, and the executor that runs them (DESIGN.md, "Schedule").
+"""Schedules as data, and the executor that runs them (docs/design-notes.md, "One validator, one
+table, one schedule").
 
 A schedule is a plain list of actions per pipeline stage, generated for every stage at once and
 checked before anything runs:
