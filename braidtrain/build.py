@@ -39,7 +39,7 @@ class Run:
     mesh: Mesh
     comm: Comm
     mcfg: GPTConfig
-    model: GPT
+    parts: list[GPT]  # the model, or the pipeline chunks this rank holds
     engine: Engine
     opt: AdamW
     tok_name: str
@@ -89,32 +89,34 @@ def build(cfg: Config) -> Run:
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
 
     comm = Comm(device)
-    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, new_group=rt.new_group)
+    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, new_group=rt.new_group,
+                      ring=lay.virtual > 1)
     train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     if cfg.max_steps == -1:  # llm.c's default: one epoch of the training data
         cfg.max_steps = max(1, loader.n_chunks // lay.batch.seqs_per_step)
 
-    model = GPT(mcfg, mesh=mesh, sp=cfg.sp)
-    init_weights(model, cfg.seed)
-    if cfg.init_from:  # before the engine: under ZeRO-3 a rank then holds only its shard
-        table = placement.build(model)
-        full = export.load_hf(cfg.init_from, mcfg)
-        model.load_state_dict({n: table[n].shard(t, model.tp_rank, model.tp) for n, t in full.items()})
-    model.recompute = cfg.recompute
-    if cfg.exact and device.type == "cuda":
-        model.use_deterministic_attention()
-    if cfg.compile:
-        model.compile_blocks()
-    model = model.to(device)
-    engine = Engine(model, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
+    parts = make_parts(mcfg, mesh, lay, cfg.sp)
+    full = export.load_hf(cfg.init_from, mcfg) if cfg.init_from else None
+    for part in parts:
+        init_weights(part, cfg.seed)
+        if full is not None:  # before the engine: under ZeRO-3 a rank then holds only its shard
+            table = placement.build(part)
+            part.load_state_dict({n: table[n].shard(full[n], part.tp_rank, part.tp) for n, _ in part.named_parameters()})
+        part.recompute = cfg.recompute
+        if cfg.exact and device.type == "cuda":
+            part.use_deterministic_attention()
+        if cfg.compile:
+            part.compile_blocks()
+        part.to(device)
+    engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     out, session = resolve_out(cfg, rt, comm, mesh)
     guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout)
     guard.start()
-    run = Run(cfg, rt, lay, mesh, comm, mcfg, model, engine, opt, tok_name, train_data, loader, val_loader, out,
+    run = Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
               guard, fault, bf16)
     try:
         resume(run)
@@ -126,6 +128,15 @@ def build(cfg: Config) -> Run:
         guard.close(clean=False)
         raise
     return run
+
+
+def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[GPT]:
+    """The model, or with a pipeline the chunks of this rank: r, r + pp, ... (parallel/pipeline.py)."""
+    if lay.pp == 1:
+        return [GPT(mcfg, mesh=mesh, sp=sp)]
+    r, last = mesh.coord("pp"), lay.pp * lay.virtual - 1
+    return [GPT(mcfg, mesh=mesh, sp=sp, blocks=lay.split[c], first=c == 0, last=c == last, stage=c)
+            for c in range(r, last + 1, lay.pp)]
 
 
 def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
@@ -157,7 +168,8 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float]:
 
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     """'world_size 4 -> 2, zero 1 -> 3, ...': how this run differs from the one that saved."""
-    diff = [f"{k} {meta['layout'].get(k)} -> {v}" for k, v in now.items() if meta["layout"].get(k) != v]
+    layout = {"pp": 1, **meta["layout"]}  # (a checkpoint from before pipelines)
+    diff = [f"{k} {layout.get(k)} -> {v}" for k, v in now.items() if layout.get(k) != v]
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
     diff += [f"{k} {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(saved) | set(mine))

@@ -68,7 +68,7 @@ def pieces(engine):
     for i, b in enumerate(engine.buckets):
         for (name, p), off in zip(b.params, b.offsets):
             replicated = engine.table[name].replicated
-            if replicated and tp_rank > 0:
+            if (replicated and tp_rank > 0) or engine.table[name].copy:  # (a copy is its first stage's)
                 continue
             a, e = max(off, b.lo), min(off + p.numel(), b.hi)
             if a < e:
@@ -77,7 +77,7 @@ def pieces(engine):
 
 def layout_record(lay, world_size: int) -> dict:
     """What meta.json says of the saving layout (and a resume compares with its own)."""
-    return {"world_size": world_size, "dp": lay.dp, "zero": lay.zero, "tp": lay.tp}
+    return {"world_size": world_size, "dp": lay.dp, "zero": lay.zero, "tp": lay.tp, "pp": lay.pp}
 
 
 def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int, midway=None) -> float:
@@ -120,7 +120,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
             "step": step,
             "optimizer_step": opt.step_count,
             **info,
-            "placement": engine.table.to_json(),
+            "placement": placement.for_config(engine.model.cfg).to_json(),  # every parameter's, whatever the stage
             "layout": layout_record(lay, rt.world_size),
             "files": {f: d[0] for f, d in sums},
             "sizes": {f: d[1] for f, d in sums},
@@ -279,15 +279,22 @@ def latest(run: Path) -> Path:
 
 
 def weights_sha256(engine) -> str:
-    """sha256 over every full parameter as fp32 bytes, in canonical (named_parameters) order.
-    Under tp the shards are gathered and joined first (collective over the tp group) into the
-    full, tp = 1 shape (Placed.unshard), so the hash does not depend on the layout."""
-    h = hashlib.sha256()
+    """A sha256 of the weights that does not depend on the layout: over the sha256 of every
+    parameter's full fp32 bytes (Placed.unshard: under tp the shards are gathered, collective over
+    the tp group, and joined into the tp = 1 shape), in the whole model's named_parameters order.
+    Each pipeline stage hashes its own parameters; the digests meet over the pp group."""
     tp = engine.tp
-    for name, p in engine.model.named_parameters():
-        e, t = engine.table[name], p.detach().float()
-        if tp.size > 1 and not e.replicated:
-            rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
-            t = e.unshard([r.view(t.shape) for r in rows])
-        h.update(t.cpu().clone().numpy().tobytes())  # a copy: numpy pins storage
-    return h.hexdigest()
+    mine = {}
+    for part in engine.parts:
+        for name, p in part.named_parameters():
+            e, t = engine.table[name], p.detach().float()
+            if tp.size > 1 and not e.replicated:
+                rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
+                t = e.unshard([r.view(t.shape) for r in rows])
+            if not e.copy:
+                mine[name] = hashlib.sha256(t.cpu().clone().numpy().tobytes()).hexdigest()  # a copy: numpy pins storage
+    digests = {}
+    for d in engine.comm.all_gather_object(mine, engine.pp):
+        digests.update(d)
+    names = [e.name for e in placement.for_config(engine.model.cfg)]
+    return hashlib.sha256("".join(digests[n] for n in names).encode()).hexdigest()

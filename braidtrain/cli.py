@@ -62,7 +62,10 @@ def _train_parser(sub):
     g = p.add_argument_group("parallelism")
     g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters")
     g.add_argument("--tp", type=int, help="tensor-parallel degree (consecutive ranks split each layer)")
-    g.add_argument("--pp", type=int, help="pipeline stages (not available yet)")
+    g.add_argument("--pp", type=int, help="pipeline stages (consecutive blocks each; dp = processes / (pp * cp * tp))")
+    g.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], help="pipeline schedule (default 1f1b)")
+    g.add_argument("--pp-virtual", type=int, help="model chunks a rank holds (interleaved; default 2)")
+    g.add_argument("--pp-split", help="blocks per stage (per chunk), e.g. 3,4,4,3 (default: balanced by FLOPs)")
     g.add_argument("--cp", type=int, help="context-parallel degree (not available yet)")
     g.add_argument("--ep", type=int, help="expert-parallel degree (not available yet)")
     g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside the tp group")
@@ -175,7 +178,9 @@ def cmd_sample(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.eot]
-    out = generate(model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    model.eval()
+    out = generate(model, prompt, args.tokens, block_size=model.cfg.block_size, device=device,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(args.prompt + tok.decode(out))
     return 0
 

@@ -104,6 +104,7 @@ class Record:
     t_start: float  # time.time() at launch
     t_end: float | None = None  # when the result was ready (host clock), None while in flight or failed
     step: int = 0  # the training step (1-based) it belongs to; 0 before the first
+    what: str = ""  # a pipeline transfer: which tensor ("send act c0 m3")
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -195,9 +196,9 @@ class Comm:
             del self.step_handles[before:]
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _launch(self, op, group: Group, tensor, fn, then=None, inline=False) -> Handle:
+    def _launch(self, op, group: Group, tensor, fn, then=None, inline=False, what="") -> Handle:
         rec = self._record(op, group, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                           tensor.numel() * tensor.element_size())
+                           tensor.numel() * tensor.element_size(), what)
         if group.pg is None:  # a one-rank group: nothing to exchange
             h = Handle(self, rec, None, then)
         elif self.cuda and inline:
@@ -279,11 +280,11 @@ class Comm:
         self.replay_rec = self._record("graph_replay", world, (len(timed),), "graph", sum(h.rec.nbytes for h in timed))
         self.step_handles += timed
 
-    def _record(self, op, group: Group, shape, dtype, nbytes) -> Record:
+    def _record(self, op, group: Group, shape, dtype, nbytes, what="") -> Record:
         name = group.name
         if name not in self.gseq:
             self.gseq[name], self.members[name] = 0, list(group.ranks)
-        rec = Record(self.seq, op, name, self.gseq[name], shape, dtype, nbytes, time.time(), step=self.step)
+        rec = Record(self.seq, op, name, self.gseq[name], shape, dtype, nbytes, time.time(), step=self.step, what=what)
         self.seq += 1
         self.gseq[name] += 1
         self.records.append(rec)
@@ -369,6 +370,18 @@ class Comm:
         if group.pg is None:
             recv.copy_(send)
         return self._launch("send_recv", group, send, fn)
+
+    def transfer(self, tensor, group: Group, what: str) -> Handle:
+        """A pipeline transfer on a group of one direction (mesh.p2p): this rank sends `tensor` if
+        it is the group's first member, else receives into it. Recorded as 'p2p' on both ends, so
+        that the k-th record of the group is the same transfer on both."""
+        send = group.index == 0
+        other = group.global_rank(1 - group.index)
+
+        def fn(g):
+            return (dist.isend if send else dist.irecv)(tensor, other, group=g)
+
+        return self._launch("p2p", group, tensor, fn, what=f"{'send' if send else 'recv'} {what}")
 
     def exact_reduce_scatter(self, out, inp, scratch, group: Group) -> Handle:
         """Sum `inp` (n equal slices, one per rank) over the group into this rank's slice `out`,

@@ -59,7 +59,10 @@ class Config:
     progress: bool = True
     # parallelism (layout.py validates them together)
     zero: int = 0
-    pp: int = 1  # pipeline stages (not available yet)
+    pp: int = 1  # pipeline stages
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb (parallel/pipeline.py)
+    pp_virtual: int | None = None  # chunks a rank holds: interleaved only (default 2 there)
+    pp_split: str | None = None  # blocks per chunk, e.g. "3,4,4,3" (default: the cost model's)
     cp: int = 1  # context-parallel degree (not available yet)
     tp: int = 1  # tensor-parallel degree (ranks that split each layer); dp = world / (pp * cp * tp)
     ep: int = 1  # expert-parallel degree (not available yet)

@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 
 
 @torch.no_grad()
-def generate(model, prompt: list[int], n: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-             autocast=nullcontext) -> list[int]:
-    """Sample n tokens after the prompt (top-k, temperature), cropping to the model's context."""
-    device = next(model.parameters()).device
+def generate(logits_of, prompt: list[int], n: int, *, block_size: int, device, mult: int = 1,
+             temperature: float = 0.8, top_k: int = 40, seed: int = 0, share=None) -> list[int]:
+    """Sample n tokens after the prompt (top-k, temperature), cropping to the context.
+    `logits_of(ctx)`: the logits (1, T, V) of token ids ctx (1, T), or None on a rank that does
+    not hold the head (a pipeline's other stages); `share(token)`: the token, sampled where the
+    logits are, on every rank. `mult`: sequence parallelism needs a length divisible by tp, so the
+    context is padded on the right -- which (causal attention) leaves the real positions' logits
+    unchanged."""
     g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
-    was_training = model.training
-    model.eval()
-    # sequence parallelism needs a length divisible by tp: pad on the right, which (causal
-    # attention) leaves the logits of the real positions unchanged
-    mult = model.tp if getattr(model, "sp", False) else 1
     for _ in range(n):
-        ctx = idx[:, -(model.cfg.block_size // mult * mult) :]
-        pad = -ctx.shape[1] % mult
-        with autocast():
-            logits = model(F.pad(ctx, (0, pad)))[:, ctx.shape[1] - 1, :].float() / temperature
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits[logits < kth] = -float("inf")
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
-        idx = torch.cat([idx, nxt], dim=1)
-    model.train(was_training)
+        ctx = idx[:, -(block_size // mult * mult) :]
+        logits = logits_of(F.pad(ctx, (0, -ctx.shape[1] % mult)))
+        nxt = None
+        if logits is not None:
+            logits = logits[:, ctx.shape[1] - 1, :].float() / temperature
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits[logits < kth] = -float("inf")
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+        if share is not None:
+            nxt = share(nxt)
+        idx = torch.cat([idx, nxt.to(device)], dim=1)
     return idx[0, len(prompt) :].tolist()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from braidtrain.errors import UserError
 
-NOT_YET = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
+NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,10 @@ class Layout:
     compile: bool
     cuda_graph: bool
     recompute: bool
-    schedule: str  # the order of a step's forwards and backwards (parallel/schedule.py)
+    schedule: str  # the order of a step's forwards and backwards (parallel/pipeline.py; "sequential" at pp 1)
     batch: BatchPlan
+    virtual: int = 1  # pipeline chunks a rank holds (interleaved)
+    split: tuple = ()  # the blocks of each pipeline chunk (ranges), pp * virtual of them
 
     @property
     def world(self) -> int:
@@ -59,8 +61,13 @@ class Layout:
         return self.pp == self.cp == self.tp == self.ep == 1
 
     def describe(self) -> str:
-        """One line for the start of a run: 'dp 2 x tp 2 (sp), ZeRO-1, exact'."""
-        axes = " x ".join(f"{a} {getattr(self, a)}" for a in ("pp", "dp", "cp", "tp", "ep")
+        """One line for the start of a run: 'dp 2 x tp 2 (sp), ZeRO-1, exact'; with a pipeline,
+        its schedule and split: 'pp 2 (1f1b, blocks 0-7 | 8-11) x dp 2, ZeRO-1'."""
+        pipe = ""
+        if self.pp > 1:
+            cut = " | ".join(f"{r.start}-{r.stop - 1}" for r in self.split)
+            pipe = f" ({self.schedule}{f' x{self.virtual} chunks a rank' if self.virtual > 1 else ''}, blocks {cut})"
+        axes = " x ".join(f"{a} {getattr(self, a)}" + (pipe if a == "pp" else "") for a in ("pp", "dp", "cp", "tp", "ep")
                           if getattr(self, a) > 1 or a == "dp")
         features = [f"ZeRO-{self.zero}"] + [n for n, on in (("exact", self.exact), ("recompute", self.recompute),
                                                              ("compile", self.compile), ("cuda-graph", self.cuda_graph)) if on]
@@ -100,15 +107,20 @@ def check_tp(model, tp: int, sp: bool = False, seq_len: int | None = None) -> No
 def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch: int | None = None,
                 pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, zero: int = 0, sp: bool = False,
                 exact: bool = False, compile: bool = False, cuda_graph: bool = False, recompute: bool = False,
+                schedule: str = "1f1b", virtual: int | None = None, split: list[int] | None = None,
                 device: str = "cpu", world_name: str | None = None) -> Layout:
     """The validated layout, or the UserError of the first thing that cannot run. `model` is a
-    GPTConfig; `device` the device type ('cpu' or 'cuda'); `world_name`: what the world size is
-    to the user (`plan`: its --gpus; `train`: the processes started)."""
+    GPTConfig; `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
+    `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
+    `device` the device type ('cpu' or 'cuda'); `world_name`: what the world size is to the user
+    (`plan`: its --gpus; `train`: the processes started)."""
+    from braidtrain.parallel import pipeline
+
     # 1. each degree, and the features against each other
     for name, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if size < 1:
             raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
-    for name, size in (("pp", pp), ("cp", cp), ("ep", ep)):
+    for name, size in (("cp", cp), ("ep", ep)):
         if size > 1:
             raise UserError(f"--{name} {size}: {NOT_YET[name]} is not available yet: use --{name} 1")
     if sp and tp == 1:
@@ -120,6 +132,22 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                         "or use -z 0 or 1 and tp=1")
     if cuda_graph and device != "cuda":
         raise UserError(f"--cuda-graph needs a GPU (this run is on {device}): drop --cuda-graph")
+    if schedule not in pipeline.SCHEDULES:
+        raise UserError(f"unknown pipeline schedule '{schedule}': use one of {', '.join(pipeline.SCHEDULES)}")
+    if virtual is not None and (virtual < 1 or (virtual > 1 and schedule != "interleaved")):
+        raise UserError(f"--pp-virtual {virtual}: more than one chunk a rank is the interleaved schedule's: "
+                        f"use --pp-schedule interleaved, or --pp-virtual 1")
+    v = (virtual or (2 if schedule == "interleaved" else 1)) if pp > 1 else 1
+    if pp > 1:
+        if zero == 3:
+            raise UserError("ZeRO-3 with pipeline parallelism is not supported: a stage already holds only its own "
+                            "layers, and ZeRO-3's gathers would meet the stages' transfers; use -z 1 or -z 2")
+        if cuda_graph:
+            raise UserError("--cuda-graph with pipeline parallelism is not supported (the stages' transfers "
+                            "are not captured): drop --cuda-graph")
+        if schedule == "zb" and (recompute or compile):
+            raise UserError(f"--pp-schedule zb splits each backward on the graph its forward built, which "
+                            f"{'--recompute' if recompute else '--compile'} hides: drop it, or use --pp-schedule 1f1b")
     # 2. against the model and the sequence
     if seq_len > model.block_size:
         raise UserError(f"-t {seq_len} is longer than the model's context ({model.block_size}): "
@@ -135,7 +163,18 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     batch = batch_plan(total_batch, batch_size, seq_len, dp)
     if exact:
         _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device)
-    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch)
+    if pp == 1:
+        return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch)
+    pipeline.check_split(model.n_layer, pp * v, split)
+    m, unit = batch.micro_steps, batch_size * seq_len * dp
+    if schedule in ("1f1b", "zb", "interleaved") and m < pp:
+        raise UserError(f"--pp-schedule {schedule} needs at least pp = {pp} micro-steps per rank, got d/(b*t*dp) = "
+                        f"{m}: use -d {pp * unit} or more (or --pp-schedule gpipe)")
+    if schedule == "interleaved" and m % pp:
+        raise UserError(f"--pp-schedule interleaved needs a multiple of pp = {pp} micro-steps per rank, got "
+                        f"d/(b*t*dp) = {m}: use -d {m // pp * pp * unit} or -d {(m // pp + 1) * pp * unit}")
+    chunks = pipeline.split(model.n_layer, pp * v, pipeline.flop_cost(model, seq_len, pp * v), split)
+    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v, tuple(chunks))
 
 
 def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
@@ -161,6 +200,13 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
 
 def from_config(cfg, world: int, model, device: str) -> Layout:
     """The layout a training Config asks for on `world` processes (train.py's one call)."""
+    split = None
+    if cfg.pp_split:
+        try:
+            split = [int(k) for k in cfg.pp_split.split(",")]
+        except ValueError:
+            raise UserError(f"--pp-split {cfg.pp_split!r}: give blocks per chunk as integers, e.g. 3,4,4,3") from None
     return make_layout(world, model, seq_len=cfg.seq_len, batch_size=cfg.batch_size, total_batch=cfg.total_batch,
                        pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
-                       compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, device=device)
+                       compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, schedule=cfg.pp_schedule,
+                       virtual=cfg.pp_virtual, split=split, device=device)

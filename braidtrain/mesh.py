@@ -13,12 +13,17 @@ The *replica* group of a parameter -- the ranks that average its gradient and sh
 shards -- is the dp*cp ranks with the same (pp, tp) coordinates. Expert parallelism (later) shards
 experts over those same ranks. `world` is every rank (barriers, the run's small agreements).
 
+Pipeline transfers run between neighbouring ranks of a pp line, each direction on a process
+group of its own (`p2p[(from, to)]`, by pp index): NCCL keeps one stream per group, so a send
+never queues behind a receive going the other way (parallel/pipeline.py's deadlock check rests on
+that). `ring` adds the pair from the last stage back to the first (interleaved schedules).
+
 The degrees come validated (layout.py); this file only lays the grid out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +39,7 @@ class Mesh:
     coords: dict[str, int]
     groups: dict[str, Group]  # pp, dp, cp, tp, replica, world: this rank's group along each
     rank: int = 0
+    p2p: dict = field(default_factory=dict)  # (from, to) pp indices -> the group of that direction
 
     def size(self, axis: str) -> int:
         return self.groups[axis].size
@@ -51,7 +57,8 @@ class Mesh:
         return slice(first, first + dp * cp * tp, tp)
 
 
-def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, new_group=None) -> Mesh:
+def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, new_group=None,
+               ring: bool = False) -> Mesh:
     """Every rank must call this with the same degrees: new_group is collective over the world.
     `new_group(ranks, axis)` makes one line's process group (runtime.Runtime.new_group: the run's
     timeout, the axis's NCCL stream priority; default torch's own). Lines with the same members
@@ -79,4 +86,12 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
                     made[key] = new_group(line, axis) if new_group else dist.new_group(line)
             if rank in line:
                 groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world))
-    return Mesh(sizes, coords, groups, rank)
+    p2p = {}
+    for line in lines["pp"]:  # each direction between neighbours, a group of its own
+        pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if ring and pp > 1 else [])
+        for i, j in dict.fromkeys(d for a, b in pairs for d in ((a, b), (b, a))):
+            ranks = (line[i], line[j])
+            pg = new_group(list(ranks), "pp") if new_group else dist.new_group(sorted(ranks))
+            if rank in ranks:
+                p2p[(i, j)] = Group("pp", ranks, ranks.index(rank), pg, comm, f"pp[{ranks[0]}>{ranks[1]}]")
+    return Mesh(sizes, coords, groups, rank, p2p)

@@ -169,7 +169,8 @@ def bucket_numels(cfg, bucket_mb: float, tp: int = 1) -> list[tuple[str, int]]:
     from braidtrain.parallel import buckets, placement
 
     formed = buckets.form(placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb)
-    return [("block" if mods else "embed", sum(e.local_numel(tp) for e in entries)) for entries, mods, _ in formed]
+    return [("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries])[1])
+            for entries, mods, _, _ in formed]
 
 
 def layer_activation(tp: int = 1, sp: bool = False) -> float:

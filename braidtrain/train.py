@@ -40,14 +40,13 @@ import torch
 
 from braidtrain import checkpoint
 from braidtrain.build import build
-from braidtrain.comm import pairwise_sum
 from braidtrain.config import Config
 from braidtrain.data import get_tokenizer, unigram_entropy
 from braidtrain.fault import crash_reason
 from braidtrain.generate import generate
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
 from braidtrain.optim import clip_scale, lr_at
-from braidtrain.parallel import schedule
+from braidtrain.passes import Passes, reduce_loss
 
 GRAPH_WARMUP = 2  # --cuda-graph: eager steps before the capture (compilation, lazy initialisation)
 GC_EVERY = 20  # steps between two collections of Python garbage (collect_garbage)
@@ -68,26 +67,16 @@ def gc_by_hand():
             gc.enable()
 
 
-def reduce_loss(comm, mesh, sums: list[torch.Tensor]) -> float:
-    """The loss sums of every rank that holds them (mesh.loss_ranks: under tp each tp rank holds
-    the same full sum, one counts), added along one fixed tree in (data rank, micro-batch) order:
-    the same bits on every rank and in every layout."""
-    t = torch.stack(sums).double() if sums else torch.zeros(0, dtype=torch.float64, device=comm.device)
-    rows = comm.gather_rows(t, mesh.groups["world"])
-    return pairwise_sum(rows[mesh.loss_ranks()].reshape(-1)).item()
-
-
 class Trainer:
     def __init__(self, cfg: Config):
-        run = self.parts = build(cfg)
+        run = self.built = build(cfg)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
-        self.mcfg, self.model, self.engine, self.opt, self.guard = run.mcfg, run.model, run.engine, run.opt, run.guard
+        self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
         self.start_step, self.load_s = run.start_step, run.load_s
         self.batch = self.layout.batch
-        self.actions = schedule.build(self.layout.schedule, self.batch.micro_steps, self.layout.pp)[self.mesh.coord("pp")]
-        self.executor = schedule.Executor(self.engine, self.forward, divisor=self.batch.total_tokens)
         self.tokens = torch.zeros((2, self.batch.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)  # x, y
+        self.passes = Passes(run, self.autocast, self.tokens)
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
         self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
 
@@ -135,10 +124,13 @@ class Trainer:
         else:
             mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
         comm_s, bus_bytes = self.comm.step_comm()
-        return {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
-                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "host_s": host_s, "comm_s": comm_s,
-                "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
-                "exposed_comm_s": engine.exposed_comm_s()}
+        rec = {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
+               "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "host_s": host_s, "comm_s": comm_s,
+               "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
+               "exposed_comm_s": engine.exposed_comm_s()}
+        if self.layout.pp > 1:
+            rec["bubble"] = self.passes.bubbles()
+        return rec
 
     def drop_graph(self, wait: bool = True) -> None:
         """Free the captured step: its memory, and its hold on the NCCL communicator (with a graph
@@ -167,50 +159,23 @@ class Trainer:
         coordinate: the ranks of one replica read the same sequences -- in pinned memory on GPU
         runs (a copy from pageable memory would make the host wait for the GPU)."""
         rows = self.batch.seqs_per_rank
-        xy = torch.stack(self.parts.loader.batch(step, self.mesh.coord("dp") * rows, rows))
+        xy = torch.stack(self.built.loader.batch(step, self.mesh.coord("dp") * rows, rows))
         return xy.pin_memory() if self.device.type == "cuda" else xy
-
-    def forward(self, micro: int) -> torch.Tensor:
-        """Micro-batch `micro`'s forward: the sum of its token losses."""
-        b = self.cfg.batch_size
-        x, y = self.tokens[:, micro * b : (micro + 1) * b]
-        with self.autocast():
-            loss_sum = self.model(x, y)
-        if self.fault and micro == 0:
-            self.fault.mid_step(self.comm.step)
-        return loss_sum
 
     def work(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The step's device work, from the tokens in self.tokens to updated parameters: the
         same kernels with the same arguments every step (what --cuda-graph captures). Returns
         the micro-batches' loss sums and the gradient norm, on the device."""
         engine = self.engine
-        losses = self.executor.run(self.actions, self.batch.micro_steps)
+        losses = self.passes.train_step()
         engine.finish_step()
         norm = engine.grad_norm()  # on the device: nothing in the step waits for the GPU
         self.opt.update(grad_scale=clip_scale(norm, self.cfg.grad_clip))
         engine.gather_params()
         return losses, norm
 
-    @torch.no_grad()
-    def validate(self) -> float:
-        """Mean loss over val_steps global batches of validation sequences, split over the data ranks."""
-        cfg, b = self.cfg, self.cfg.batch_size
-        total = cfg.val_steps * self.batch.seqs_per_step
-        per_rank = total // self.layout.dp
-        first = self.mesh.coord("dp") * per_rank
-        sums = []
-        self.model.eval()
-        with self.engine.gathered():
-            for s in range(first, first + per_rank, b):
-                x, y = self.parts.val_loader.val_batch(s, min(b, first + per_rank - s))
-                with self.autocast():
-                    sums.append(self.model(x.to(self.device), y.to(self.device)).float())
-        self.model.train()
-        return reduce_loss(self.comm, self.mesh, sums) / (total * cfg.seq_len)
-
     def save(self, step: int) -> float:
-        info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.parts.tok_name}
+        info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.built.tok_name}
         return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
                                self.cfg.keep_ckpts, midway=self.fault.mid_save if self.fault else None)
 
@@ -242,7 +207,7 @@ class Trainer:
                         rec["load_s"] = self.load_s
                     last = step + 1 == cfg.max_steps
                     if cfg.val_every and ((step + 1) % cfg.val_every == 0 or last):
-                        val = rec["val_loss"] = self.validate()
+                        val = rec["val_loss"] = self.passes.validate(self.device)
                     if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last:
                         rec["save_s"] = self.save(step + 1)
                     if log:
@@ -254,26 +219,31 @@ class Trainer:
                 log.close()
         self.drop_graph()
         if val is None or rec is None:
-            val = self.validate()
+            val = self.passes.validate(self.device)
         save_s = self.save(cfg.max_steps)
         with self.engine.gathered():
             sha = checkpoint.weights_sha256(self.engine)
         summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
                    "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s}
+        if self.layout.pp > 1:
+            self.passes.write_schedule(self.out / "schedule.json", rec["bubble"] if rec else None)
         if cfg.compile:  # how many graphs torch.compile made (one per block shape: 1 for GPT-2)
             from torch._dynamo.utils import counters
 
             summary["compiled_graphs"] = counters["stats"]["unique_graphs"]
         if rt.is_main:
-            summary["unigram_val_loss"] = unigram_entropy(self.parts.train_data)
+            summary["unigram_val_loss"] = unigram_entropy(self.built.train_data)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             if rec:
                 plot_runs([str(self.out)], str(self.out / "loss.png"))
             rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
         if cfg.sample_tokens:  # every rank takes part: under ZeRO-3 gathering is collective
-            tok = get_tokenizer(self.parts.tok_name)
+            tok = get_tokenizer(self.built.tok_name)
             with self.engine.gathered():
-                text = tok.decode(generate(self.model, [tok.eot], cfg.sample_tokens, seed=cfg.seed, autocast=self.autocast))
+                text = tok.decode(generate(self.passes.next_logits, [tok.eot], cfg.sample_tokens,
+                                           block_size=self.mcfg.block_size, device=self.device,
+                                           mult=self.layout.tp if self.layout.sp else 1, seed=cfg.seed,
+                                           share=self.passes.share_token))
             rt.log("--- sample ---\n" + text + "\n--------------")
         return summary
 

@@ -155,8 +155,42 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Blocks(nn.ModuleDict):
+    """The blocks a model (or a pipeline stage of it) holds, keyed by their index in the whole
+    model, so that parameter names -- h.<i>.* -- are the whole model's on every stage. Indexed by
+    that number; iterated in order."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(str(i))
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+class TiedHead(torch.autograd.Function):
+    """The output head's use of the tied embedding, with its gradient kept apart: forward the
+    identity; backward hands the head's gradient of wte to `sink` (the engine, which adds it to
+    the lookup's once per step) and gives autograd none. Exact mode does this in every layout, so
+    that the two uses' sums are the same whether one rank holds both or two stages hold one each."""
+
+    @staticmethod
+    def forward(ctx, w, sink):
+        ctx.sink = sink
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(grad)
+        return None, None
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, mesh=None, sp: bool = False):
+    """The whole model, or one pipeline stage (chunk number `stage`) of it: the blocks `blocks`
+    (default all), the embeddings if `first`, the final LayerNorm and the head if `last` (a stage
+    that is last but not first holds its own copy of the tied wte for the head)."""
+
+    def __init__(self, cfg: GPTConfig, mesh=None, sp: bool = False, blocks: range | None = None,
+                 first: bool = True, last: bool = True, stage: int = 0):
         super().__init__()
         self.cfg = cfg
         self.tp = 1 if mesh is None else mesh.size("tp")
@@ -164,11 +198,17 @@ class GPT(nn.Module):
         check_tp(cfg, self.tp)
         self.sp = sp and self.tp > 1
         self.group = mesh.groups["tp"] if self.tp > 1 else None  # None: plain dense layers
-        self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp, align=VOCAB_ALIGN)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg, self.tp, self.group, self.sp) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.first, self.last, self.stage = first, last, stage  # stage: its place in the pipeline's chunks
+        if first or last:
+            self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp, align=VOCAB_ALIGN)
+        if first:
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp)
+                         for i in (range(cfg.n_layer) if blocks is None else blocks)})
+        if last:
+            self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.recompute = False  # activation checkpointing: keep only each block's input
+        self.head_sink = None  # exact mode: where the head's gradient of wte goes (TiedHead)
 
     def use_deterministic_attention(self) -> None:
         """Exact mode on GPU: torch's fused attention backwards add partial tiles with atomics (not
@@ -190,25 +230,39 @@ class GPT(nn.Module):
 
     def param_units(self):
         """Parameter groups for the data-parallel engine, in forward order: the embedding group
-        (module None: the tied wte is used at both ends, with wpe and ln_f), then each block."""
-        units = [(None, ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"])]
-        return units + [(blk, [f"h.{i}.{n}" for n, _ in blk.named_parameters()]) for i, blk in enumerate(self.h)]
+        (module None: the tied wte is used at both ends, with wpe and ln_f; on a pipeline's first
+        stage wte and wpe), then each block; a last stage that is not the first ends with ln_f and
+        its copy of wte."""
+        units = [(None, ["wte.weight", "wpe.weight"] + (["ln_f.weight", "ln_f.bias"] if self.last else []))] if self.first else []
+        units += [(blk, [f"h.{i}.{n}" for n, _ in blk.named_parameters()]) for i, blk in self.h.items()]
+        return units + ([(None, ["ln_f.weight", "ln_f.bias", "wte.weight"])] if self.last and not self.first else [])
 
-    @staticmethod
-    def tied_users() -> dict[str, tuple[str, ...]]:
-        """Parameters used in more than one place: the embedding, also the output head."""
-        return {"wte.weight": ("lookup", "head")}
+    def tied_users(self) -> dict[str, tuple[str, ...]]:
+        """Parameters used in more than one place, and which of those uses this model holds: the
+        embedding's lookup (first stage) and the output head (last)."""
+        uses = ("lookup",) * self.first + ("head",) * self.last
+        return {"wte.weight": uses} if uses else {}
 
-    def forward(self, idx, targets=None):
-        """Returns the logits over the real vocabulary, or, given targets, the *sum* of the
-        cross-entropy over all tokens (the caller divides once by the global token count).
-        Under tp every rank returns the same full sum (and the same full logits)."""
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
-        if self.sp:
-            check_tp(self.cfg, self.tp, self.sp, T)
-            pos = pos.chunk(self.tp)[self.tp_rank]  # the residual stream holds this rank's T/tp rows
-        x = self.wte(idx) + self.wpe(pos)
+    def copies(self) -> set[str]:
+        """Parameters this model holds as a copy of another stage's: a last stage's wte, for the
+        head (kept bitwise equal to the first stage's: the same gradient, the same update)."""
+        return {"wte.weight"} if self.last and not self.first else set()
+
+    def forward(self, inp, targets=None):
+        """`inp`: token ids on the first stage, else the previous stage's output. Returns that
+        output for the next stage; on the last, the logits over the real vocabulary, or, given
+        targets, the *sum* of the cross-entropy over all tokens (the caller divides once by the
+        global token count). Under tp every rank returns the same full sum (and the same full
+        logits)."""
+        if self.first:
+            T = inp.shape[1]
+            pos = torch.arange(T, device=inp.device)
+            if self.sp:
+                check_tp(self.cfg, self.tp, self.sp, T)
+                pos = pos.chunk(self.tp)[self.tp_rank]  # the residual stream holds this rank's T/tp rows
+            x = self.wte(inp) + self.wpe(pos)
+        else:
+            x = inp
         for block in self.h:
             if self.recompute and torch.is_grad_enabled():
                 # recomputed in the backward pass; the model draws no random numbers, so there is no RNG
@@ -216,12 +270,15 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = block(x)
+        if not self.last:
+            return x
+        w = self.wte.weight if self.head_sink is None else TiedHead.apply(self.wte.weight, self.head_sink)
         if self.group is None:
             if targets is None:
-                return F.linear(self.ln_f(x), self.wte.weight)[..., : self.cfg.vocab_size]
-            return head_loss(self.ln_f(x), self.wte.weight, targets, self.cfg.vocab_size)
+                return F.linear(self.ln_f(x), w)[..., : self.cfg.vocab_size]
+            return head_loss(self.ln_f(x), w, targets, self.cfg.vocab_size)
         # the tied head, column-parallel over the vocabulary: (B, T, V/tp) of this rank's rows
-        logits = F.linear(enter_tp(self.ln_f(x), self.group, self.sp), self.wte.weight)
+        logits = F.linear(enter_tp(self.ln_f(x), self.group, self.sp), w)
         if targets is None:
             return gather_last_dim(logits, self.group)[..., : self.cfg.vocab_size]
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.wte.vocab_start,

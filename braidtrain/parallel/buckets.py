@@ -4,8 +4,10 @@ A stage's parameters become views into flat fp32 buffers, one per *bucket*: runs
 (a transformer block; the embedding group wte + wpe + ln_f) of about `bucket_mb`, formed per
 reduce group (the placement table's `reduce`: the group that sums the gradient) from the last
 block backwards -- the order the backward pass produces gradients -- and never depending on the
-world size. Each bucket is padded with zeros to a multiple of n * Q (n = its group's size,
-Q = 64 elements), so it splits into n equal, 256-byte aligned shards:
+world size. Each parameter starts at a multiple of Q = 64 elements (zeros between), and each
+bucket is padded with zeros to a multiple of n * Q (n = its group's size), so it splits into n
+equal, 256-byte aligned shards, and every Q-chunk of a shard lies in one parameter -- at the same
+place in it whatever the layout (exact mode's gradient norm sums such chunks, parallel/exact.py):
 
       bucket k (padded):  [ shard 0 | shard 1 | ... | shard n-1 ]
                             rank 0    rank 1          rank n-1
@@ -28,18 +30,25 @@ import torch
 Q = 64  # shard quantum (elements): alignment, and the chunk of the exact gradient norm
 
 
+def place(numels: list[int]) -> tuple[list[int], int]:
+    """The offsets of parameters of these sizes in a bucket (each a multiple of Q), and the end of
+    the last: what the bucket holds before its padding to n * Q."""
+    offsets, off = [], 0
+    for k in numels:
+        offsets.append(off)
+        off = math.ceil((off + k) / Q) * Q
+    return offsets, (offsets[-1] + numels[-1] if numels else 0)
+
+
 class Bucket:
-    def __init__(self, index, params, modules, group, device, zero):
+    def __init__(self, index, params, modules, group, device, zero, stage=0):
         self.index, self.params, self.modules, self.group = index, params, modules, group  # params: [(name, param)]
+        self.stage = stage  # the pipeline chunk whose parameters it holds
         n = group.size
-        self.numel = sum(p.numel() for _, p in params)
+        self.offsets, self.numel = place([p.numel() for _, p in params])
         self.padded = math.ceil(self.numel / (n * Q)) * n * Q
         self.shard_size = self.padded // n
         self.lo, self.hi = group.index * self.shard_size, (group.index + 1) * self.shard_size
-        self.offsets, off = [], 0
-        for _, p in params:
-            self.offsets.append(off)
-            off += p.numel()
         # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
         self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
         self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
@@ -58,28 +67,33 @@ class Bucket:
             yield p, buf[off : off + p.numel()].view_as(p)
 
 
-def form(table, numel, bucket_mb: float) -> list[tuple[list, list, str]]:
-    """(placed parameters, block modules, reduce group) of each bucket, in launch order: per reduce
-    group, whole units from the last backwards until a bucket holds >= bucket_mb, the embedding
-    group (used at both ends, so its gradient is complete last) a bucket of its own. `numel(e)`:
-    the elements this rank holds of placed parameter e (the engine's tensors; the planner's
-    sizes)."""
+def form(table, numel, bucket_mb: float, alone=frozenset()) -> list[tuple[list, list, str, int]]:
+    """(placed parameters, block modules, reduce group, pipeline chunk) of each bucket, in launch
+    order: per chunk (the last first) and reduce group, whole units from the last backwards until
+    a bucket holds >= bucket_mb; a unit of no block -- the embedding group, used at both ends so
+    that its gradient is complete last; a last stage's ln_f and head -- a bucket of its own.
+    A parameter named in `alone` is a bucket by itself (the tied embedding, whose two uses' reduced
+    gradients are added shard by shard: parallel/tied.py). `numel(e)`: the elements this rank holds
+    of placed parameter e (the engine's tensors; the planner's sizes)."""
     limit = max(1, int(bucket_mb * 2**20 / 4))
     out = []
-    for reduce in dict.fromkeys(e.reduce for e in table):
-        cur, mods, size = [], [], 0
-        for module, entries in reversed(table.units):  # last block first: the backward's order
-            mine = [e for e in entries if e.reduce == reduce]
-            if not mine:
-                continue
-            if module is None:  # the embedding group (used at both ends) is a bucket of its own
-                out += [(cur, mods, reduce)] if cur else []
-                out.append((mine, [], reduce))
-                cur, mods, size = [], [], 0
-                continue
-            cur, mods, size = mine + cur, [module] + mods, size + sum(numel(e) for e in mine)
-            if size >= limit:
-                out.append((cur, mods, reduce))
-                cur, mods, size = [], [], 0
-        out += [(cur, mods, reduce)] if cur else []
+    for stage in sorted({e.stage for e in table}, reverse=True):
+        for reduce in dict.fromkeys(e.reduce for e in table):
+            cur, mods, size = [], [], 0
+            for module, entries in reversed(table.units):  # last block first: the backward's order
+                mine = [e for e in entries if e.reduce == reduce and e.stage == stage]
+                if not mine:
+                    continue
+                if module is None:  # a unit of no block is a bucket of its own
+                    out += [(cur, mods, reduce, stage)] if cur else []
+                    rest = [e for e in mine if e.name not in alone]
+                    out += [(rest, [], reduce, stage)] if rest else []
+                    out += [([e], [], reduce, stage) for e in mine if e.name in alone]
+                    cur, mods, size = [], [], 0
+                    continue
+                cur, mods, size = mine + cur, [module] + mods, size + sum(numel(e) for e in mine)
+                if size >= limit:
+                    out.append((cur, mods, reduce, stage))
+                    cur, mods, size = [], [], 0
+            out += [(cur, mods, reduce, stage)] if cur else []
     return out

@@ -34,25 +34,31 @@ from contextlib import contextmanager
 import torch
 
 from braidtrain.comm import Comm, pairwise_sum, timing_events
-from braidtrain.parallel import buckets, placement
+from braidtrain.parallel import buckets, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
+from braidtrain.parallel.tied import Tied
 from braidtrain.parallel.zero import Zero
 
 
 class Engine:
-    def __init__(self, model, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device):
-        self.model, self.comm, self.zero, self.exact, self.device = model, comm, zero, exact, device
-        self.table = placement.build(model)
-        self.tp, self.world = mesh.groups["tp"], mesh.groups["world"]
+    """`parts`: the model, or the pipeline chunks this rank holds (model.GPT stages, in order)."""
+
+    def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device):
+        self.parts = parts if isinstance(parts, list) else [parts]
+        self.model = self.parts[0]  # (its config is every part's)
+        self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
+        self.table = placement.build(self.parts)
+        self.tp, self.pp, self.world = mesh.groups["tp"], mesh.groups["pp"], mesh.groups["world"]
         # Tensor parallelism: the tp ranks of one replica slot hold different shards of the sharded
         # parameters and identical copies of the replicated ones. The norm counts those copies
         # once (Table.counted_here); under sp their gradients are partial sums, added over tp.
         self.partial = self.table.sp_partial()
-        named = dict(model.named_parameters())
-        formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb)
-        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero)
-                        for i, (es, ms, reduce) in enumerate(formed)]
+        named = {n: p for part in self.parts for n, p in part.named_parameters()}
+        alone = Tied.kept_apart(self.table, exact)  # each in a bucket of its own (tied.py)
+        formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb, alone)
+        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero, stage)
+                        for i, (es, ms, reduce, stage) in enumerate(formed)]
         self.bucket_of = {}
         for b in self.buckets:
             for p, view in b.views(b.full):
@@ -68,7 +74,10 @@ class Engine:
         self._exposed = 0.0  # seconds, or a pair of CUDA events (see finish_step)
         self.n_micro, self.micro, self.last = 1, 0, True
         self.backward_phase = False  # inside backward(): forward hooks then see a recomputation
+        self.input_only = False  # inside input_phase()
+        self.tied = Tied(self)  # the tied embedding's two uses, kept apart (exact mode, pipelines)
         self.zero_hooks = Zero(self) if zero >= 2 else None
+        self.exact_norm = exact_sums.ExactNorm(self) if exact else None
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
@@ -105,6 +114,7 @@ class Engine:
         """A new step of n_micro micro-batches on this stage. Also clears what a step that
         failed part-way may have left: open buffers, partial sums, a buffer pooled twice."""
         self.n_micro = n_micro
+        self.tied.begin_step()
         for b in self.buckets:
             b.first, b.open = True, False
             if self.exact:
@@ -124,20 +134,40 @@ class Engine:
             self.zero_hooks.before_forward()
         yield
 
-    def backward(self, micro: int, tensors, grads=None, last: bool = False) -> None:
-        """The backward of micro-batch `micro` from `tensors` (the loss, or a stage's outputs
-        with their gradients `grads`); `last`: no other backward follows in this step, so each
-        bucket's reduction starts as its gradients complete."""
+    def backward(self, micro: int, tensors, grads=None, last: bool = False, stage: int = 0) -> None:
+        """The backward of micro-batch `micro` through chunk `stage` from `tensors` (the loss, or
+        the chunk's outputs with their gradients `grads`); `last`: no other backward of this chunk
+        follows in this step, so each of its buckets' reduction starts as its gradients complete."""
+        self._backward(micro, last, stage, lambda: torch.autograd.backward(tensors, grads))
+
+    def backward_weight(self, micro: int, weights, last: bool = False, stage: int = 0) -> None:
+        """zb's W: the weight gradients of a backward whose input gradient input_phase() took
+        (parallel/zb.py); otherwise as backward()."""
+        self._backward(micro, last, stage, lambda: zb.backward_weight(weights), open_blocks=self.zero >= 2)
+
+    @contextmanager
+    def input_phase(self):
+        """zb's B: autograd computes a chunk input's gradient alone; no parameter's gradient
+        arrives (the buckets wait for W, which opens them)."""
+        self.backward_phase = self.input_only = True
+        try:
+            yield
+        finally:
+            self.backward_phase = self.input_only = False
+
+    def _backward(self, micro, last, stage, work, open_blocks=False):
         self.micro, self.last = micro, last
         if not self.comm.cuda:  # ZeRO-2/3: the last backward's reduce-scatters, so that their scratch is
             self._drain()  # free and each shard adds them in order (on CUDA the side stream runs them in order)
         for b in self.buckets:
+            if b.stage != stage:
+                continue
             b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
-            if self.exact and self.zero <= 1:  # a fresh leaf of the tree (ZeRO-2/3: zero.py opens it)
-                self._open_grad(b)
+            if (self.exact and self.zero <= 1) or (open_blocks and b.modules):  # a fresh buffer for this backward
+                self._open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
         self.backward_phase = True
         try:
-            torch.autograd.backward(tensors, grads)
+            work()
         finally:
             self.backward_phase = False
 
@@ -180,7 +210,8 @@ class Engine:
             b.grad = None
             if self.last:
                 b.grad = self.trees[b].total(self.n_micro)
-                self._launch_exact(b)
+                b.handle = self._exact_reduce(b, b.grad, *self.owned_grad(b), self.scratch.get(b))
+                self.tied.reduced(b)
         elif self.zero <= 1:
             if self.last:
                 self._launch(b)
@@ -188,6 +219,13 @@ class Engine:
             self._launch_every_backward(b)
         if self.zero_hooks is not None:
             self.zero_hooks.gradients_done(b)
+
+    def owned_grad(self, b):
+        """(where a reduction of bucket b leaves this rank's part, and whether that is the full
+        bucket, rebuilt from its shards: ZeRO-0)."""
+        if self.zero == 0:
+            return b.grad, True
+        return (b.grad[b.lo : b.hi] if self.zero == 1 else b.shard_grad), False
 
     def _launch(self, b):
         if self.zero == 0:
@@ -214,15 +252,16 @@ class Engine:
                 h.wait()
             self.pending = [h for h in self.pending if not h.done]
 
-    def _launch_exact(self, b):
-        scratch = self.scratch.get(b)
-        if self.zero >= 2:
-            b.handle = self.comm.exact_reduce_scatter(b.shard_grad, b.grad, scratch, b.group)
-            return
-        h = self.comm.exact_reduce_scatter(b.grad[b.lo : b.hi], b.grad, scratch, b.group)
-        if self.zero == 0 and b.group.size > 1:  # rebuild the full gradient from the reduced shards
-            h = _Then(h, lambda b=b: self.comm.all_gather(b.grad, b.grad[b.lo : b.hi], b.group).wait())
-        b.handle = h
+    def _exact_reduce(self, b, grad, out, full, scratch):
+        """Exact mode's reduction of a whole gradient `grad` laid out as bucket b (its own, or the
+        tied head's): this rank's shard summed into `out` -- or, `full`, into grad[lo:hi], the full
+        bucket then rebuilt from the reduced shards."""
+        if not full:
+            return self.comm.exact_reduce_scatter(out, grad, scratch, b.group)
+        h = self.comm.exact_reduce_scatter(grad[b.lo : b.hi], grad, scratch, b.group)
+        if b.group.size > 1:
+            h = _Then(h, lambda: self.comm.all_gather(grad, grad[b.lo : b.hi], b.group).wait())
+        return h
 
     def _drain(self):
         for h in self.pending:
@@ -243,6 +282,7 @@ class Engine:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
+        self.tied.combine()  # the tied embedding's two uses, each reduced, added
         if self.partial:
             self._sum_partials_over_tp()
         if cuda:
@@ -279,11 +319,12 @@ class Engine:
 
     # -- gradient norm and the parameter all-gather --------------------------------------------
     def norm_view(self, b, g):
-        """The gradient as the norm sees it: tp-replicated parameters only on tp rank 0."""
-        if self.tp.size == 1 or self.tp.index == 0:
+        """The gradient as the norm sees it: each parameter once (Table.counted_here)."""
+        drop = self.segments(b, lambda e: not self.table.counted_here(e))
+        if not drop:
             return g
         g = g.clone()
-        for a, e in self.segments(b, lambda e: not self.table.counted_here(e)):
+        for a, e in drop:
             g[a:e] = 0
         return g
 
@@ -291,7 +332,7 @@ class Engine:
         """Global L2 norm of the reduced gradient, each parameter counted once: a 0-dim tensor on
         the device (reading it is the caller's host synchronisation)."""
         if self.exact:
-            return exact_sums.grad_norm(self)
+            return self.exact_norm()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         owned = list(self.owned())
         for group in dict.fromkeys(b.group for b in self.buckets):  # each reduce group's shards, summed over it
@@ -302,8 +343,9 @@ class Engine:
             if self.zero >= 1 and group.size > 1:
                 self.comm.all_reduce(sq, group).wait()
             total += sq
-        if self.tp.size > 1:
-            self.comm.all_reduce(total, self.tp).wait()
+        for group in (self.pp, self.tp):  # the other stages' parameters, the other shards
+            if group.size > 1:
+                self.comm.all_reduce(total, group).wait()
         return total.sqrt()
 
     def gather_params(self):
@@ -320,7 +362,7 @@ class Engine:
         n = 0
         for b in self.buckets:
             n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if self.zero == 3 else 0)
-            n += b.grad.numel() if self.zero <= 1 else b.shard_grad.numel()
+            n += (b.grad.numel() if b.grad is not None else 0) + (b.shard_grad.numel() if self.zero >= 2 else 0)
         return 4 * n
 
 

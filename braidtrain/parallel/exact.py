@@ -15,8 +15,9 @@ reduce-scatter (comm.exact_reduce_scatter) then adds the ranks' subtrees along t
 any power-of-two dp gives the one tree over all micro-batches, hence the same bits -- at every
 ZeRO stage, which in exact mode therefore also holds the local tree.
 
-The gradient norm is summed in float64 over fixed Q-element chunks with pairwise trees, so it
-does not depend on where shard boundaries fall.
+The gradient norm is summed in float64 over each parameter's Q-element chunks with pairwise trees
+(ExactNorm), so it depends neither on where shard boundaries fall nor on which bucket -- or, with
+a pipeline, which stage -- holds a parameter.
 """
 
 from __future__ import annotations
@@ -71,21 +72,52 @@ class TreeSum:
         self.leaves = 0
 
 
-def grad_norm(engine) -> torch.Tensor:
-    """The exact global gradient norm: float64 sums of Q-element chunks by pairwise trees; chunks
-    gathered in canonical order; per bucket a pairwise tree over its chunks; buckets added in
-    order; tp ranks too, in tp-rank order."""
-    chunks = {b: pairwise_sum(engine.norm_view(b, g).double().pow(2).view(-1, Q).T) for b, _, g in engine.owned()}
-    total = torch.zeros(1, dtype=torch.float64, device=engine.device)
-    for group in dict.fromkeys(b.group for b in engine.buckets):  # each reduce group's shards, gathered
-        mine = [b for b in engine.buckets if b.group is group]
-        local = torch.cat([chunks[b] for b in mine])
-        gathered = engine.comm.gather_rows(local, group) if engine.zero >= 1 else local[None]
-        col = 0
-        for b in mine:
-            k = (b.shard_size if engine.zero >= 1 else b.padded) // Q
-            total += pairwise_sum(gathered[:, col : col + k].reshape(-1))
-            col += k
-    if engine.tp.size > 1:
-        total = pairwise_sum(engine.comm.gather_rows(total, engine.tp))  # tp-rank order
-    return total[0].sqrt()
+class ExactNorm:
+    """The exact global gradient norm, the same bits in every layout of a tp degree: each Q-element
+    chunk of a parameter (parameters start at multiples of Q in their buckets, and shards split
+    buckets at multiples of Q, so a chunk is the same elements whatever the dp size, ZeRO stage or
+    bucket) is summed in float64 by a pairwise tree; a parameter's chunks by a pairwise tree (its
+    chunk count padded with zero chunks: adding zero changes no bit); the parameters, in the
+    model's canonical order, by a pairwise tree; tp ranks' totals in tp-rank order. A parameter
+    counts once: a tp-replicated one on tp rank 0 only, a pipeline's copy of wte on the first
+    stage (Engine.norm_view); each stage fills its parameters' places in the whole model's list,
+    and the stages' lists are added -- each place non-zero on one stage only, so adding is
+    picking."""
+
+    def __init__(self, engine):
+        from braidtrain.parallel import placement
+
+        self.e = engine
+        self.slot = {e.name: i for i, e in enumerate(placement.for_config(engine.model.cfg))}
+        self.rows = {}  # bucket -> (index into its chunk vector, with one zero appended; canonical slots)
+        for b in engine.buckets:
+            n_chunks = b.padded // Q
+            spans = [(off // Q, -(-(off + p.numel()) // Q)) for (_, p), off in zip(b.params, b.offsets)]
+            width = 1 << max(0, (max(e - a for a, e in spans) - 1).bit_length())
+            index = torch.full((len(spans), width), n_chunks, dtype=torch.long)  # n_chunks: the zero
+            for i, (a, e) in enumerate(spans):
+                index[i, : e - a] = torch.arange(a, e)
+            slots = torch.tensor([self.slot[name] for name, _ in b.params])
+            self.rows[b] = (index.to(engine.device), slots.to(engine.device))
+
+    def __call__(self) -> torch.Tensor:
+        e = self.e
+        per_param = torch.zeros(len(self.slot), dtype=torch.float64, device=e.device)
+        chunks = {b: pairwise_sum(e.norm_view(b, g).double().pow(2).view(-1, Q).T) for b, _, g in e.owned()}
+        for group in dict.fromkeys(b.group for b in e.buckets):  # each reduce group's shards, gathered
+            mine = [b for b in e.buckets if b.group is group]
+            local = torch.cat([chunks[b] for b in mine])
+            gathered = e.comm.gather_rows(local, group) if e.zero >= 1 else local[None]
+            col = 0
+            for b in mine:
+                k = (b.shard_size if e.zero >= 1 else b.padded) // Q
+                whole = torch.cat([gathered[:, col : col + k].reshape(-1), gathered.new_zeros(1)])  # the bucket's chunks
+                index, slots = self.rows[b]
+                per_param[slots] = pairwise_sum(whole[index].T)
+                col += k
+        if e.pp.size > 1:
+            per_param = pairwise_sum(e.comm.gather_rows(per_param, e.pp))
+        total = pairwise_sum(per_param)[None]
+        if e.tp.size > 1:
+            total = pairwise_sum(e.comm.gather_rows(total, e.tp))  # tp-rank order
+        return total[0].sqrt()

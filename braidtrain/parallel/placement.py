@@ -43,7 +43,8 @@ class Placed:
     stage: int = 0  # pipeline stage (all 0 until pipeline parallelism)
     expert: bool = False
     reduce: str = "replica"  # the mesh group that reduces its gradient (mesh.groups key)
-    users: tuple = ()  # what uses it, for a parameter used twice: the tied wte's ("lookup", "head")
+    users: tuple = ()  # of a parameter used in two places (the tied wte), the uses this rank performs
+    copy: bool = False  # a copy of another stage's parameter (a last stage's wte): saved, counted once there
 
     @property
     def replicated(self) -> bool:
@@ -88,12 +89,12 @@ class Placed:
 
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "split": list(self.split), "unit": self.unit, "stage": self.stage,
-                "expert": self.expert, "reduce": self.reduce, "users": list(self.users)}
+                "expert": self.expert, "reduce": self.reduce, "users": list(self.users), "copy": self.copy}
 
     @staticmethod
     def from_json(name: str, d: dict) -> "Placed":
         return Placed(name, tuple(d["shape"]), ShardSpec(*d["split"]), d["unit"], d["stage"], d["expert"],
-                      d["reduce"], tuple(d["users"]))
+                      d["reduce"], tuple(d["users"]), d.get("copy", False))
 
 
 class Table:
@@ -123,8 +124,9 @@ class Table:
         return {e.name for e in self.entries if self.sp and self.tp > 1 and e.replicated}
 
     def counted_here(self, e: Placed) -> bool:
-        """Whether this rank's copy counts in the gradient norm: a tp-replicated parameter once."""
-        return not e.replicated or self.tp_rank == 0
+        """Whether this rank's copy counts in the gradient norm: a tp-replicated parameter on tp
+        rank 0, a parameter held on two stages on the first."""
+        return (not e.replicated or self.tp_rank == 0) and not e.copy
 
     def to_json(self) -> dict:
         return {e.name: e.to_json() for e in self.entries}
@@ -134,25 +136,28 @@ class Table:
         return Table([Placed.from_json(name, v) for name, v in d.items()])
 
 
-def build(model) -> Table:
-    """The table of a model (model/gpt.GPT): every parameter with its layer's tp split
-    (replicated where the layer declares none), its unit, stage and users. Full shapes are those
-    of the same model at tp = 1 (built on the meta device when this one is split)."""
-    if model.tp > 1:
-        full = {e.name: e.shape for e in for_config(model.cfg)}
-    else:
-        full = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    unit_of, modules = {}, []
-    for u, (module, names) in enumerate(model.param_units()):
-        modules.append(module)
-        unit_of.update(dict.fromkeys(names, u))
-    split_of = {}
-    for mod_name, module in model.named_modules():
-        for pname, split in getattr(module, "tp_split", {}).items():
-            split_of[f"{mod_name}.{pname}" if mod_name else pname] = split
-    users = model.tied_users()
-    entries = [Placed(n, full[n], split_of.get(n, REPLICATED), unit_of[n], users=users.get(n, ()))
-               for n, _ in model.named_parameters()]
+def build(parts) -> Table:
+    """The table of a model (model/gpt.GPT), or of the pipeline chunks one rank holds (a list):
+    every parameter with its layer's tp split (replicated where the layer declares none), its unit,
+    chunk and uses. Full shapes are those of the whole model at tp = 1."""
+    parts = parts if isinstance(parts, list) else [parts]
+    model = parts[0]
+    whole = len(parts) == 1 and model.tp == 1 and model.first and model.last  # (what for_config builds)
+    full = ({n: tuple(p.shape) for n, p in model.named_parameters()} if whole
+            else {e.name: e.shape for e in for_config(model.cfg)})
+    entries, modules = [], []
+    for part in parts:
+        unit_of = {}
+        for module, names in part.param_units():
+            unit_of.update(dict.fromkeys(names, len(modules)))
+            modules.append(module)
+        split_of = {}
+        for mod_name, module in part.named_modules():
+            for pname, split in getattr(module, "tp_split", {}).items():
+                split_of[f"{mod_name}.{pname}" if mod_name else pname] = split
+        users, copies = part.tied_users(), part.copies()
+        entries += [Placed(n, full[n], split_of.get(n, REPLICATED), unit_of[n], part.stage, users=users.get(n, ()),
+                           copy=n in copies) for n, _ in part.named_parameters()]
     return Table(entries, model.tp, model.tp_rank, model.sp, modules)
 
 

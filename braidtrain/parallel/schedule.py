@@ -1,31 +1,40 @@
 """Schedules as data, and the executor that runs them (docs/design-notes.md, "One validator, one
 table, one schedule").
 
-A schedule is a plain list of actions per pipeline stage, generated for every stage at once and
+A schedule is a plain list of actions per pipeline rank, generated for every rank at once and
 checked before anything runs:
 
-    F(stage, micro)   forward of one micro-batch through the stage
-    B(stage, micro)   its backward (later: split into input-gradient and weight-gradient parts,
-                      and the send/recv of activations and gradients between stages)
+    F(stage, micro)        forward of one micro-batch through pipeline chunk `stage`
+    B(stage, micro)        its backward (zb: only the gradient of the chunk's input)
+    W(stage, micro)        zb: the chunk's weight gradients (parallel/zb.py)
+    SEND_F / RECV_F        the chunk's output to the next chunk's rank / its input from the previous
+    SEND_B / RECV_B        its input's gradient to the previous chunk's rank / its output's from the next
 
-The default schedule (one stage) is the micro-batch loop: F0 B0 F1 B1 ... Any other order that
-runs each micro-batch's forward before its backward is valid for the engine (parallel/engine.py):
-1F1B's F0 F1 B0 F2 B1 ... holds two micro-batches' activations at once, and gives the same
+With one stage the schedule is the micro-batch loop, F0 B0 F1 B1 ...; with a pipeline,
+parallel/pipeline.py makes them. Any order that runs each micro-batch's forward before its
+backward is valid for the engine (parallel/engine.py): 1F1B's F0 F1 B0 F2 B1 ... gives the same
 gradients -- within rounding by default, to the bit in exact mode.
 
-The executor runs one stage's list: it tells the engine which micro-batch each forward and
-backward belongs to and which backward is the step's last, keeps each micro-batch's output until
-its backward, and counts the activations alive at once (`max_live`).
+The executor runs one rank's list: it tells the engine which micro-batch each forward and
+backward belongs to and which backward is its chunk's last of the step, keeps each micro-batch's
+output until its backward, sends and receives (each direction on its own group: sends are left
+to complete, receives waited for), counts the activations alive at once (`max_live`) and times
+each piece of work (`events`, for the bubble and `braidtrain plot --schedule`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import torch
+
+from braidtrain.parallel import zb
 
 
 @dataclass(frozen=True)
 class Action:
-    op: str  # "F" or "B"
+    op: str  # F, B, W, SEND_F, RECV_F, SEND_B, RECV_B
     stage: int
     micro: int
 
@@ -33,24 +42,25 @@ class Action:
         return f"{self.op}{self.micro}" + (f"@{self.stage}" if self.stage else "")
 
 
-def sequential(n_micro: int, stages: int = 1) -> list[list[Action]]:
-    """Today's loop, for each stage: forward then backward, micro-batch by micro-batch."""
-    return [[Action(op, s, m) for m in range(n_micro) for op in "FB"] for s in range(stages)]
+def sequential(n_micro: int) -> list[list[Action]]:
+    """The one stage's loop: forward then backward, micro-batch by micro-batch."""
+    return [[Action(op, 0, m) for m in range(n_micro) for op in "FB"]]
 
 
-SCHEDULES = {"sequential": sequential}
+def build(name: str, n_micro: int, pp: int = 1, virtual: int = 1) -> list[list[Action]]:
+    """The named schedule for every pipeline rank, checked."""
+    if name == "sequential":
+        plan = sequential(n_micro)
+        check(plan, n_micro)
+        return plan
+    from braidtrain.parallel import pipeline
 
-
-def build(name: str, n_micro: int, stages: int = 1) -> list[list[Action]]:
-    """The named schedule for every stage, checked."""
-    plan = SCHEDULES[name](n_micro, stages)
-    check(plan, n_micro)
-    return plan
+    return pipeline.build(name, pp, virtual, n_micro)
 
 
 def check(plan: list[list[Action]], n_micro: int) -> None:
-    """Every stage runs each micro-batch's forward once and then, later, its backward once.
-    Raises ValueError naming the first action that breaks this."""
+    """One stage: each micro-batch's forward once and then, later, its backward once. Raises
+    ValueError naming the first action that breaks this."""
     for s, actions in enumerate(plan):
         seen = {"F": set(), "B": set()}
         for a in actions:
@@ -67,28 +77,103 @@ def check(plan: list[list[Action]], n_micro: int) -> None:
 
 
 class Executor:
-    """Runs one stage's actions. `forward(micro)` returns the micro-batch's loss sum, which is
-    backpropagated divided by `divisor` (the global token count); the engine gets each forward
-    and backward in the order the schedule says."""
+    """Runs one rank's actions. `forward(stage, micro, inp)` runs chunk `stage` on micro-batch
+    `micro` (`inp`: the received activation, None on the first chunk) and returns its output --
+    on the last chunk the micro-batch's loss sum, backpropagated divided by `divisor` (the global
+    token count). With a pipeline: `p2p[(from, to)]` the transfer groups (mesh.p2p), `pp` and
+    `chunks` (pp * virtual), `shape` and `dtype` of the activations that move between chunks."""
 
-    def __init__(self, engine, forward, divisor=1):
+    def __init__(self, engine, forward, divisor=1, *, p2p=None, pp=1, chunks=1, shape=None, dtype=torch.float32):
         self.engine, self.forward, self.divisor = engine, forward, divisor
+        self.p2p, self.pp, self.chunks, self.shape, self.dtype = p2p or {}, pp, chunks, shape, dtype
         self.max_live = 0
+        self.events: list[tuple] = []  # (op, stage, micro, start, end) of each piece of work, this step
 
-    def run(self, actions: list[Action], n_micro: int) -> list:
-        """The step's micro-batches on this stage; returns their outputs' detached values by
-        micro-batch number (the canonical order, whatever order they ran in)."""
-        last_backward = max(i for i, a in enumerate(actions) if a.op == "B")
-        live, out = {}, [None] * n_micro
-        self.max_live = 0
-        self.engine.begin_step(n_micro)
+    def run(self, actions: list[Action], n_micro: int, train: bool = True) -> list:
+        """The step's micro-batches on this rank; returns the last chunk's outputs (loss sums) by
+        micro-batch number (the canonical order, whatever order they ran in), zeros on a rank
+        without it. `train=False`: forwards only (validation, sampling), the engine's step left be."""
+        e, comm = self.engine, self.engine.comm
+        finals = {a.stage: i for i, a in enumerate(actions) if a.op in ("B", "W")}  # each chunk's last backward
+        split = any(a.op == "W" for a in actions)
+        inputs, outputs, grads, weights, sends = {}, {}, {}, {}, []
+        losses = [torch.zeros((), device=e.device)] * n_micro
+        self.max_live, self.events = 0, []
+        if train:
+            e.begin_step(n_micro)
         for i, a in enumerate(actions):
-            if a.op == "F":
-                with self.engine.forward(a.micro):
-                    live[a.micro] = self.forward(a.micro)
-                self.max_live = max(self.max_live, len(live))
-            else:
-                loss = live.pop(a.micro)
-                out[a.micro] = loss.detach()
-                self.engine.backward(a.micro, loss / self.divisor, last=i == last_backward)
-        return out
+            key, first, last = (a.stage, a.micro), a.stage == 0, a.stage == self.chunks - 1
+            if a.op in ("RECV_F", "RECV_B"):
+                buf = torch.empty(self.shape, dtype=self.dtype, device=e.device)
+                comm.transfer(buf, self._group(a), self._what(a)).wait()
+                (inputs if a.op == "RECV_F" else grads)[key] = buf.requires_grad_(a.op == "RECV_F")
+            elif a.op in ("SEND_F", "SEND_B"):
+                t = outputs[key].detach() if a.op == "SEND_F" else inputs.pop(key).grad
+                sends.append((comm.transfer(t, self._group(a), self._what(a)), t))
+            elif a.op == "F":
+                start = self._clock()
+                with e.forward(a.micro):
+                    outputs[key] = self.forward(a.stage, a.micro, inputs.get(key))
+                self._timed(a, start)
+                if last:
+                    losses[a.micro] = outputs[key].detach()
+                self.max_live = max(self.max_live, len(outputs))
+            elif a.op == "B":
+                start = self._clock()
+                out, grad = outputs[key], grads.pop(key, None)
+                tensors = out / self.divisor if last else out
+                if split and not first:  # zb's B: the input's gradient now, the weights' at W
+                    with e.input_phase():
+                        dinp, weights[key] = zb.backward_input(tensors, grad, inputs[key])
+                    inputs[key].grad = dinp
+                elif split:  # the first chunk sends nothing back: all of its backward waits for W
+                    weights[key] = (tensors, grad)
+                else:
+                    del outputs[key]
+                    e.backward(a.micro, tensors, grad, last=i == finals[a.stage], stage=a.stage)
+                self._timed(a, start)
+            elif a.op == "W":
+                start = self._clock()
+                del outputs[key]
+                w = weights.pop(key)
+                if first:
+                    e.backward(a.micro, *w, last=i == finals[a.stage], stage=a.stage)
+                else:
+                    e.backward_weight(a.micro, w, last=i == finals[a.stage], stage=a.stage)
+                self._timed(a, start)
+        for h, _ in sends:
+            h.wait()
+        return losses
+
+    def _group(self, a: Action):
+        """The transfer group of a's direction: to or from the rank of the chunk after / before."""
+        me = a.stage % self.pp
+        other = (a.stage + (1 if a.op in ("SEND_F", "RECV_B") else -1)) % self.pp
+        return self.p2p[(me, other) if a.op.startswith("SEND") else (other, me)]
+
+    @staticmethod
+    def _what(a: Action) -> str:
+        kind = "act" if a.op.endswith("_F") else "grad"
+        return f"{kind} chunk {a.stage} micro {a.micro}"
+
+    def _clock(self):
+        if self.engine.comm.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _timed(self, a: Action, start) -> None:
+        self.events.append((a.op, a.stage, a.micro, start, self._clock()))
+
+    def busy(self) -> tuple[float, float]:
+        """(seconds of work, seconds from the first work's start to the last's end) of the last
+        run, on this rank; on CUDA, call once the step's work is done."""
+        if not self.events:
+            return 0.0, 0.0
+        if self.engine.comm.cuda:
+            first = self.events[0][3]
+            spans = [(first.elapsed_time(s) / 1e3, first.elapsed_time(t) / 1e3) for *_, s, t in self.events]
+        else:
+            spans = [(s, t) for *_, s, t in self.events]
+        return sum(t - s for s, t in spans), max(t for _, t in spans) - min(s for s, _ in spans)
