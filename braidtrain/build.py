@@ -24,7 +24,7 @@ from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
 from braidtrain.errors import UserError
 from braidtrain.fault import Fault, Guard
 from braidtrain.mesh import Mesh, build_mesh
-from braidtrain.model.gpt import GPT, GPTConfig, init_weights, model_config
+from braidtrain.model.gpt import GPT, GPTConfig, init_weights, model_config, pipeline_chunks
 from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
@@ -134,9 +134,7 @@ def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> lis
     """The model, or with a pipeline the chunks of this rank: r, r + pp, ... (parallel/pipeline.py)."""
     if lay.pp == 1:
         return [GPT(mcfg, mesh=mesh, sp=sp)]
-    r, last = mesh.coord("pp"), lay.pp * lay.virtual - 1
-    return [GPT(mcfg, mesh=mesh, sp=sp, blocks=lay.split[c], first=c == 0, last=c == last, stage=c)
-            for c in range(r, last + 1, lay.pp)]
+    return pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp)
 
 
 def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:

@@ -282,17 +282,19 @@ def weights_sha256(engine) -> str:
     """A sha256 of the weights that does not depend on the layout: over the sha256 of every
     parameter's full fp32 bytes (Placed.unshard: under tp the shards are gathered, collective over
     the tp group, and joined into the tp = 1 shape), in the whole model's named_parameters order.
-    Each pipeline stage hashes its own parameters; the digests meet over the pp group."""
+    Each pipeline stage hashes its own parameters; the digests meet over the pp group. Under
+    ZeRO-3 the parameters are gathered for it (collective over the replica group)."""
     tp = engine.tp
     mine = {}
-    for part in engine.parts:
-        for name, p in part.named_parameters():
-            e, t = engine.table[name], p.detach().float()
-            if tp.size > 1 and not e.replicated:
-                rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
-                t = e.unshard([r.view(t.shape) for r in rows])
-            if not e.copy:
-                mine[name] = hashlib.sha256(t.cpu().clone().numpy().tobytes()).hexdigest()  # a copy: numpy pins storage
+    with engine.gathered():
+        for part in engine.parts:
+            for name, p in part.named_parameters():
+                e, t = engine.table[name], p.detach().float()
+                if tp.size > 1 and not e.replicated:
+                    rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
+                    t = e.unshard([r.view(t.shape) for r in rows])
+                if not e.copy:  # (a copy of the bytes: numpy pins storage)
+                    mine[name] = hashlib.sha256(t.cpu().clone().numpy().tobytes()).hexdigest()
     digests = {}
     for d in engine.comm.all_gather_object(mine, engine.pp):
         digests.update(d)

@@ -320,13 +320,16 @@ class Comm:
         """Write the ring buffer as JSON lines (after an optional header line, to which the
         members of every group recorded are added), atomically. Safe to call from another thread
         while this one is blocked in a collective."""
-        for h in list(self.step_handles):  # CUDA: a finished collective has its end event done
-            if h.events is not None and h.rec.t_end is None:
-                try:
-                    if h.events[1].query():
-                        h.rec.t_end = h.rec.t_start + h.events[0].elapsed_time(h.events[1]) / 1000.0
-                except RuntimeError:
-                    pass
+        for h in list(self.step_handles):  # finished, though nobody waited for it yet
+            try:
+                if h.events is not None and h.rec.t_end is None and h.events[1].query():  # CUDA: its end event
+                    h.rec.t_end = h.rec.t_start + h.events[0].elapsed_time(h.events[1]) / 1000.0
+                elif h.rec.t_end is None and h.rec.what.startswith("send") and h.work is not None \
+                        and h.work.is_completed():
+                    h.rec.t_end = time.time()  # a host backend's send, left to complete: done by now
+                    # (not a collective: a failed one is completed too, and it is where the rank was)
+            except RuntimeError:
+                pass
         records = list(self.records)  # one C call under the GIL: a consistent copy
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp"

@@ -314,7 +314,9 @@ def _ranks(rs) -> str:
 
 
 def _desc(r: dict) -> str:
-    return f"{r['op']} {r['group']}, step {r['step']}"
+    """'all_reduce tp[0,1], step 3' -- with a pipeline transfer's tensor: 'p2p pp[1>0], step 3,
+    recv grad chunk 0 micro 2' (the direction's group names the sender first)."""
+    return f"{r['op']} {r['group']}, step {r['step']}" + (f", {r['what']}" if r.get("what") else "")
 
 
 def diagnose(run: Path) -> list[str]:
@@ -359,8 +361,11 @@ def diagnose(run: Path) -> list[str]:
     waiting = {}
     for r, recs in records.items():
         open_ = [x for x in recs if x["t_end"] is None]
-        if open_:
-            waiting[r] = min(open_, key=lambda x: x["seq"])
+        # a pipeline send is left to complete (nobody waits on it, so gloo's stays open): a rank
+        # waits in its oldest open operation that blocks -- a receive, or a collective
+        blocking = [x for x in open_ if not x.get("what", "").startswith("send")] or open_
+        if blocking:
+            waiting[r] = min(blocking, key=lambda x: x["seq"])
     if not waiting:
         if silent:
             done = [x for recs in records.values() for x in recs if x["t_end"] is not None]

@@ -58,19 +58,23 @@ class Mesh:
 
 
 def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, new_group=None,
-               ring: bool = False) -> Mesh:
+               ring: bool = False, members: list[int] | None = None) -> Mesh | None:
     """Every rank must call this with the same degrees: new_group is collective over the world.
     `new_group(ranks, axis)` makes one line's process group (runtime.Runtime.new_group: the run's
     timeout, the axis's NCCL stream priority; default torch's own). Lines with the same members
-    share one process group."""
+    share one process group. `members`: the mesh over these ranks only (tests run several layouts
+    in one process group; a rank outside them joins the new_group calls and gets None)."""
+    members = list(range(world)) if members is None else list(members)
+    full = dist.get_world_size() if dist.is_initialized() else 1
+    world = len(members)
     assert world % (pp * cp * tp) == 0, (world, pp, cp, tp)  # layout.py said so already
     sizes = {"pp": pp, "dp": world // (pp * cp * tp), "cp": cp, "tp": tp}
-    grid = torch.arange(world).reshape(*(sizes[a] for a in AXES))
-    coords = dict(zip(AXES, (grid == rank).nonzero()[0].tolist()))
+    grid = torch.tensor(members).reshape(*(sizes[a] for a in AXES))
+    coords = dict(zip(AXES, (grid == rank).nonzero()[0].tolist())) if rank in members else {}
     lines = {axis: grid.movedim(d, -1).reshape(-1, sizes[axis]).tolist() for d, axis in enumerate(AXES)}
     # replica lines: ranks sharing (pp, tp), varying (dp, cp), in dp-major order
     lines["replica"] = grid.permute(0, 3, 1, 2).reshape(-1, sizes["dp"] * sizes["cp"]).tolist()
-    lines["world"] = [list(range(world))]
+    lines["world"] = [members]
     made: dict[tuple, object] = {}
     groups = {}
     for axis, axis_lines in lines.items():
@@ -78,9 +82,9 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
             key = tuple(line)
             # new_group must be entered by all ranks for every line, in the same order
             if key not in made:
-                if world == 1 or len(line) == 1:
+                if len(line) == 1:
                     made[key] = None
-                elif len(line) == world:
+                elif len(line) == full:
                     made[key] = dist.group.WORLD
                 else:
                     made[key] = new_group(line, axis) if new_group else dist.new_group(line)
@@ -94,4 +98,4 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
             pg = new_group(list(ranks), "pp") if new_group else dist.new_group(sorted(ranks))
             if rank in ranks:
                 p2p[(i, j)] = Group("pp", ranks, ranks.index(rank), pg, comm, f"pp[{ranks[0]}>{ranks[1]}]")
-    return Mesh(sizes, coords, groups, rank, p2p)
+    return Mesh(sizes, coords, groups, rank, p2p) if rank in members else None

@@ -86,6 +86,38 @@ def plot_runs(runs: list[str], out: str) -> None:
     plt.close(fig)
 
 
+def plot_schedule(run: str, out: str) -> None:
+    """Each rank's work in the last step of a pipeline run (RUN/schedule.json, written by
+    train): a bar per forward (F), backward (B; zb: its input half) and weight gradient (W),
+    labelled by micro-batch, a row per rank; the title gives the schedule and each stage's bubble."""
+    path = Path(run) / "schedule.json"
+    if not path.is_file():
+        raise UserError(f"{run}: no schedule.json (written at the end of a run with --pp 2 or more)")
+    s = json.loads(path.read_text())
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+    ranks = s["ranks"]
+    fig, ax = plt.subplots(figsize=(11, 0.5 + 0.45 * len(ranks)))
+    for r, events in enumerate(ranks):
+        for op, chunk, micro, t0, t1 in events:
+            ax.barh(r, t1 - t0, left=t0, color=colors[op], edgecolor="white", alpha=0.6 + 0.4 * (chunk // s["pp"] == 0))
+            ax.text((t0 + t1) / 2, r, str(micro), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {st})" for r, st in enumerate(s["stage_of_rank"])])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds into the step")
+    bubble = ", ".join(f"{100 * b:.0f}%" for b in s["bubble"]) if s.get("bubble") else "?"
+    ax.set_title(f"{s['schedule']}, pp {s['pp']}" + (f" x {s['virtual']} chunks" if s["virtual"] > 1 else "")
+                 + f": F forward, B backward, W weight gradients; bubble by stage {bubble}", fontsize=9)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def fmt_rate(x: float) -> str:
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if x >= scale:

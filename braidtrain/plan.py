@@ -100,6 +100,7 @@ the critical path, per micro-step with x = b*t*h:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -112,6 +113,7 @@ from pathlib import Path
 from braidtrain.config import Config
 from braidtrain.errors import UserError
 from braidtrain.layout import make_layout
+from braidtrain.parallel import pipeline
 
 # Calibration knobs: every number the estimates rest on, named once (bytes per element).
 ACT_PER_LAYER = 38  # per token x channel of one block (the docstring counts them)
@@ -160,15 +162,17 @@ def param_counts(cfg, tp: int = 1) -> dict:
             "replicated": count(e for e in table if e.replicated), "sharded": count(e for e in table if not e.replicated)}
 
 
-def bucket_numels(cfg, bucket_mb: float, tp: int = 1) -> list[tuple[str, int]]:
+def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> list[tuple[str, int]]:
     """The engine's buckets (parallel/buckets.form on the placement table), in launch order, as
     ("block" or "embed", elements): whole blocks from the last one backwards until a bucket holds
     >= bucket_mb, then the embedding group (wte, tied to the head, wpe, ln_f) alone: it is used at
     both ends, so its gradient is last. Sizes are one tp rank's (its shards and the replicated
-    parameters)."""
+    parameters). `table`: a pipeline rank's (placement.for_rank), where wte is a bucket of its
+    own (parallel/tied.py)."""
     from braidtrain.parallel import buckets, placement
 
-    formed = buckets.form(placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb)
+    alone = {"wte.weight"} if table is not None else set()
+    formed = buckets.form(table or placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb, alone)
     return [("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries])[1])
             for entries, mods, _, _ in formed]
 
@@ -248,24 +252,40 @@ class Candidate:
     recompute: bool
     tp: int = 1
     sp: bool = False
-    # pp, cp, ep: one field each, one loop in meshes(), one term in estimate()
+    pp: int = 1
+    schedule: str = "sequential"  # the pipeline's (parallel/pipeline.py) when pp > 1
+    virtual: int = 1  # chunks a pipeline rank holds (interleaved)
+    # cp, ep: one field each, one loop in meshes(), one term in estimate()
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
     def name(self) -> str:
-        return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "")
+        pipe = f" pp={self.pp} {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
+        return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
                 + (" --sp" if self.sp else "") + (" --recompute" if self.recompute else ""))
 
+    def layout_kw(self) -> dict:
+        """make_layout's arguments for this candidate's degrees and features."""
+        pipe = dict(schedule=self.schedule, virtual=self.virtual) if self.pp > 1 else {}
+        return dict(tp=self.tp, sp=self.sp, pp=self.pp, zero=self.zero, recompute=self.recompute, **pipe)
 
-def valid(s: Setup, tp: int, sp: bool = False, b: int = 1, d: int | None = None, gpus: int | None = None) -> bool:
-    """Whether `train` would accept this mesh (and, given d, this micro-batch): layout.py's verdict."""
+
+def layout_of(s: Setup, lay: Candidate, d: int | None = None, gpus: int | None = None):
+    """layout.py's Layout of this candidate (given d, with its micro-batch), or None where `train`
+    would refuse it."""
     try:
-        make_layout(gpus or s.gpus, s.cfg, seq_len=s.t, batch_size=b, total_batch=d, tp=tp, sp=sp)
+        return make_layout(gpus or s.gpus, s.cfg, seq_len=s.t, batch_size=lay.b, total_batch=d, **lay.layout_kw())
     except UserError:
-        return False
-    return True
+        return None
+
+
+def valid(s: Setup, tp: int, sp: bool = False, b: int = 1, d: int | None = None, gpus: int | None = None,
+          **kw) -> bool:
+    """Whether `train` would accept this mesh (and, given d, this micro-batch; kw: Candidate's
+    other fields): layout.py's verdict."""
+    return layout_of(s, Candidate(1, kw.pop("zero", 0), b, kw.pop("recompute", False), tp, sp, **kw), d, gpus) is not None
 
 
 def tp_degrees(s: Setup, gpus: int | None = None) -> list[int]:
@@ -274,24 +294,44 @@ def tp_degrees(s: Setup, gpus: int | None = None) -> list[int]:
     return [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and valid(s, tp, gpus=gpus)]
 
 
-def meshes(s: Setup, tps=None, sps=(False, True)):
-    """(dp, tp, sp) for every mesh of s.gpus; tps: only these tp degrees (None: all), sps: these sp
-    settings (sp needs tp > 1 and t divisible by tp). pp, cp: one loop each, dp = gpus // (tp*pp*cp)."""
+def pipelines(s: Setup, tp: int, pps=None, schedules=None):
+    """(pp, schedule, virtual) for every pipeline the blocks and the GPUs left by tp allow: pp 1,
+    and each pp > 1 with each schedule (interleaved with 2 chunks a rank); pps, schedules: only
+    these (None: all; a schedule asked for leaves pp 1 out)."""
+    for pp in range(1, s.gpus // tp + 1):
+        if s.gpus // tp % pp or (pps is not None and pp not in pps):
+            continue
+        for name in ("sequential",) if pp == 1 else pipeline.SCHEDULES:
+            v = 2 if name == "interleaved" else 1
+            if pp == 1 and schedules is None:
+                yield pp, name, v
+            elif pp > 1 and (schedules is None or name in schedules) and any(
+                    valid(s, tp, b=b, d=s.d, pp=pp, schedule=name, virtual=v) for b in MICRO_BATCHES):
+                yield pp, name, v
+
+
+def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None):
+    """(dp, tp, sp, (pp, schedule, virtual)) for every mesh of s.gpus; tps, pps: only these
+    degrees (None: all), sps: these sp settings (sp needs tp > 1 and t divisible by tp),
+    schedules: these pipeline schedules. cp: one more loop, dp = gpus // (tp*pp*cp)."""
     for tp in tp_degrees(s):
         if tps is not None and tp not in tps:
             continue
-        for sp in (False, True) if tp > 1 else (False,):
-            if sp in sps and valid(s, tp, sp):
-                yield s.gpus // tp, tp, sp
+        for pipe in pipelines(s, tp, pps, schedules):
+            for sp in (False, True) if tp > 1 else (False,):
+                if sp in sps and valid(s, tp, sp):  # with the rest of the layout: layouts()
+                    yield s.gpus // (tp * pipe[0]), tp, sp, pipe
 
 
-def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True)):
-    for dp, tp, sp in meshes(s, tps, sps):
+def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
+            pps=None, schedules=None):
+    for dp, tp, sp, pipe in meshes(s, tps, sps, pps, schedules):
         for zero in zeros if dp > 1 or len(zeros) == 1 else (0,):  # dp = 1: nothing to shard
             for b in bs:
-                if valid(s, tp, sp, b, s.d):
-                    for rc in recomputes:
-                        yield Candidate(dp, zero, b, rc, tp, sp)
+                for rc in recomputes:
+                    lay = Candidate(dp, zero, b, rc, tp, sp, *pipe)
+                    if layout_of(s, lay, s.d) is not None:
+                        yield lay
 
 
 def collective_s(s: Setup, kind: str, nbytes: float, n: int, busbw: float | None = None) -> float:
@@ -320,6 +360,8 @@ def tp_comm_s(s: Setup, lay: Candidate) -> float:
 
 
 def estimate(s: Setup, lay: Candidate) -> dict:
+    if lay.pp > 1:
+        return estimate_pipeline(s, lay)
     cfg, n, tp = s.cfg, lay.dp, lay.tp
     counts = param_counts(cfg, tp)
     P = counts["rank"]  # this tp rank's parameters, then sharded over the replica group by ZeRO
@@ -340,38 +382,137 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     compute = cfg.flops_per_token(s.t) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
     fwd = compute / micro * (1 / 4 if lay.recompute else 1 / 3)  # the forward is 1 of 3 (of 4) passes
     bwd = compute / micro - fwd
-    msg = [4 * k for _, k in buckets]  # fp32 buckets, in launch order
-    ar, rs, ag = ([collective_s(s, kind, m, n) for m in msg] for kind in ("all_reduce", "reduce_scatter", "all_gather"))
-    if lay.zero == 0:  # all-reduce on the last micro-step, overlapped with its backward
-        comm = exposed(ar, bwd)
-    elif lay.zero == 1:  # reduce-scatter likewise; then the updated parameters are all-gathered, exposed
-        comm = exposed(rs, bwd) + sum(ag)
-    elif lay.zero == 2:  # no full gradient buffer: reduce-scatter on every micro-step
-        comm = micro * exposed(rs, bwd) + sum(ag)
-    else:  # each block bucket is gathered before its forward, prefetched one bucket ahead, so
-        # mostly only the first gather (the embedding group, held all micro-step) and the last
-        # reduce-scatter are exposed; reduce-scatter every micro-step. The blocks are gathered
-        # again for the backward only where it reads the fp32 parameters: fp32 (the CPU), or
-        # --recompute; under bf16 autocast it reads the bf16 copies the forward saved.
-        again = ag[:-1] if s.cpu or lay.recompute else []
-        comm = micro * (exposed(ag, fwd) + exposed(again + rs, bwd))
+    # ZeRO-3 gathers the blocks again for the backward only where it reads the fp32 parameters:
+    # fp32 (the CPU), or --recompute; under bf16 autocast it reads the bf16 copies the forward saved
+    comm = dp_comm_s(s, lay.zero, n, buckets, micro, fwd, bwd, again=s.cpu or lay.recompute)
     tp_comm = micro * tp_comm_s(s, lay)
     if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
         owned = counts["replicated"] / (n if lay.zero >= 1 else 1)
         tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
-    step = compute + comm + tp_comm
+    return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm)
+
+
+def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, tp_comm, pp_comm=0.0, **more) -> dict:
+    step = compute + dp_comm + tp_comm + pp_comm
     return {"layout": lay, "micro_steps": micro, "mem": mem, "allocated": allocated, "state": state,
-            "activations": act, "compute_s": compute, "dp_comm_s": comm, "tp_comm_s": tp_comm,
-            "comm_s": comm + tp_comm, "step_s": step, "tokens_per_s": s.d / step,
-            "fits": mem["total"] <= s.mem_gb * GB}
+            "activations": act, "compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
+            "comm_s": dp_comm + tp_comm + pp_comm, "step_s": step, "tokens_per_s": s.d / step,
+            "fits": mem["total"] <= s.mem_gb * GB, **more}
+
+
+def dp_comm_s(s: Setup, zero: int, n: int, buckets: list, micro: int, fwd: float, bwd: float, again: bool) -> float:
+    """Exposed seconds of a rank's data-parallel collectives in a step: its buckets (fp32, in
+    launch order) reduced, and gathered, as each ZeRO stage does (the docstring's model); fwd,
+    bwd: seconds of a micro-step's forward and backward that they can hide behind; again: ZeRO-3
+    gathers the blocks again for the backward."""
+    msg = [4 * k for _, k in buckets]
+    ar, rs, ag = ([collective_s(s, kind, m, n) for m in msg] for kind in ("all_reduce", "reduce_scatter", "all_gather"))
+    if zero == 0:  # all-reduce on the last micro-step, overlapped with its backward
+        return exposed(ar, bwd)
+    if zero == 1:  # reduce-scatter likewise; then the updated parameters are all-gathered, exposed
+        return exposed(rs, bwd) + sum(ag)
+    if zero == 2:  # no full gradient buffer: reduce-scatter on every micro-step
+        return micro * exposed(rs, bwd) + sum(ag)
+    # each block bucket is gathered before its forward, prefetched one bucket ahead, so mostly only
+    # the first gather (the embedding group, held all micro-step) and the last reduce-scatter are
+    # exposed; reduce-scatter every micro-step
+    return micro * (exposed(ag, fwd) + exposed((ag[:-1] if again else []) + rs, bwd))
+
+
+SIM_MICRO = 4  # pipeline cycles simulated before the step is extrapolated (estimate_pipeline)
+
+
+def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
+    """A pipeline's step and memory from its schedule run in time (pipeline.simulate) with each
+    chunk's costs: F a third of the chunk's training FLOPs (its blocks, the head on the last;
+    pipeline.flop_cost) at --tflops, B two thirds (zb: B and W a third each; +F under
+    recompute), a transfer of the fp32 activations (b*t*h*4 bytes, /tp under sp) alpha +
+    bytes/--busbw. Per rank: its chunks' parameters (placement.for_rank: a last stage's copy of
+    wte too) and their ZeRO state over dp; activations = the peak of what the simulation keeps
+    alive (per micro-batch and block the pp = 1 counts; the last chunk's head and logits) + the
+    bf16 weights + one rebuilt block under recompute; dp collectives after the rank's last
+    backward (step = the latest rank's end + its exposed dp time); tp's on the busiest rank's
+    critical path; and the tied embedding's exchange between the first and last stage. The
+    table's memory is the fullest rank's. Past warm-up the step grows linearly in m: it is
+    simulated at two lengths and extrapolated."""
+    from braidtrain.parallel import placement
+
+    cfg, n, tp, pp = s.cfg, lay.dp, lay.tp, lay.pp
+    L = layout_of(s, lay, s.d)
+    split, m, chunks = L.split, L.batch.micro_steps, len(L.split)
+    terms = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, 0, tp, lay.sp)  # pp = 1's, per micro-batch
+    per_block = terms["layers"] / cfg.n_layer
+    size = lambda c: len(split[c]) * per_block + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)  # noqa: E731
+    flops = pipeline.flop_cost(cfg, s.t, chunks)
+    whole = sum(flops(c, len(r)) for c, r in enumerate(split))
+    micro_s = cfg.flops_per_token(s.t) * lay.b * s.t / (tp * s.tflops * 1e12)  # one micro-batch, the whole model
+    f = [flops(c, len(r)) / whole * micro_s / 3 for c, r in enumerate(split)]
+    b = [x * (1 if lay.schedule == "zb" else 2) + (x if lay.recompute else 0) for x in f]
+    cost = {"F": f, "B": b, "W": f}
+    hop = s.alpha_us * 1e-6 + 4 * lay.b * s.t * cfg.n_embd / (tp if lay.sp else 1) / (s.busbw * 1e9)
+    ranks = simulated(lay.schedule, pp, L.virtual, m, tuple(map(tuple, cost.values())), hop,
+                      tuple(size(c) for c in range(chunks)))
+    rows = []
+    for r, sim in enumerate(ranks):
+        table = placement.for_rank(cfg, split, pp, r)
+        P = sum(e.local_numel(tp) for e in table)
+        buckets = bucket_numels(cfg, s.bucket_mb, tp, table)
+        blocks = [k for kind, k in buckets if kind == "block"]
+        state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"))
+        act = {"live": sim["peak"], "block_recomputed": terms["block_recomputed"], "weights_bf16": 0 if s.cpu else 2 * P}
+        act["peak"] = sum(act.values())
+        mem = {k: state[k] for k in ("params", "grads", "optimizer")}
+        mem["activations"] = act["peak"]
+        allocated = sum(mem.values())
+        communicators = (n > 1) + (tp > 1) + 1 + (2 if pp == 2 else 4)  # dp, tp, pp, each direction to each neighbour
+        mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
+        mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
+        mem["total"] = sum(mem.values())
+        mine = range(r, chunks, pp)
+        dp = dp_comm_s(s, lay.zero, n, buckets, m, sum(f[c] for c in mine), sum(b[c] for c in mine), False)
+        rows.append({"mem": mem, "allocated": allocated, "state": state, "act": act, "end": sim["end"] + dp,
+                     "blocks": sum(len(split[c]) for c in mine), "bubble": max(0.0, 1 - sim["busy"] / (sim["end"] - sim["start"])),
+                     "replicated": sum(e.local_numel(tp) for e in table if e.replicated)})
+    span = max(sim["end"] for sim in ranks)
+    step_end = max(row["end"] for row in rows)
+    tp_comm = m * tp_comm_s(s, lay) * max(row["blocks"] for row in rows) / cfg.n_layer
+    if lay.sp:
+        owned = max(row["replicated"] for row in rows) / (n if lay.zero >= 1 else 1)
+        tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
+    wte = placement.for_config(cfg)["wte.weight"].local_numel(tp) / (n if lay.zero >= 1 else 1)
+    tied = s.alpha_us * 1e-6 + 4 * wte / (s.busbw * 1e9)  # first and last stage swap their reduced shares
+    full = max(rows, key=lambda row: row["mem"]["total"])
+    return finish(s, lay, m, full["mem"], full["allocated"], full["state"], full["act"], span, step_end - span,
+                  tp_comm, tied, bubble=[row["bubble"] for row in rows], stages_gb=[row["mem"]["total"] / GB for row in rows],
+                  stage_state=[row["state"] for row in rows])
+
+
+@functools.lru_cache(maxsize=4096)
+def simulated(name: str, pp: int, v: int, m: int, cost: tuple, hop: float, size: tuple) -> list[dict]:
+    """pipeline.simulate of the schedule with per-chunk costs (F, B, W) and sizes; past SIM_MICRO
+    cycles of pp micro-batches, simulated at two lengths and extrapolated linearly in m (after
+    the warm-up each cycle adds the same time, and the same activations -- none but gpipe's)."""
+    run = lambda k: pipeline.simulate(pipeline.build(name, pp, v, k), pp,  # noqa: E731
+                                      lambda a: cost["FBW".index(a.op)][a.stage], hop, lambda c: size[c])
+    lo = SIM_MICRO * pp * v
+    if m <= lo + pp:
+        return run(m)
+    short, long_ = run(lo), run(lo + pp)
+    k = (m - lo) / pp
+    return [{key: a[key] + k * (z[key] - a[key]) for key in a} for a, z in zip(short, long_)]
 
 
 def lean_layout(s: Setup, gpus: int) -> Candidate | None:
     """The leanest layout on this many GPUs that fits: ZeRO-3 b=1 --recompute, with the smallest
-    tp (and sp where it can) that fits; None if none does."""
-    for tp in tp_degrees(s, gpus):
-        lay = Candidate(gpus // tp, 3, 1, True, tp, tp > 1 and valid(s, tp, True, gpus=gpus))
-        if estimate(replace(s, gpus=gpus), lay)["fits"]:
+    tp (and sp where it can) that fits; failing that, a 1f1b pipeline (ZeRO-2) of the fewest
+    stages with the smallest tp; None if none does."""
+    on = replace(s, gpus=gpus)
+    tps = tp_degrees(s, gpus)
+    tried = [Candidate(gpus // tp, 3, 1, True, tp, tp > 1 and valid(s, tp, True, gpus=gpus)) for tp in tps]
+    tried += [Candidate(gpus // (tp * pp), 2, 1, True, tp, tp > 1 and valid(s, tp, True, gpus=gpus), pp, "1f1b")
+              for pp in range(2, gpus + 1) for tp in tps if gpus % (tp * pp) == 0]
+    for lay in tried:
+        if layout_of(on, lay, s.d) is not None and estimate(on, lay)["fits"]:
             return lay
     return None
 
@@ -392,10 +533,10 @@ def rank(rows: list[dict]) -> list[dict]:
     them apart); then fewer micro-steps (larger GEMMs, which a constant --tflops does not see),
     less sharding (tp first: its GEMMs are smaller too), less memory."""
     return sorted(rows, key=lambda e: (not e["fits"], float(f"{e['step_s']:.3g}"), e["micro_steps"],
-                                       e["layout"].tp, e["layout"].zero, e["mem"]["total"]))
+                                       e["layout"].tp, e["layout"].pp, e["layout"].zero, e["mem"]["total"]))
 
 
-SETTINGS = ("tp", "sp", "zero", "b", "recompute")  # what a fix may change (dp follows from tp)
+SETTINGS = ("tp", "sp", "pp", "schedule", "zero", "b", "recompute")  # what a fix may change (dp follows)
 
 
 def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
@@ -404,6 +545,7 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     lay = e["layout"]
     changed = lambda f: tuple(k for k in SETTINGS if getattr(f["layout"], k) != getattr(lay, k))
     say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
+           "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
            "zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
            "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
     opts = []
@@ -412,7 +554,7 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
         for f in fitting:  # best first: the first of each kind of change is its best
             ks = changed(f)
             if len(ks) == fewest and not any(ks == o[0] for o in opts):
-                opts.append((ks, " ".join(say[k](f["layout"]) for k in ks)))
+                opts.append((ks, " ".join(filter(None, (say[k](f["layout"]) for k in ks)))))
         opts = [o[1] for o in opts]
     else:
         opts.append(f"GPUs with >= {math.ceil(e['mem']['total'] / GB)} GB")
@@ -433,15 +575,16 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
     return msg
 
 
-def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True)) -> dict:
+def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
+         pps=None, schedules=None) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout."""
-    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps)])
+    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules)])
     grid = rank([estimate(s, lay) for lay in layouts(s)])
     if not rows or not grid:
         unit = s.t * s.gpus
-        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus}/tp for any allowed b and tp: "
-                        f"use -d {max(1, s.d // unit) * unit}")
+        raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus}/(tp*pp) for any allowed b, tp "
+                        f"and pp: use -d {max(1, s.d // unit) * unit}")
     fitting = [e for e in grid if e["fits"]]
     for e in rows:
         e["fix"] = None if e["fits"] else fix(s, e, fitting)
@@ -465,20 +608,27 @@ def row_json(e: dict) -> dict:
             "mem_gb": {k: v / GB for k, v in e["mem"].items()}, "allocated_gb": e["allocated"] / GB,
             "activations_gb": {k: v / GB for k, v in e["activations"].items()},
             "compute_s": e["compute_s"], "exposed_comm_s": e["comm_s"], "dp_exposed_comm_s": e["dp_comm_s"],
-            "tp_comm_s": e["tp_comm_s"], "step_s": e["step_s"],
-            "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix")}
+            "tp_comm_s": e["tp_comm_s"], "pp_comm_s": e["pp_comm_s"], "step_s": e["step_s"],
+            "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix"),
+            **({"bubble": e["bubble"], "stages_gb": e["stages_gb"]} if "bubble" in e else {})}
 
 
 def table(result: dict, top: int) -> str:
-    """The ranked rows; the tp and sp columns only when a row shown has tp > 1."""
+    """The ranked rows; the tp and sp columns only when a row shown has tp > 1, the pipeline's
+    (pp, its schedule, the mean bubble of its ranks) when one has pp > 1; memory is the fullest
+    rank's."""
     shown = result["rows"][:top] if top > 0 else result["rows"]
-    tp = any(e["layout"].tp > 1 for e in shown)
-    head = ["dp", *(["tp", "sp"] if tp else []), "zero", "b", "micro", "recomp", "mem GB", "params", "grads",
-            "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
+    tp, pp = any(e["layout"].tp > 1 for e in shown), any(e["layout"].pp > 1 for e in shown)
+    head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), "zero", "b", "micro",
+            "recomp", "mem GB", "params", "grads", "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
     lines = [head]
     for e in shown:
         lay, m = e["layout"], e["mem"]
         mesh = [lay.tp, "on" if lay.sp else "off"] if tp else []
+        if pp:
+            pipe = "-" if lay.pp == 1 else lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
+            bubble = f"{sum(e['bubble']) / len(e['bubble']):.0%}" if lay.pp > 1 else "-"
+            mesh += [lay.pp, pipe, bubble]
         lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])
@@ -535,6 +685,8 @@ def add_parser(sub):
     a("--recompute", action=argparse.BooleanOptionalAction, help="only layouts with (without) recompute")
     a("--tp", type=int, help="only this tensor-parallel degree (dp = gpus / tp)")
     a("--sp", action=argparse.BooleanOptionalAction, help="only layouts with (without) sequence parallelism")
+    a("--pp", type=int, help="only this number of pipeline stages (dp = gpus / (tp*pp))")
+    a("--pp-schedule", choices=pipeline.SCHEDULES, help="only pipelines of this schedule")
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--json", action="store_true")
     a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
@@ -546,7 +698,7 @@ def add_parser(sub):
 
 
 def setup_from(args) -> Setup:
-    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp"):
+    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     if args.alpha_us < 0 or args.top < 0:
@@ -563,22 +715,27 @@ def setup_from(args) -> Setup:
         cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size)
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw)
-    check_mesh(s, args.tp, args.sp)
+    check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule)
     return s
 
 
-def check_mesh(s: Setup, tp: int | None, sp: bool | None) -> None:
-    """One-line UserErrors for a --tp / --sp the GPUs or the model cannot take (layout.py's)."""
+def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None, schedule: str | None = None) -> None:
+    """One-line UserErrors for a --tp / --sp / --pp the GPUs or the model cannot take (layout.py's)."""
     make_layout(s.gpus, s.cfg, seq_len=s.t, batch_size=1, tp=tp or 1, sp=bool(sp) and tp is not None,
-                world_name=f"--gpus {s.gpus}")
+                pp=pp or 1, schedule="gpipe", world_name=f"--gpus {s.gpus}")
+    if schedule and pp == 1:
+        raise UserError(f"--pp-schedule {schedule} orders a pipeline's stages: give --pp 2 or more (or drop it)")
     if sp and not any(True for _ in meshes(s, None if tp is None else (tp,), (True,))):
         raise UserError(f"--sp: no tp > 1 divides the GPUs ({s.gpus}), n_head ({s.cfg.n_head}) and -t {s.t}")
 
 
 def check_layout(args) -> Candidate:
-    """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp."""
-    tp = args.tp or 1
-    mesh = dict(dp=args.gpus // tp, tp=tp, sp=bool(args.sp))
+    """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp,
+    --pp and --pp-schedule (default 1f1b)."""
+    tp, pp = args.tp or 1, args.pp or 1
+    mesh = dict(dp=args.gpus // (tp * pp), tp=tp, sp=bool(args.sp), pp=pp)
+    if pp > 1:
+        mesh.update(schedule=args.pp_schedule or "1f1b", virtual=2 if args.pp_schedule == "interleaved" else 1)
     if not args.check:  # the layout from the flags
         if args.zero is None or args.batch_size is None:
             raise UserError("--check needs a layout: --check ZERO,B[,recompute], or -z ZERO -b B [--recompute] "
@@ -595,17 +752,19 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
     state, included), then estimated vs measured mem_gb. On a GPU that is torch's peak
     allocation, compared with `allocated`; on the CPU it is the model state a rank holds between
     steps (params + grads + Adam m, v), compared with the model state less its transient part.
-    Under tp both are one rank's: its shards and the replicated parameters (rank 0's mem_gb)."""
+    Under tp both are one rank's: its shards and the replicated parameters (rank 0's mem_gb); under
+    pp rank 0's, the first stage's."""
     import torch
 
     s = replace(s, cpu=not torch.cuda.is_available())  # where `braidtrain train` will run
-    make_layout(lay.gpus, s.cfg, seq_len=s.t, batch_size=lay.b, total_batch=s.d, tp=lay.tp, sp=lay.sp, zero=lay.zero,
-                recompute=lay.recompute, world_name=f"--gpus {lay.gpus}")  # what `train` will ask
+    make_layout(lay.gpus, s.cfg, seq_len=s.t, batch_size=lay.b, total_batch=s.d, world_name=f"--gpus {lay.gpus}",
+                **lay.layout_kw())  # what `train` will ask
     e, c = estimate(s, lay), s.cfg
     cmd = ["-m", "braidtrain", "train", "--model", "gpt2", "--n-layer", c.n_layer, "--n-head", c.n_head,
            "--n-embd", c.n_embd, "--block-size", c.block_size, "-i", data, "-b", lay.b, "-t", s.t, "-d", s.d,
            "-z", lay.zero, "-x", 2, "--val-every", 0, "--sample-tokens", 0, "--no-progress",
            "--bucket-mb", s.bucket_mb] + (["--tp", lay.tp] if lay.tp > 1 else []) + (["--sp"] if lay.sp else [])
+    cmd += ["--pp", lay.pp, "--pp-schedule", lay.schedule, "--pp-virtual", lay.virtual] if lay.pp > 1 else []
     cmd += ["--recompute"] if lay.recompute else []
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
@@ -616,7 +775,7 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
             lines = [l for l in p.stderr.splitlines() if "error" in l.lower()] or p.stderr.splitlines() or ["no output"]
             raise UserError(f"the --check run failed (exit {p.returncode}): {lines[-1].strip()}")
         measured = max(json.loads(l)["mem_gb"] for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip())
-    st = e["state"]
+    st = e["stage_state"][0] if lay.pp > 1 else e["state"]  # rank 0's: the first stage's
     est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if s.cpu else e["allocated"]) / GB
     return {"layout": asdict(lay), "device": "cpu" if s.cpu else "cuda", "estimated_gb": est,
             "measured_gb": measured, "rel_error": (est - measured) / measured, "estimate": row_json(e),
@@ -635,7 +794,8 @@ def run(args) -> int:
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
-                  None if args.tp is None else (args.tp,), pick(args.sp, (False, True)))
+                  None if args.tp is None else (args.tp,), pick(args.sp, (False, True)),
+                  None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,))
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},

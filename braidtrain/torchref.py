@@ -12,6 +12,13 @@ MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under FSDP2, fp32 on CPU.
 accumulation skips the synchronisation of all but the last micro-step (DDP's no_sync, FSDP2's
 set_requires_gradient_sync). ddp-compile is nanoGPT's recipe: torch.compile the model, then DDP.
 
+pipe-1f1b and pipe-interleaved run torch.distributed.pipelining's Schedule1F1B and
+ScheduleInterleaved1F1B (2 chunks a rank) over all ranks (pp = world, dp = 1) on braidtrain's own
+stages of the model (model.GPT with a block range; braidtrain's split for that schedule), the loss
+the same token sum over the global count (torch's microbatch scaling off); the tied embedding's
+two copies get their summed gradient (an all-reduce over the first and last ranks), the
+gradient norm counts it once, and each copy takes the same AdamW step.
+
 Writes {"mode", "world_size", "step_s": [...], "loss": [...], "mem_gb", "tokens_per_step",
 "flops_per_token", "peak_flops"} from rank 0.
 """
@@ -36,7 +43,7 @@ from braidtrain.metrics import peak_flops
 from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import lr_at
 
-MODES = ("ddp", "ddp-compile", "fsdp2")
+MODES = ("ddp", "ddp-compile", "fsdp2", "pipe-1f1b", "pipe-interleaved")
 
 
 class TorchLoss(torch.nn.Module):
@@ -78,6 +85,64 @@ def build(mode, model, device, bf16):
     return ddp, (lambda last: nullcontext() if last else ddp.no_sync()), autocast
 
 
+def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
+    """pipe-*: torch's pipeline schedules over braidtrain's stages; returns (step_s, losses)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from braidtrain.layout import make_layout
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    interleaved = a.mode == "pipe-interleaved"
+    lay = make_layout(world, mcfg, seq_len=a.t, batch_size=a.b, total_batch=a.d, pp=world,
+                      schedule="interleaved" if interleaved else "1f1b")
+    last = world * lay.virtual - 1
+    parts = [GPT(mcfg, blocks=lay.split[c], first=c == 0, last=c == last, stage=c) for c in range(rank, last + 1, world)]
+    for part in parts:
+        init_weights(part, cfg.seed)
+        part.to(device)
+    stages = [PipelineStage(part, part.stage, last + 1, device) for part in parts]
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / plan.total_tokens
+
+    kw = dict(n_microbatches=plan.micro_steps, loss_fn=loss_fn, scale_grads=False)
+    sched = ScheduleInterleaved1F1B(stages, **kw) if interleaved else Schedule1F1B(stages[0], **kw)
+    params = [q for part in parts for q in part.parameters()]
+    tied = [dict(part.named_parameters())["wte.weight"] for part in parts if part.first or part.last]
+    pair = dist.new_group([0, world - 1]) if world > 2 else dist.group.WORLD
+    counted = [q for part in parts for n, q in part.named_parameters() if not (n == "wte.weight" and not part.first)]
+    decay = [q for q in params if q.dim() >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+    step_s, losses = [], []
+    for step in range(a.steps):
+        t0 = time.time()
+        x, y = (t.to(device) for t in loader.batch(step, 0, plan.seqs_per_rank))
+        micro = []  # the last stage's loss of each microbatch
+        with autocast():
+            sched.step(*((x,) if rank == 0 else ()), **({"target": y, "losses": micro} if rank == world - 1 else {}))
+        for w in tied:  # the lookup's and the head's gradients, summed on both copies
+            dist.all_reduce(w.grad, group=pair)
+        sq = sum(q.grad.float().pow(2).sum() for q in counted if q.grad is not None)
+        sq = torch.as_tensor(sq, dtype=torch.float32, device=device)
+        dist.all_reduce(sq)
+        scale = torch.clamp(cfg.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
+        for q in params:
+            if q.grad is not None:
+                q.grad.mul_(scale)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = torch.as_tensor(sum(l.detach().float() for l in micro) if micro else 0.0, device=device).float()
+        dist.all_reduce(total)
+        losses.append(total.item())
+        step_s.append(time.time() - t0)
+    return step_s, losses
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="braidtrain.torchref")
     p.add_argument("--mode", choices=MODES, required=True)
@@ -102,11 +167,17 @@ def main(argv=None) -> None:
         torch.cuda.set_device(device)
     bf16 = device.type == "cuda"
     cfg = Config(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t, total_batch=a.d)
-    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, world)
+    pipe = a.mode.startswith("pipe")
+    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if pipe else world)
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
     mcfg = model_config(a.model, data.vocab_size, a.n_layer, a.n_head, a.n_embd)
     loader = Loader(data, a.t, plan.seqs_per_step, cfg.seed)
+    if pipe:
+        step_s, losses = run_pipe(a, mcfg, loader, plan, cfg, device, bf16)
+        write(a, rank, world, device, bf16, step_s, losses, plan, mcfg)
+        dist.destroy_process_group()
+        return
 
     model = GPT(mcfg)
     init_weights(model, cfg.seed)
@@ -137,6 +208,11 @@ def main(argv=None) -> None:
         dist.all_reduce(total)
         losses.append(total.item() / plan.total_tokens)  # the host waits here: the step is done
         step_s.append(time.time() - t0)
+    write(a, rank, world, device, bf16, step_s, losses, plan, mcfg)
+    dist.destroy_process_group()
+
+
+def write(a, rank, world, device, bf16, step_s, losses, plan, mcfg) -> None:
     if rank == 0:
         mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         peak = peak_flops(device, bf16)
@@ -144,7 +220,6 @@ def main(argv=None) -> None:
             json.dump({"mode": a.mode, "world_size": world, "step_s": step_s, "loss": losses, "mem_gb": mem,
                        "tokens_per_step": plan.total_tokens, "flops_per_token": mcfg.flops_per_token(a.t),
                        "peak_flops": peak and peak * world}, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -198,11 +198,12 @@ class Trainer:
                f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} micro-steps "
                f"x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
-        rec, val = None, None
+        rec, val, bubbles = None, None, []
         try:
             with gc_by_hand():
                 for step in range(self.start_step, cfg.max_steps):
                     rec = self.step(step)
+                    bubbles += [rec["bubble"]] if "bubble" in rec else []
                     if step == self.start_step and self.load_s is not None:
                         rec["load_s"] = self.load_s
                     last = step + 1 == cfg.max_steps
@@ -221,11 +222,11 @@ class Trainer:
         if val is None or rec is None:
             val = self.passes.validate(self.device)
         save_s = self.save(cfg.max_steps)
-        with self.engine.gathered():
-            sha = checkpoint.weights_sha256(self.engine)
+        sha = checkpoint.weights_sha256(self.engine)
         summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
                    "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s}
-        if self.layout.pp > 1:
+        if self.layout.pp > 1:  # each stage's mean bubble over the run's steps
+            summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
             self.passes.write_schedule(self.out / "schedule.json", rec["bubble"] if rec else None)
         if cfg.compile:  # how many graphs torch.compile made (one per block shape: 1 for GPT-2)
             from torch._dynamo.utils import counters

@@ -45,7 +45,7 @@ def run(rt, zero, exact, order, bf16):
     data = [torch.randint(0, 256, (2, 33), generator=g) for _ in range(M)]
     autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if bf16 else nullcontext
 
-    def forward(micro):
+    def forward(_stage, micro, _inp):
         with autocast():
             return model(data[micro][:, :-1], data[micro][:, 1:])
 

@@ -168,7 +168,7 @@ TRAIN_CASES = [
     ("cuda-graph-zero-2", lambda p: ["-i", p.data, "-z", 2, "--cuda-graph"], lambda p: ["--cuda-graph", "ZeRO", "-z 0 or 1"]),
     ("cuda-graph-on-cpu", lambda p: ["-i", p.data, "--device", "cpu", "--cuda-graph"], lambda p: ["--cuda-graph", "GPU", "cpu"]),
     # 9. the layout (layout.py's checks: test_layout has every one; here, that each reaches the user so)
-    ("pp-not-yet", lambda p: ["-i", p.data, "--pp", 2], lambda p: ["--pp 2", "not available yet", "--pp 1"]),
+    ("cp-not-yet", lambda p: ["-i", p.data, "--cp", 2], lambda p: ["--cp 2", "not available yet", "--cp 1"]),
     ("sp-without-tp", lambda p: ["-i", p.data, "--sp"], lambda p: ["--sp", "--tp 2 or more"]),
     ("tp-not-dividing-heads", lambda p: ["-i", p.data, "--tp", 3], lambda p: ["tp=3", "n_head=2", "{1,2}"]),
     ("tp-not-dividing-world", lambda p: ["-i", p.data, "--tp", 2], lambda p: ["= 2 does not divide the world size 1"]),

@@ -130,6 +130,40 @@ def test_frozen_rank_is_detected_and_named(tmp_path, shakespeare, ref):
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
+def test_frozen_pipeline_stage_is_named_and_the_pipeline_resumes_exactly(tmp_path, shakespeare, ref):
+    """pp 2: the last stage freezes right after its first forward of step 3. The first stage,
+    1F1B, has sent its warm-up activations and waits for micro-batch 0's gradient; doctor names
+    the silent rank and that transfer (the direction's group, 1>0, and the tensor). Then torchrun
+    restarts the pipeline, which resumes from step 2's checkpoint by itself and ends with the
+    uninterrupted one-rank run's weights."""
+    run = tmp_path / "run"
+    p = torchrun(2, *COMMON, "-i", shakespeare, "--pp", 2, "--out", run, "--ckpt-every", 2, "--heartbeat-timeout", 3,
+                 "--timeout", 120, fault="stop:rank=1:step=3")
+    err_lines: list[str] = []
+    reader = threading.Thread(target=lambda: err_lines.extend(iter(p.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not (run / "flight" / "rank_00000.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stopped = [l for l in err_lines if "fault injected: SIGSTOP" in l]
+    pid = int(stopped[0].split("pid ")[1].split()[0]) if stopped else None
+    try:
+        report = doctor(run)
+        assert "rank 1 stopped after collective #" in report and "wrote no flight log" in report, report
+        assert "rank 0 waited in #" in report and "(p2p pp[1>0], step 3, recv grad chunk 0 micro 0)" in report, report
+    except BaseException:
+        p.terminate()
+        raise
+    finally:
+        if pid:  # the frozen rank, by pid (torchrun's SIGTERM cannot reach it); torchrun then restarts
+            os.kill(pid, signal.SIGKILL)
+    out, _ = p.communicate(timeout=240)
+    reader.join(5)
+    assert p.returncode == 0, "".join(err_lines)[-4000:]
+    assert "resumed from" in out and "step_00000002" in out
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+
+
 def test_frozen_store_host_is_detected(tmp_path, shakespeare):
     """Started by hand (-pi tcp), rank 0 hosts the store; freezing it freezes the store too, which
     can block a store call forever. Rank 1 must still give up within its heartbeat timeout."""

@@ -15,7 +15,6 @@ BATCH = dict(seq_len=64, batch_size=2)
 
 REFUSED = [  # (id, world, keyword arguments, words the message must hold)
     ("degree-below-1", 1, dict(tp=0), ["--tp 0", ">= 1"]),
-    ("pp-not-yet", 2, dict(pp=2), ["--pp 2", "pipeline parallelism", "not available yet", "--pp 1"]),
     ("cp-not-yet", 2, dict(cp=2), ["--cp 2", "context parallelism", "--cp 1"]),
     ("ep-not-yet", 2, dict(ep=2), ["--ep 2", "expert parallelism", "--ep 1"]),
     ("sp-without-tp", 1, dict(sp=True), ["--sp", "--tp 2 or more"]),
@@ -32,14 +31,34 @@ REFUSED = [  # (id, world, keyword arguments, words the message must hold)
     ("exact-micro-not-pow2", 2, dict(exact=True, total_batch=3 * 256), ["micro-steps", "= 3", "-d 512 or -d 1024"]),
     ("exact-gpu-head-size", 1, dict(exact=True, device="cuda", model=GPTConfig(2, 2, 96, 64, 256)),
      ["head sizes", "96 / 2 = 48", "--n-head"]),
+    # pipelines (MODEL has 2 blocks; DEEP 4)
+    ("pp-more-stages-than-blocks", 4, dict(pp=4, schedule="gpipe"), ["2 blocks", "pp*v = 4"]),
+    ("pp-interleaved-chunks-over-blocks", 2, dict(pp=2, schedule="interleaved", total_batch=4 * 128),
+     ["2 blocks", "pp*v = 4"]),
+    ("pp-split-sum", 2, dict(pp=2, split=[1, 2]), ["--pp-split 1,2", "add up to n_layer = 2"]),
+    ("pp-split-count", 2, dict(pp=2, split=[2]), ["--pp-split 2", "give 2 counts"]),
+    ("pp-1f1b-too-few-micro-steps", 2, dict(pp=2), ["1f1b needs at least pp = 2 micro-steps", "= 1", "-d 256"]),
+    ("pp-zb-too-few-micro-steps", 2, dict(pp=2, schedule="zb"), ["zb needs at least pp = 2"]),
+    ("pp-interleaved-not-a-multiple", 2, dict(pp=2, schedule="interleaved", model="deep", total_batch=3 * 128),
+     ["multiple of pp = 2 micro-steps", "= 3", "-d 256 or -d 512"]),
+    ("pp-virtual-without-interleaved", 2, dict(pp=2, virtual=2, total_batch=256), ["--pp-virtual 2", "interleaved"]),
+    ("pp-unknown-schedule", 2, dict(pp=2, schedule="zigzag"), ["'zigzag'", "gpipe, 1f1b, interleaved, zb"]),
+    ("pp-zero3", 2, dict(pp=2, zero=3, total_batch=256), ["ZeRO-3", "pipeline", "-z 1 or -z 2"]),
+    ("pp-cuda-graph", 2, dict(pp=2, cuda_graph=True, device="cuda", total_batch=256), ["--cuda-graph", "pipeline"]),
+    ("pp-zb-recompute", 2, dict(pp=2, schedule="zb", recompute=True, total_batch=256), ["zb", "--recompute", "1f1b"]),
+    ("pp-zb-compile", 2, dict(pp=2, schedule="zb", compile=True, total_batch=256), ["zb", "--compile"]),
+    ("pp-world", 3, dict(pp=2), ["pp*cp*tp = 2*1*1 = 2 does not divide the world size 3"]),
 ]
+DEEP = model_config("tiny", 256, n_layer=4, n_embd=64, n_head=2, block_size=64)
 
 
 @pytest.mark.parametrize("world, kwargs, words", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
 def test_refused_with_one_line_that_names_the_fix(world, kwargs, words):
     kwargs = {**BATCH, "model": MODEL, **kwargs}
+    model = DEEP if kwargs["model"] == "deep" else kwargs["model"]
+    del kwargs["model"]
     with pytest.raises(UserError) as e:
-        make_layout(world, kwargs.pop("model"), **kwargs)
+        make_layout(world, model, **kwargs)
     msg = str(e.value)
     assert "\n" not in msg
     for w in words:
@@ -60,6 +79,14 @@ def test_what_can_run_is_built():
     assert not lay.data_parallel_only and make_layout(2, MODEL, **BATCH).data_parallel_only
     # exact mode at tp > 1 is allowed: it holds at a fixed tp (the resume note in build.py says so)
     assert make_layout(4, MODEL, tp=2, exact=True, **BATCH).exact
+
+
+def test_a_pipeline_layout_is_built_and_described():
+    lay = make_layout(4, DEEP, pp=2, zero=1, schedule="interleaved", total_batch=8 * 128, **BATCH)
+    assert (lay.pp, lay.dp, lay.virtual, [len(r) for r in lay.split]) == (2, 2, 2, [1, 1, 1, 1])
+    assert lay.describe() == "pp 2 (interleaved x2 chunks a rank, blocks 0-0 | 1-1 | 2-2 | 3-3) x dp 2, ZeRO-1"
+    assert make_layout(2, DEEP, pp=2, split=[3, 1], total_batch=2 * 128, **BATCH).split == (range(0, 3), range(3, 4))
+    assert make_layout(1, DEEP, pp=1, schedule="zb", **BATCH).schedule == "sequential"  # (no pipeline, no schedule)
 
 
 def test_the_planner_asks_the_same_question(capsys):

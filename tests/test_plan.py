@@ -125,13 +125,16 @@ def test_a_layout_that_does_not_fit_gets_single_setting_fixes(capsys):
 def test_json_parses_and_every_layout_has_the_breakdown(capsys):
     data = json.loads(run_plan("--model", "gpt2", "--gpus", 8, "--json", capsys=capsys))
     assert data["model"]["params"] == 124_475_904 and data["recommendation"].startswith("recommended:")
-    # meshes (dp, tp, sp): (8, 1, off), (4, 2, off/on), (2, 4, off/on); tp=8 does not divide 12 heads
-    assert len(data["layouts"]) == 4 * 7 * 2 * 5
+    # without a pipeline, meshes (dp, tp, sp): (8, 1, off), (4, 2, off/on), (2, 4, off/on); tp=8
+    # does not divide 12 heads
+    assert sum(r["pp"] == 1 for r in data["layouts"]) == 4 * 7 * 2 * 5
     for row in data["layouts"]:
         mem = row["mem_gb"]
         parts = ("params", "grads", "optimizer", "activations", "comm", "overhead")
         assert mem["total"] == pytest.approx(sum(mem[k] for k in parts))
         assert row["tokens_per_s"] == pytest.approx(524288 / row["step_s"])
+        if row["pp"] > 1:  # the table's memory is the fullest stage's
+            assert mem["total"] == pytest.approx(max(row["stages_gb"])) and len(row["stages_gb"]) == row["pp"]
 
 
 def test_bad_input_is_one_user_error(capsys):
@@ -152,7 +155,7 @@ def test_plan_is_wired_into_the_cli():
 # ----------------------------------------------------------------------------- tensor parallelism
 
 def meshes_of(data) -> set:
-    return {(r["dp"], r["tp"], r["sp"]) for r in data["layouts"]}
+    return {(r["dp"], r["tp"], r["sp"]) for r in data["layouts"] if r["pp"] == 1}
 
 
 def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
@@ -160,8 +163,9 @@ def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
     assert meshes_of(data) == {(8, 1, False), (4, 2, False), (4, 2, True), (2, 4, False), (2, 4, True)}
     for row in data["layouts"]:
         assert (row["tp_comm_s"] > 0) == (row["tp"] > 1)
-        assert row["step_s"] == pytest.approx(row["compute_s"] + row["dp_exposed_comm_s"] + row["tp_comm_s"])
-    out = run_plan("--model", "gpt2", "--gpus", 8, "--tp", 2, "--sp", "--top", 0, capsys=capsys)
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["dp_exposed_comm_s"] + row["tp_comm_s"]
+                                              + row["pp_comm_s"])
+    out = run_plan("--model", "gpt2", "--gpus", 8, "--tp", 2, "--sp", "--pp", 1, "--top", 0, capsys=capsys)
     lines = out.splitlines()
     assert lines[1].split()[:4] == ["dp", "tp", "sp", "zero"]  # the mesh columns, when tp rows are shown
     rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
@@ -281,9 +285,77 @@ def test_a_tp_that_does_not_divide_the_heads_is_never_planned(capsys):
             run_plan("--model", "gpt2", *argv, capsys=capsys)
 
 
+# ----------------------------------------------------------------------------- pipelines
+
+def test_pipeline_stage_memory_by_hand():
+    """gpt2 on 2 stages (blocks 0-7 | 8-11, the head weighing 4.5 blocks), 1f1b, 4 micro-batches,
+    ZeRO-0 on a GPU: each stage holds its own parameters (the last a copy of wte for the head),
+    16 bytes each, their bf16 copies, and 38*t*b*h per block of each micro-batch alive -- 2 on the
+    first stage (p - r), 1 on the last, which adds the head's input and the fused head's logits."""
+    cfg, b, t = model_config("gpt2", 50257), 4, 1024
+    h, V, blk = cfg.n_embd, cfg.padded_vocab, 12 * cfg.n_embd**2 + 13 * cfg.n_embd
+    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * 4)
+    e = plan.estimate(s, plan.Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
+    P = [V * h + t * h + 8 * blk, 4 * blk + 2 * h + V * h]
+    x = t * b * h
+    act = [2 * 8 * 38 * x + 2 * P[0], 4 * 38 * x + 6 * x + 2 * b * t * V + 2 * P[1]]
+    for r in range(2):
+        allocated = 16 * P[r] + act[r]
+        comm = plan.NCCL_BYTES * 3  # the pp group's, and one for each direction between the stages
+        want = allocated + comm + plan.CONTEXT_BYTES + plan.ALLOCATOR_SLACK * allocated
+        assert e["stages_gb"][r] * plan.GB == pytest.approx(want, rel=1e-12), r
+    assert e["mem"]["total"] == pytest.approx(max(e["stages_gb"]) * plan.GB)
+    # ZeRO-1 over dp = 2 divides each stage's Adam state, as without a pipeline
+    z1 = plan.estimate(plan.replace(s, gpus=4, d=2 * b * t * 4), plan.Candidate(2, 1, b, False, pp=2, schedule="1f1b"))
+    assert z1["stage_state"][1]["optimizer"] == 8 * P[1] // 2
+
+
+@pytest.mark.parametrize("m", [4, 32])  # 32: past the simulated cycles, extrapolated
+def test_pipeline_step_by_hand(m):
+    """Two stages, the last the slower (4 blocks + the head against 8 blocks), transfers free: the
+    last stage works without a break from the first forward's arrival, so a 1f1b step is
+    F0 + m * (F1 + B1) + B0, B = 2F, F a third of the stage's share of the training FLOPs."""
+    from braidtrain.parallel import pipeline
+
+    cfg, b, t = model_config("gpt2", 50257), 4, 1024
+    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * m, alpha_us=0.0, busbw=1e12)
+    flops = pipeline.flop_cost(cfg, t, 2)
+    share = [flops(0, 8), flops(1, 4)]
+    micro = cfg.flops_per_token(t) * b * t / (s.tflops * 1e12)
+    F = [c / sum(share) * micro / 3 for c in share]
+    assert F[1] > F[0]
+    e = plan.estimate(s, plan.Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
+    assert e["micro_steps"] == m and e["compute_s"] == pytest.approx(F[0] + m * 3 * F[1] + 2 * F[0], rel=1e-9)
+    assert e["bubble"][1] == pytest.approx(0, abs=1e-9) and e["bubble"][0] > 0
+    # zero bubble splits the backward: on 4 stages its step is below 1f1b's, gpipe's equal to it
+    s4 = plan.replace(s, gpus=4, d=b * t * 8)
+    steps = {name: plan.estimate(s4, plan.Candidate(1, 0, b, False, pp=4, schedule=name))["compute_s"]
+             for name in ("gpipe", "1f1b", "zb")}
+    assert steps["zb"] < steps["1f1b"] == pytest.approx(steps["gpipe"])
+
+
+def test_pipelines_in_the_table(capsys):
+    out = run_plan("--model", "gpt2-xl", "--gpus", 8, "--gpu-mem", 16, "--pp", 4, "--top", 0, capsys=capsys)
+    lines = out.splitlines()
+    assert lines[1].split()[:5] == ["dp", "pp", "sched", "bubble", "zero"]
+    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    assert rows and {r[1] for r in rows} == {"4"} and {r[2] for r in rows} == {"gpipe", "1f1b", "interleavedx2", "zb"}
+    assert " pp=4 " in lines[-1]
+    zb = json.loads(run_plan("--model", "gpt2", "--gpus", 4, "--pp-schedule", "zb", "--json", capsys=capsys))
+    assert {(r["pp"], r["schedule"]) for r in zb["layouts"]} == {(2, "zb"), (4, "zb")}
+    assert not any(r["recompute"] or r["zero"] == 3 for r in zb["layouts"])  # what layout.py refuses, never planned
+
+
+def test_bad_pipeline_input_is_one_user_error(capsys):
+    for argv, words in ((["--pp", 3], "does not divide --gpus 8"), (["--pp", 0], "--pp must be positive"),
+                        (["--pp", 1, "--pp-schedule", "zb"], "give --pp 2 or more")):
+        with pytest.raises(UserError, match=words):
+            run_plan("--model", "gpt2", "--gpus", 8, *argv, capsys=capsys)
+
+
 # ----------------------------------------------------------------------------- --check
 
-CHECKS = [(1, 0, 1), (2, 0, 1), (2, 1, 1), (2, 0, 2)]  # (processes, ZeRO stage, tp); tp 2 with --sp
+CHECKS = [(1, 0, 1, 1), (2, 0, 1, 1), (2, 1, 1, 1), (2, 0, 2, 1), (4, 1, 1, 2)]  # (processes, ZeRO, tp, pp); tp 2 with --sp
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +363,13 @@ def checks(tmp_path_factory, monkeypatch_module):
     data = prepare_bytes(tmp_path_factory.mktemp("plan") / "shakespeare")
 
     def one(case):
-        n, zero, tp = case
+        n, zero, tp, pp = case
         s = plan.Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
+        if pp > 1:  # rank 0's model state: the first stage's, its ZeRO-1 shard of Adam over dp = 2
+            args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 512, "--check", f"{zero},2",
+                         "--pp", pp, "--pp-schedule", "zb", "--data", data)
+            assert plan.check_layout(args) == plan.Candidate(n // pp, zero, 2, False, pp=pp, schedule="zb")
+            return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
         if tp == 1:
             return plan.check(s, plan.Candidate(n, zero, 2, False), str(data), None)
         # from the command line, as a user asks for it: the mesh comes from --tp and --sp
@@ -314,8 +391,10 @@ def monkeypatch_module():
         yield mp
 
 
-@pytest.mark.parametrize("case", CHECKS, ids=lambda c: f"{c[0]}proc-zero{c[1]}" + (f"-tp{c[2]}-sp" if c[2] > 1 else ""))
+@pytest.mark.parametrize("case", CHECKS, ids=lambda c: f"{c[0]}proc-zero{c[1]}" + (f"-tp{c[2]}-sp" if c[2] > 1 else "")
+                         + (f"-pp{c[3]}" if c[3] > 1 else ""))
 def test_check_model_state_matches_a_real_cpu_run(checks, case):
     r = checks[case]
     assert r["device"] == "cpu" and r["layout"]["zero"] == case[1] and r["layout"]["tp"] == case[2]
+    assert r["layout"]["pp"] == case[3]
     assert abs(r["rel_error"]) < 0.05, r

@@ -321,3 +321,10 @@ def init_weights(model: GPT, seed: int) -> None:
     for name, p in model.named_parameters():
         e = table[name]
         p.copy_(e.shard(full_init(model.cfg, name, e.shape, seed), model.tp_rank, model.tp))
+
+
+def pipeline_chunks(cfg: GPTConfig, split, pp: int, r: int, mesh=None, sp: bool = False) -> list[GPT]:
+    """Pipeline rank r's chunks r, r + pp, ... of the model cut into `split` (the blocks of each
+    chunk: parallel/pipeline.py); the first chunk holds the embeddings, the last the head."""
+    last = len(split) - 1
+    return [GPT(cfg, mesh, sp, split[c], first=c == 0, last=c == last, stage=c) for c in range(r, last + 1, pp)]

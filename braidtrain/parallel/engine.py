@@ -298,9 +298,14 @@ class Engine:
 
     def _sum_partials_over_tp(self):
         """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
-        a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank."""
+        a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank.
+        The tp ranks of a replica own the same places of their buckets (the replicated parameters
+        sit alike in each), so a ZeRO shard holding none of them holds none on any: nothing to add."""
         owned = [(g, self.segments(b, lambda e: e.name in self.partial)) for b, _, g in self.owned()]
-        flat = torch.cat([g[a:e] for g, segs in owned for a, e in segs])
+        pieces = [g[a:e] for g, segs in owned for a, e in segs]
+        if not pieces:
+            return
+        flat = torch.cat(pieces)
         rows = self.comm.gather_rows(flat, self.tp)
         total, pos = pairwise_sum(rows), 0
         for g, segs in owned:

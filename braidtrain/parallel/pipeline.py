@@ -15,9 +15,9 @@ micro-batches (Narayanan et al. 2021 for 1F1B and interleaving; Qi et al. 2023 f
                  backward in turn, then the backwards left               p-r micro-batches alive
     interleaved  1f1b over v chunks a rank, micro-batches in groups of   the bubble / v
                  p, each group through chunk 0, then chunk 1, ...
-    zb           1f1b with each backward split into B (the input's       below 1f1b's: the W work
-                 gradient, on the critical path) and W (the weights'),   fills the cool-down
-                 the first p-r-1 W deferred to the cool-down (ZB-H1)
+    zb           1f1b with each backward split into B (the input's       (p-1)(F+B-W) of time, a
+                 gradient, on the critical path) and W (the weights'),   third of 1f1b's when
+                 rank r's first r W deferred to the cool-down (ZB-H1)    F = B = W
 
 `with_p2p` then places the transfers: a receive right before the work that needs it, a send
 right after the work that made it. Each direction between two ranks has a process group of its
@@ -112,9 +112,12 @@ def _one_f_one_b(pp, v, m, r):
 
 
 def _zb_h1(pp, v, m, r):
-    """1F1B's order of F and B, each B followed by the W of the micro-batch p-r-1 backwards
-    before (the last stage: at once), the W left over at the end."""
-    delay, out, done_w = pp - r - 1, [], 0
+    """1F1B's order of F and B, each B followed by the W of the micro-batch r backwards before
+    (the first stage: at once), the W left over at the end. The later a stage, the sooner its
+    B follows its F and passes the gradient on; its W fill the cool-down. (Deferring the first
+    stages' W instead gains nothing: `simulate` gives 1f1b's step, the paper's (p-1)(F+B-W)
+    bubble comes with this order.)"""
+    delay, out, done_w = r, [], 0
     for a in _one_f_one_b(pp, v, m, r):
         out.append(a)
         if a.op == "B" and a.micro - delay >= 0:
@@ -228,6 +231,50 @@ def check(plan: list[list[Action]], pp: int, v: int, m: int, backward: bool = Tr
     stuck = [r for r in range(pp) if at[r] < len(plan[r])]
     if stuck:
         raise ValueError("the schedule deadlocks: " + "; ".join(f"rank {r} waits at {plan[r][at[r]]!r}" for r in stuck))
+
+
+def simulate(plan: list[list[Action]], pp: int, cost, hop: float = 0.0, size=lambda _c: 0.0) -> list[dict]:
+    """A checked plan run in time, for the planner: each F / B / W takes cost(action) seconds, a
+    send none (its direction's stream), a receive ends `hop` seconds after its send was posted
+    (or when reached, if later). A micro-batch's activations, size(chunk) bytes, live from the
+    start of its forward to the end of its last backward action (W, when split: an upper bound,
+    as W keeps only its matmuls' inputs). Per rank: `start` and `end` of its work, `busy` seconds
+    working, `peak` bytes alive -- its bubble, as train.py measures it, 1 - busy / (end - start)."""
+    last = {}  # (rank, chunk, micro) -> index of its last backward action
+    for r, actions in enumerate(plan):
+        for k, a in enumerate(actions):
+            if a.op in ("B", "W"):
+                last[r, a.stage, a.micro] = k
+    at, clock, posted = [0] * pp, [0.0] * pp, {}  # posted: (pair) -> send times, in order
+    out = [{"start": None, "end": 0.0, "busy": 0.0, "peak": 0.0, "alive": 0.0} for _ in range(pp)]
+    taken = {}
+    while any(at[r] < len(plan[r]) for r in range(pp)):
+        for r in range(pp):
+            o = out[r]
+            while at[r] < len(plan[r]):
+                a = plan[r][at[r]]
+                if a.op in P2P:
+                    pair, _, way = ends(a, r, pp)
+                    sent = posted.setdefault(pair, [])
+                    if way == "send":
+                        sent.append(clock[r])
+                    elif len(sent) > taken.get(pair, 0):
+                        clock[r] = max(clock[r], sent[taken.get(pair, 0)] + hop)
+                        taken[pair] = taken.get(pair, 0) + 1
+                    else:
+                        break  # its send is not reached yet
+                else:
+                    o["start"] = clock[r] if o["start"] is None else o["start"]
+                    if a.op == "F":
+                        o["alive"] += size(a.stage)
+                        o["peak"] = max(o["peak"], o["alive"])
+                    clock[r] += cost(a)
+                    o["busy"] += cost(a)
+                    o["end"] = clock[r]
+                    if last.get((r, a.stage, a.micro)) == at[r]:
+                        o["alive"] -= size(a.stage)
+                at[r] += 1
+    return [{k: o[k] or 0.0 for k in ("start", "end", "busy", "peak")} for o in out]
 
 
 def forward_only(pp: int, v: int, m: int) -> list[list[Action]]:

@@ -170,3 +170,13 @@ def for_config(cfg) -> Table:
 
     with torch.device("meta"):
         return build(GPT(cfg))
+
+
+@functools.lru_cache(maxsize=256)
+def for_rank(cfg, split: tuple, pp: int, r: int) -> Table:
+    """The table of pipeline rank r's chunks (tp = 1 shapes, meta device): what that rank holds,
+    a last stage's copy of wte included -- the planner's per-stage memory."""
+    from braidtrain.model.gpt import pipeline_chunks
+
+    with torch.device("meta"):
+        return build(pipeline_chunks(cfg, split, pp, r))

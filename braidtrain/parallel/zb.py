@@ -27,7 +27,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 def backward_input(outputs: torch.Tensor, grad, inp: torch.Tensor):
-    """B: returns the gradient of `inp` and what W needs (the captured split nodes' gradients)."""
+    """B: returns the gradient of `inp` and what W needs: the captured split nodes' gradients,
+    and `outputs`, whose graph they are (on torch 2.11 a GradientEdge does not keep a Python
+    Function's node -- the head's loss -- alive; only the tensors and nodes above it do)."""
     target = get_gradient_edge(inp).node
     reaches, order = {}, []
 
@@ -65,12 +67,13 @@ def backward_input(outputs: torch.Tensor, grad, inp: torch.Tensor):
         params = _leaves([c for c, _ in n.next_functions if c is not None and not reaches[c]])
         if edges and params:
             weights.append(([e for e, _ in edges], [g for _, g in edges], params))
-    return dinp, weights
+    return dinp, (outputs, weights)
 
 
-def backward_weight(weights) -> None:
+def backward_weight(pending) -> None:
     """W: the parameters' gradients, accumulated into their .grad as autograd does (their
     post-accumulate hooks -- the engine's -- run)."""
+    _outputs, weights = pending
     for edges, grads, params in weights:
         torch.autograd.backward(edges, grads, inputs=params)
 

@@ -1,0 +1,132 @@
+"""Run under torchrun (8 ranks, gloo) by test_parity.py, test_tp.py and test_pipeline.py (argv:
+OUT, then "dp", "tp" or "pipeline"): many layouts of one small GPT in one process group -- each on the first
+pp*dp*tp ranks, the others waiting -- trained a few steps with
+the engine, the schedule's executor and AdamW as the trainer drives them (train.Trainer.work),
+on the same global batches. Writes, per layout, every step's loss and gradient norm, the final
+weights_sha256, each rank's most micro-batches alive at once, and whether the pipeline's two
+copies of the tied wte are bitwise equal, to OUT/results.json."""
+
+import hashlib
+import json
+import os
+import sys
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from braidtrain.build import make_parts
+from braidtrain.checkpoint import weights_sha256
+from braidtrain.comm import Comm
+from braidtrain.layout import make_layout
+from braidtrain.mesh import build_mesh
+from braidtrain.model.gpt import init_weights, model_config
+from braidtrain.optim import AdamW, clip_scale, lr_at
+from braidtrain.parallel.engine import Engine
+from braidtrain.passes import Passes, reduce_loss
+
+CFG = model_config("tiny", 256, n_layer=8, n_embd=32, n_head=4, block_size=16)  # 4 heads: tp up to 4
+T, B, SEQS = 16, 1, 8  # 8 sequences a step: 8 micro-steps at dp 1, 4 at dp 2
+
+
+def layouts(suite: str):
+    """(name, layout keywords, steps)."""
+    if suite == "dp":  # data parallelism alone: every ZeRO stage on 2 ranks, the sharded ones on 4 and 8
+        default = [(2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 2), (4, 3), (8, 1)]
+        exact = [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3), (8, 0), (8, 1)]
+        return ([("ref", dict(), 10), ("ref-exact", dict(exact=True), 6)]
+                + [(f"dp{dp}-z{z}", dict(dp=dp, zero=z), 10) for dp, z in default]
+                + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), 10)]
+                + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), 6) for dp, z in exact])
+    if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
+        return [("ref", dict(), 4)] + [  # 4 steps: gloo's tp collectives are many, and each costs
+            (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z), 4)
+            for tp, dp, sp, z in ((2, 1, False, 0), (2, 1, True, 1), (4, 1, False, 0), (4, 1, True, 0),
+                                  (2, 2, False, 1), (2, 2, True, 0), (2, 4, True, 1), (2, 4, False, 0), (4, 2, True, 2))]
+    out = [("ref", dict(), 10), ("ref-exact", dict(exact=True), 4)]
+    for pp in (2, 4):
+        for sched in ("gpipe", "1f1b", "interleaved", "zb"):
+            out.append((f"pp{pp}-{sched}", dict(pp=pp, schedule=sched), 10))
+            for dp in (1, 2):
+                if pp * dp <= 8:
+                    out.append((f"pp{pp}-dp{dp}-{sched}-exact", dict(pp=pp, dp=dp, schedule=sched, exact=True, zero=1), 4))
+    out += [("pp2-dp2-z1", dict(pp=2, dp=2, zero=1), 10), ("pp2-dp2-z2-zb", dict(pp=2, dp=2, zero=2, schedule="zb"), 10),
+            ("pp2-tp2", dict(pp=2, tp=2), 10), ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True), 10),
+            ("pp2-recompute", dict(pp=2, recompute=True), 10),
+            ("pp2-dp2-z0-exact", dict(pp=2, dp=2, zero=0, exact=True), 4),
+            ("pp2-dp2-z2-exact", dict(pp=2, dp=2, zero=2, exact=True, schedule="interleaved"), 4)]
+    return out
+
+
+def batch(step, first, count):
+    """Global sequences first .. first + count - 1 of a step, each a function of (step, its number):
+    counting from a random start in steps of 1, 2 or 3 (mod 256) -- something to learn."""
+    rows = []
+    for j in range(first, first + count):
+        start, stride = torch.randint(0, 256, (2,), generator=torch.Generator().manual_seed(1000 * step + j)).tolist()
+        rows.append((start + (1 + stride % 3) * torch.arange(T + 1)) % 256)
+    xy = torch.stack(rows)
+    return torch.stack([xy[:, :-1], xy[:, 1:]])
+
+
+def run(rank, name, kw, steps):
+    pp, dp, tp = kw.get("pp", 1), kw.pop("dp", 1), kw.get("tp", 1)
+    n = pp * dp * tp
+    lay = make_layout(n, CFG, seq_len=T, batch_size=B, total_batch=SEQS * T, **kw)
+    comm = Comm(torch.device("cpu"))
+    mesh = build_mesh(rank, n, comm, pp=pp, tp=tp, ring=lay.virtual > 1, members=range(n))
+    if mesh is None:
+        return None
+    parts = make_parts(CFG, mesh, lay, lay.sp)
+    for part in parts:
+        init_weights(part, 5)
+        part.recompute = lay.recompute
+    engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
+    opt = AdamW(engine)
+    rows = lay.batch.seqs_per_rank
+    tokens = torch.zeros(2, rows, T, dtype=torch.long)
+    built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=B, seq_len=T), parts=parts,
+                            mcfg=CFG, engine=engine, fault=None)
+    passes = Passes(built, nullcontext, tokens)
+    losses, norms = [], []
+    for step in range(steps):
+        tokens.copy_(batch(step, mesh.coord("dp") * rows, rows))
+        opt.prepare(lr_at(step, lr=3e-3, warmup=2, max_steps=steps, final_frac=0.1))
+        sums = passes.train_step()
+        engine.finish_step()
+        norm = engine.grad_norm()
+        opt.update(grad_scale=clip_scale(norm, 1.0))
+        engine.gather_params()
+        losses.append(reduce_loss(comm, mesh, sums) / (SEQS * T))
+        norms.append(norm.item())
+    live = comm.all_gather_object(passes.executor.max_live, mesh.groups["world"])
+    wte = [dict(p.named_parameters())["wte.weight"] for p in parts if p.first or p.last]
+    with engine.gathered():
+        wte_sha = hashlib.sha256(wte[0].detach().clone().numpy().tobytes()).hexdigest() if wte and mesh.coord("tp") == 0 else None
+    copies = [s for s in comm.all_gather_object(wte_sha, mesh.groups["world"]) if s]
+    return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live,
+            "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
+            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1}
+
+
+def main(out, suite):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    results = {}
+    for name, kw, steps in layouts(suite):
+        r = run(rank, name, dict(kw), steps)
+        if rank == 0:
+            results[name] = r
+        dist.barrier()
+    if rank == 0:
+        with open(f"{out}/results.json", "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    os._exit(0)  # no interpreter teardown after collectives: see braidtrain.cli.run
