@@ -5,7 +5,8 @@ process each, dp = 1) runs a few steps; its metrics give each stage's bubble per
 span of work, parallel/schedule.py's timing), its schedule.json every rank's timed work of the last
 step. Printed per run, stage by stage:
 
-    measured     the mean bubble over the steps after the first two
+    measured     the mean bubble over the steps after the first two (train's: 1 - the stage's
+                 work / its pass's span, from the step's start to its last work)
     simulated    pipeline.simulate -- what the planner runs -- on the same plan, with each
                  (op, chunk)'s cost the mean of its measured durations and transfers free: the
                  model's error, once the costs are right
@@ -59,7 +60,7 @@ def simulated(sched: dict, m: int) -> list[float]:
             times.setdefault((op, chunk), []).append(end - start)
     cost = {k: statistics.mean(x) for k, x in times.items()}
     ranks = pipeline.simulate(pipeline.build(sched["schedule"], pp, v, m), pp, lambda a: cost[a.op, a.stage])
-    return [1 - r["busy"] / (r["end"] - r["start"]) for r in ranks]
+    return [1 - r["busy"] / r["end"] for r in ranks]
 
 
 def formula(name: str, pp: int, m: int) -> float:

@@ -131,10 +131,16 @@ def build(cfg: Config) -> Run:
 
 
 def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[GPT]:
-    """The model, or with a pipeline the chunks of this rank: r, r + pp, ... (parallel/pipeline.py)."""
-    if lay.pp == 1:
-        return [GPT(mcfg, mesh=mesh, sp=sp)]
-    return pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp)
+    """The model, or with a pipeline the chunks of this rank: r, r + pp, ... (parallel/pipeline.py);
+    under context parallelism, with this rank's Context (parallel/context.py)."""
+    parts = [GPT(mcfg, mesh=mesh, sp=sp)] if lay.pp == 1 else pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp)
+    if lay.cp > 1:
+        from braidtrain.parallel.context import Context
+
+        cp = Context(mesh.groups["cp"], lay.cp_impl, lay.cp_order, lay.exact)
+        for part in parts:
+            part.use_context(cp)
+    return parts
 
 
 def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
@@ -166,7 +172,7 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float]:
 
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     """'world_size 4 -> 2, zero 1 -> 3, ...': how this run differs from the one that saved."""
-    layout = {"pp": 1, **meta["layout"]}  # (a checkpoint from before pipelines)
+    layout = {"pp": 1, "cp": 1, **meta["layout"]}  # (a checkpoint from before pipelines, context parallelism)
     diff = [f"{k} {layout.get(k)} -> {v}" for k, v in now.items() if layout.get(k) != v]
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
@@ -192,7 +198,9 @@ def resume(run: Run) -> None:
     changed = what_changed(meta, now, cfg)
     rt.log(f"resumed from {path} (step {run.start_step}) in {run.load_s:.2f} s"
            + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
-    saved_tp = meta["layout"].get("tp", 1)
-    if cfg.exact and saved_tp != run.layout.tp:
-        rt.log(f"note: --exact is bitwise across dp, ZeRO and restarts at a fixed tp; this run resumes a tp={saved_tp} "
-               f"checkpoint at tp={run.layout.tp}, so from here on its bits differ from a run that stayed at tp={saved_tp}")
+    for axis in ("tp", "cp"):
+        saved, mine = meta["layout"].get(axis, 1), getattr(run.layout, axis)
+        if cfg.exact and saved != mine:
+            rt.log(f"note: --exact is bitwise across dp, ZeRO and restarts at a fixed {axis}; this run resumes a "
+                   f"{axis}={saved} checkpoint at {axis}={mine}, so from here on its bits differ from a run that "
+                   f"stayed at {axis}={saved}")

@@ -66,7 +66,9 @@ def _train_parser(sub):
     g.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], help="pipeline schedule (default 1f1b)")
     g.add_argument("--pp-virtual", type=int, help="model chunks a rank holds (interleaved; default 2)")
     g.add_argument("--pp-split", help="blocks per stage (per chunk), e.g. 3,4,4,3 (default: balanced by FLOPs)")
-    g.add_argument("--cp", type=int, help="context-parallel degree (not available yet)")
+    g.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over cp ranks")
+    g.add_argument("--cp-impl", choices=["ring", "allgather"], help="keys and values passed round a ring (default) or all-gathered")
+    g.add_argument("--cp-order", choices=["zigzag", "contiguous"], help="the chunks each cp rank holds (default zigzag: balanced)")
     g.add_argument("--ep", type=int, help="expert-parallel degree (not available yet)")
     g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside the tp group")
     g.add_argument("--exact", action="store_true", default=None,

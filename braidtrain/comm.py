@@ -83,6 +83,7 @@ class Group:
     pg: object
     comm: "Comm" = field(repr=False)
     name: str = ""
+    tree: tuple = ()  # the order exact sums add the members' parts in (default: group order)
 
     @property
     def size(self) -> int:
@@ -162,6 +163,7 @@ class Handle:
         if self.then is not None:
             self.then()
         self.done = True
+        self.work = None  # the backend's hold on the tensors (a send's, a receive's buffer) goes too
 
 
 class Comm:
@@ -196,7 +198,7 @@ class Comm:
             del self.step_handles[before:]
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _launch(self, op, group: Group, tensor, fn, then=None, inline=False, what="") -> Handle:
+    def _launch(self, op, group: Group, tensor, fn, then=None, inline=False, what="", direct=False) -> Handle:
         rec = self._record(op, group, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                            tensor.numel() * tensor.element_size(), what)
         if group.pg is None:  # a one-rank group: nothing to exchange
@@ -211,7 +213,7 @@ class Comm:
             end.record(stream)
             h = Handle(self, rec, None, then, events=(start, end))
             h.reuse = not capturing
-        elif self.cuda:
+        elif self.cuda and not direct:
             # Launch from our side stream: it first waits (an event) for what the compute stream has
             # queued -- the gradients this collective reads -- and the compute stream goes on with the
             # rest of the backward pass; Handle.wait() makes the compute stream wait for `join`.
@@ -384,17 +386,26 @@ class Comm:
         def fn(g):
             return (dist.isend if send else dist.irecv)(tensor, other, group=g)
 
-        return self._launch("p2p", group, tensor, fn, what=f"{'send' if send else 'recv'} {what}")
+        # On CUDA not through the side stream, where each operation waits for the one before: a
+        # send held there until its peer receives would hold up the receive this rank posts next,
+        # while the peer does the mirror image (1F1B's steady state) -- a deadlock. A receive is
+        # waited for at once, by the compute stream (inline); a send is issued from the compute
+        # stream and left to complete (the executor waits for it before the step ends).
+        return self._launch("p2p", group, tensor, fn, what=f"{'send' if send else 'recv'} {what}",
+                            inline=self.cuda and not send, direct=send)
 
     def exact_reduce_scatter(self, out, inp, scratch, group: Group) -> Handle:
         """Sum `inp` (n equal slices, one per rank) over the group into this rank's slice `out`,
         bitwise the same for any power-of-two n: all-to-all moves slice r of every rank to rank r
         (the bandwidth of a reduce-scatter), then the n pieces are added along a complete binary
-        tree in rank order -- the top levels of the one tree over all micro-batches."""
+        tree in rank order (the group's `tree` order, if it has one) -- the top levels of the one tree
+        over all micro-batches."""
         n = group.size
 
         def tree_sum():
             pieces = list(scratch.chunk(n)) if n > 1 else [inp]
+            if group.tree and n > 1:  # (the replicas under cp: cp-major, mesh.py)
+                pieces = [pieces[i] for i in group.tree]
             while len(pieces) > 1:
                 pieces = [a.add_(b) for a, b in zip(pieces[0::2], pieces[1::2])]
             out.copy_(pieces[0])

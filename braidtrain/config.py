@@ -63,7 +63,9 @@ class Config:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb (parallel/pipeline.py)
     pp_virtual: int | None = None  # chunks a rank holds: interleaved only (default 2 there)
     pp_split: str | None = None  # blocks per chunk, e.g. "3,4,4,3" (default: the cost model's)
-    cp: int = 1  # context-parallel degree (not available yet)
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (parallel/context.py)
+    cp_impl: str = "ring"  # ring | allgather: how keys and values reach the other cp ranks
+    cp_order: str = "zigzag"  # zigzag (rank r: chunks r and 2cp-1-r, balanced) | contiguous
     tp: int = 1  # tensor-parallel degree (ranks that split each layer); dp = world / (pp * cp * tp)
     ep: int = 1  # expert-parallel degree (not available yet)
     sp: bool = False  # sequence parallelism within the tp group

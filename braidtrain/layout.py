@@ -17,11 +17,12 @@ resumed on another tp says so in one line (build.py) and differs from there on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from braidtrain.errors import UserError
 
-NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
+NOT_YET = {"ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class Layout:
     batch: BatchPlan
     virtual: int = 1  # pipeline chunks a rank holds (interleaved)
     split: tuple = ()  # the blocks of each pipeline chunk (ranges), pp * virtual of them
+    cp_impl: str = "ring"  # context parallelism's (parallel/context.py)
+    cp_order: str = "zigzag"
 
     @property
     def world(self) -> int:
@@ -67,7 +70,8 @@ class Layout:
         if self.pp > 1:
             cut = " | ".join(f"{r.start}-{r.stop - 1}" for r in self.split)
             pipe = f" ({self.schedule}{f' x{self.virtual} chunks a rank' if self.virtual > 1 else ''}, blocks {cut})"
-        axes = " x ".join(f"{a} {getattr(self, a)}" + (pipe if a == "pp" else "") for a in ("pp", "dp", "cp", "tp", "ep")
+        ctx = f" ({self.cp_impl}, {self.cp_order})"
+        axes = " x ".join(f"{a} {getattr(self, a)}" + {"pp": pipe, "cp": ctx}.get(a, "") for a in ("pp", "dp", "cp", "tp", "ep")
                           if getattr(self, a) > 1 or a == "dp")
         features = [f"ZeRO-{self.zero}"] + [n for n, on in (("exact", self.exact), ("recompute", self.recompute),
                                                              ("compile", self.compile), ("cuda-graph", self.cuda_graph)) if on]
@@ -108,7 +112,8 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                 pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, zero: int = 0, sp: bool = False,
                 exact: bool = False, compile: bool = False, cuda_graph: bool = False, recompute: bool = False,
                 schedule: str = "1f1b", virtual: int | None = None, split: list[int] | None = None,
-                device: str = "cpu", world_name: str | None = None) -> Layout:
+                cp_impl: str = "ring", cp_order: str = "zigzag", device: str = "cpu",
+                world_name: str | None = None) -> Layout:
     """The validated layout, or the UserError of the first thing that cannot run. `model` is a
     GPTConfig; `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
     `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
@@ -120,7 +125,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     for name, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if size < 1:
             raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
-    for name, size in (("cp", cp), ("ep", ep)):
+    for name, size in (("ep", ep),):
         if size > 1:
             raise UserError(f"--{name} {size}: {NOT_YET[name]} is not available yet: use --{name} 1")
     if sp and tp == 1:
@@ -153,6 +158,8 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         raise UserError(f"-t {seq_len} is longer than the model's context ({model.block_size}): "
                         f"use -t {model.block_size} or less")
     check_tp(model, tp, sp, seq_len)
+    if cp > 1:
+        _check_cp(cp, tp, sp, seq_len, compile, cuda_graph, exact)
     # 3. against the world size and the batch
     inner = pp * cp * tp
     if world % inner:
@@ -163,8 +170,9 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     batch = batch_plan(total_batch, batch_size, seq_len, dp)
     if exact:
         _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device)
+    ctx = dict(cp_impl=cp_impl, cp_order=cp_order)
     if pp == 1:
-        return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch)
+        return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch, **ctx)
     pipeline.check_split(model.n_layer, pp * v, split)
     m, unit = batch.micro_steps, batch_size * seq_len * dp
     if schedule in ("1f1b", "zb", "interleaved") and m < pp:
@@ -174,7 +182,23 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         raise UserError(f"--pp-schedule interleaved needs a multiple of pp = {pp} micro-steps per rank, got "
                         f"d/(b*t*dp) = {m}: use -d {m // pp * pp * unit} or -d {(m // pp + 1) * pp * unit}")
     chunks = pipeline.split(model.n_layer, pp * v, pipeline.flop_cost(model, seq_len, pp * v), split)
-    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v, tuple(chunks))
+    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v, tuple(chunks),
+                  **ctx)
+
+
+def _check_cp(cp: int, tp: int, sp: bool, t: int, compile: bool, cuda_graph: bool, exact: bool) -> None:
+    """A sequence of t tokens splits into 2*cp equal chunks (and, under sp, a rank's t/cp into tp)."""
+    unit = 2 * cp if not sp else math.lcm(2 * cp, cp * tp)
+    if t % unit:
+        near = " or ".join(f"-t {x}" for x in (t // unit * unit, (t // unit + 1) * unit) if x > 0)
+        why = f"2*cp = {2 * cp} chunks" if not sp else f"2*cp = {2 * cp} chunks, each rank's t/cp over tp = {tp} (sp)"
+        raise UserError(f"-t {t} does not split into {why}: use {near} (a multiple of {unit}), or another --cp")
+    if compile or cuda_graph:
+        raise UserError(f"{'--compile' if compile else '--cuda-graph'} with context parallelism (cp > 1) is not "
+                        f"supported yet (the ring's transfers inside attention): drop it, or use --cp 1")
+    if exact and not _pow2(cp):
+        raise UserError(f"--exact needs a power-of-two cp (its gradients are summed along one tree over the "
+                        f"dp*cp replicas), got cp={cp}: use 2, 4, 8 ...")
 
 
 def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
@@ -209,4 +233,4 @@ def from_config(cfg, world: int, model, device: str) -> Layout:
     return make_layout(world, model, seq_len=cfg.seq_len, batch_size=cfg.batch_size, total_batch=cfg.total_batch,
                        pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
                        compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, schedule=cfg.pp_schedule,
-                       virtual=cfg.pp_virtual, split=split, device=device)
+                       virtual=cfg.pp_virtual, split=split, cp_impl=cfg.cp_impl, cp_order=cfg.cp_order, device=device)

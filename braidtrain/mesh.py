@@ -9,8 +9,11 @@ line through it along that dim.
       dp=0:  [0 1 2 3]  <- one tp group       tp groups: {0,1,2,3} {4,5,6,7}
       dp=1:  [4 5 6 7]
 
-The *replica* group of a parameter -- the ranks that average its gradient and share its ZeRO
-shards -- is the dp*cp ranks with the same (pp, tp) coordinates. Expert parallelism (later) shards
+The *replica* group of a parameter -- the ranks that sum its gradient and share its ZeRO
+shards -- is the dp*cp ranks with the same (pp, tp) coordinates, in rank order (torch orders a
+group's members so). Exact mode adds their gradients along one tree in cp-major order instead
+(the group's `tree`): with cp outermost, one cp rank's replicas over dp are a subtree, as one
+rank's micro-batches are at dp 1, so the bits do not depend on dp at a fixed cp. Expert parallelism (later) shards
 experts over those same ranks. `world` is every rank (barriers, the run's small agreements).
 
 Pipeline transfers run between neighbouring ranks of a pp line, each direction on a process
@@ -72,8 +75,9 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
     grid = torch.tensor(members).reshape(*(sizes[a] for a in AXES))
     coords = dict(zip(AXES, (grid == rank).nonzero()[0].tolist())) if rank in members else {}
     lines = {axis: grid.movedim(d, -1).reshape(-1, sizes[axis]).tolist() for d, axis in enumerate(AXES)}
-    # replica lines: ranks sharing (pp, tp), varying (dp, cp), in dp-major order
+    # replica lines: ranks sharing (pp, tp), varying (dp, cp), in rank order
     lines["replica"] = grid.permute(0, 3, 1, 2).reshape(-1, sizes["dp"] * sizes["cp"]).tolist()
+    tree = tuple(d * cp + c for c in range(cp) for d in range(sizes["dp"]))  # its members cp-major
     lines["world"] = [members]
     made: dict[tuple, object] = {}
     groups = {}
@@ -89,7 +93,8 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
                 else:
                     made[key] = new_group(line, axis) if new_group else dist.new_group(line)
             if rank in line:
-                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world))
+                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world),
+                                     tree if axis == "replica" else ())
     p2p = {}
     for line in lines["pp"]:  # each direction between neighbours, a group of its own
         pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if ring and pp > 1 else [])

@@ -17,11 +17,13 @@ from braidtrain.parallel import schedule
 
 def reduce_loss(comm, mesh, sums: list[torch.Tensor]) -> float:
     """The loss sums of every rank that holds them (mesh.loss_ranks: under tp each tp rank holds
-    the same full sum, one counts), added along one fixed tree in (data rank, micro-batch) order:
-    the same bits on every rank and in every layout."""
+    the same full sum, one counts; under cp each cp rank its tokens' part), added along one fixed
+    tree in (cp rank, data rank, micro-batch) order: the same bits on every rank and in every
+    layout of the same cp."""
     t = torch.stack(sums).double() if sums else torch.zeros(0, dtype=torch.float64, device=comm.device)
-    rows = comm.gather_rows(t, mesh.groups["world"])
-    return pairwise_sum(rows[mesh.loss_ranks()].reshape(-1)).item()
+    rows = comm.gather_rows(t, mesh.groups["world"])[mesh.loss_ranks()]  # by (dp, cp)
+    rows = rows.view(mesh.size("dp"), mesh.size("cp"), -1).transpose(0, 1)  # the replicas' order: cp-major
+    return pairwise_sum(rows.reshape(-1)).item()
 
 
 class Passes:
@@ -30,21 +32,29 @@ class Passes:
         self.lay, self.mesh, self.comm, self.cfg = built.layout, built.mesh, built.comm, built.cfg
         self.parts, self.stage = built.parts, {part.stage: part for part in built.parts}
         lay = self.lay
+        self.cp = getattr(self.parts[0], "cp", None)  # context parallelism: this rank's tokens of each sequence
+        self.cp_index = None if self.cp is None else self.cp.positions(self.cfg.seq_len // lay.cp, tokens.device)
         self.actions = schedule.build(lay.schedule, lay.batch.micro_steps, lay.pp, lay.virtual)[self.mesh.coord("pp")]
         self.executor = self.executor_of(self.forward, divisor=lay.batch.total_tokens)
 
     def executor_of(self, forward, divisor=1, seq_len=None, rows=None) -> schedule.Executor:
         """An executor of this rank's chunks; the activations it moves are (rows, seq_len / tp if
         sp, n_embd) -- a micro-batch's by default."""
-        lay, t = self.lay, seq_len or self.cfg.seq_len
+        lay, t = self.lay, seq_len or self.cfg.seq_len // self.lay.cp
         shape = (rows or self.cfg.batch_size, t // lay.tp if lay.sp else t, self.b.mcfg.n_embd)
         return schedule.Executor(self.b.engine, forward, divisor, p2p=self.mesh.p2p, pp=lay.pp,
                                  chunks=lay.pp * lay.virtual, shape=shape)
 
+    def micro_batch(self, xy, micro: int):
+        """Micro-batch `micro`'s inputs and targets (this rank's tokens of them under cp)."""
+        b = self.cfg.batch_size
+        xy = xy[:, micro * b : (micro + 1) * b]
+        return xy if self.cp_index is None else xy[:, :, self.cp_index]
+
     def forward(self, stage: int, micro: int, inp) -> torch.Tensor:
         """Micro-batch `micro` through chunk `stage`: on the last, the sum of its token losses."""
-        b, part = self.cfg.batch_size, self.stage[stage]
-        x, y = self.tokens[:, micro * b : (micro + 1) * b]
+        part = self.stage[stage]
+        x, y = self.micro_batch(self.tokens, micro)
         with self.autocast():
             out = part(x if part.first else inp, y if part.last else None)
         if self.b.fault and micro == 0 and part is self.parts[0]:
@@ -74,7 +84,7 @@ class Passes:
 
         def forward(stage, micro, inp):
             part = self.stage[stage]
-            x, y = xy[:, micro * b : (micro + 1) * b]
+            x, y = self.micro_batch(xy, micro)
             with self.autocast():
                 return part(x if part.first else inp, y if part.last else None).float()
 
@@ -95,7 +105,13 @@ class Passes:
             with self.autocast():
                 return part(ctx if part.first else inp)
 
-        logits = self.executor_of(forward, seq_len=ctx.shape[1], rows=1).run(self.forward_only(1), 1, train=False)[0]
+        if self.cp is not None:  # whole sequences: every cp rank runs the same pass, attention local
+            self.cp.active = False
+        try:
+            logits = self.executor_of(forward, seq_len=ctx.shape[1], rows=1).run(self.forward_only(1), 1, train=False)[0]
+        finally:
+            if self.cp is not None:
+                self.cp.active = True
         return logits if self.lay.pp * self.lay.virtual - 1 in self.stage else None
 
     def share_token(self, token):
@@ -106,9 +122,9 @@ class Passes:
                                           src=self.lay.pp - 1)
 
     def bubbles(self) -> list[float]:
-        """Per pipeline stage (the mean over its ranks): the share of the step's span of work that
-        the rank idled -- 1 - (seconds of work) / (first work's start to last work's end). Call
-        once the step's work is done."""
+        """Per pipeline stage (the mean over its ranks): the share of the step's passes that the
+        rank idled -- 1 - (seconds of work) / (the executor's run, start to end). Call once the
+        step's work is done."""
         work, span = self.executor.busy()
         mine = torch.tensor([1 - work / span if span > 0 else 0.0], dtype=torch.float64, device=self.comm.device)
         rows = self.comm.gather_rows(mine, self.mesh.groups["world"]).view(self.lay.pp, -1)  # pp is outermost
@@ -116,14 +132,10 @@ class Passes:
 
     def write_schedule(self, path, bubble) -> None:
         """`path` (RUN/schedule.json): every rank's work in the last step -- (op, chunk,
-        micro-batch, start, end) in seconds from the rank's first start -- for `braidtrain plot
+        micro-batch, start, end) in seconds from the rank's start of the step -- for `braidtrain plot
         --schedule`. Collective over the world; rank 0 writes."""
-        events = self.executor.events
-        if self.comm.cuda:
-            events = [(op, c, m, events[0][3].elapsed_time(s) / 1e3, events[0][3].elapsed_time(t) / 1e3)
-                      for op, c, m, s, t in events]
-        t0 = min((e[3] for e in events), default=0.0)
-        ranks = self.comm.all_gather_object([(op, c, m, s - t0, t - t0) for op, c, m, s, t in events],
+        ex = self.executor
+        ranks = self.comm.all_gather_object([(op, c, m, ex.seconds(s), ex.seconds(t)) for op, c, m, s, t in ex.events],
                                             self.mesh.groups["world"])
         if self.mesh.rank == 0:
             world = len(ranks)

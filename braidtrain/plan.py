@@ -471,7 +471,7 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         mine = range(r, chunks, pp)
         dp = dp_comm_s(s, lay.zero, n, buckets, m, sum(f[c] for c in mine), sum(b[c] for c in mine), False)
         rows.append({"mem": mem, "allocated": allocated, "state": state, "act": act, "end": sim["end"] + dp,
-                     "blocks": sum(len(split[c]) for c in mine), "bubble": max(0.0, 1 - sim["busy"] / (sim["end"] - sim["start"])),
+                     "blocks": sum(len(split[c]) for c in mine), "bubble": max(0.0, 1 - sim["busy"] / sim["end"]),
                      "replicated": sum(e.local_numel(tp) for e in table if e.replicated)})
     span = max(sim["end"] for sim in ranks)
     step_end = max(row["end"] for row in rows)
@@ -615,8 +615,8 @@ def row_json(e: dict) -> dict:
 
 def table(result: dict, top: int) -> str:
     """The ranked rows; the tp and sp columns only when a row shown has tp > 1, the pipeline's
-    (pp, its schedule, the mean bubble of its ranks) when one has pp > 1; memory is the fullest
-    rank's."""
+    (pp, its schedule, the largest of its ranks' bubbles: the first stage's, the papers') when one
+    has pp > 1; memory is the fullest rank's."""
     shown = result["rows"][:top] if top > 0 else result["rows"]
     tp, pp = any(e["layout"].tp > 1 for e in shown), any(e["layout"].pp > 1 for e in shown)
     head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), "zero", "b", "micro",
@@ -627,7 +627,7 @@ def table(result: dict, top: int) -> str:
         mesh = [lay.tp, "on" if lay.sp else "off"] if tp else []
         if pp:
             pipe = "-" if lay.pp == 1 else lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
-            bubble = f"{sum(e['bubble']) / len(e['bubble']):.0%}" if lay.pp > 1 else "-"
+            bubble = f"{max(e['bubble']):.0%}" if lay.pp > 1 else "-"
             mesh += [lay.pp, pipe, bubble]
         lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),

@@ -1,5 +1,5 @@
-"""Run under torchrun (8 ranks, gloo) by test_parity.py, test_tp.py and test_pipeline.py (argv:
-OUT, then "dp", "tp" or "pipeline"): many layouts of one small GPT in one process group -- each on the first
+"""Run under torchrun (8 ranks, gloo) by test_parity.py, test_tp.py, test_pipeline.py and
+test_context.py (argv: OUT, then "dp", "tp", "pipeline" or "cp"): many layouts of one small GPT in one process group -- each on the first
 pp*dp*tp ranks, the others waiting -- trained a few steps with
 the engine, the schedule's executor and AdamW as the trainer drives them (train.Trainer.work),
 on the same global batches. Writes, per layout, every step's loss and gradient norm, the final
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from braidtrain.build import make_parts
 from braidtrain.checkpoint import weights_sha256
@@ -23,6 +24,7 @@ from braidtrain.layout import make_layout
 from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import init_weights, model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at
+from braidtrain.parallel.context import Context, token_index
 from braidtrain.parallel.engine import Engine
 from braidtrain.passes import Passes, reduce_loss
 
@@ -39,6 +41,14 @@ def layouts(suite: str):
                 + [(f"dp{dp}-z{z}", dict(dp=dp, zero=z), 10) for dp, z in default]
                 + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), 10)]
                 + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), 6) for dp, z in exact])
+    if suite == "cp":  # context parallelism: cp 2 and 4, ring and allgather, with dp / ZeRO, tp (sp), pp
+        default = [("cp2", dict(cp=2)), ("cp4", dict(cp=4)), ("cp2-contiguous", dict(cp=2, cp_order="contiguous")),
+                   ("cp2-dp2-z1", dict(cp=2, dp=2, zero=1)), ("cp2-tp2", dict(cp=2, tp=2)),
+                   ("cp2-tp2-sp", dict(cp=2, tp=2, sp=True)), ("cp2-pp2", dict(cp=2, pp=2, schedule="1f1b"))]
+        exact = [("cp2-exact", dict(cp=2)), ("cp2-dp2-z0-exact", dict(cp=2, dp=2)), ("cp2-dp2-z3-exact", dict(cp=2, dp=2, zero=3)),
+                 ("cp2-dp4-z1-exact", dict(cp=2, dp=4, zero=1)), ("cp2-pp2-dp2-exact", dict(cp=2, pp=2, dp=2, zero=1))]
+        return ([("ref", dict(), 4)] + [(n, kw, 4) for n, kw in default]  # 4 steps: the ring's transfers are many
+                + [(n, dict(kw, exact=True), 3) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z), 4)
@@ -71,11 +81,11 @@ def batch(step, first, count):
 
 
 def run(rank, name, kw, steps):
-    pp, dp, tp = kw.get("pp", 1), kw.pop("dp", 1), kw.get("tp", 1)
-    n = pp * dp * tp
+    pp, dp, cp, tp = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1)
+    n = pp * dp * cp * tp
     lay = make_layout(n, CFG, seq_len=T, batch_size=B, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
-    mesh = build_mesh(rank, n, comm, pp=pp, tp=tp, ring=lay.virtual > 1, members=range(n))
+    mesh = build_mesh(rank, n, comm, pp=pp, cp=cp, tp=tp, ring=lay.virtual > 1, members=range(n))
     if mesh is None:
         return None
     parts = make_parts(CFG, mesh, lay, lay.sp)
@@ -105,9 +115,37 @@ def run(rank, name, kw, steps):
     with engine.gathered():
         wte_sha = hashlib.sha256(wte[0].detach().clone().numpy().tobytes()).hexdigest() if wte and mesh.coord("tp") == 0 else None
     copies = [s for s in comm.all_gather_object(wte_sha, mesh.groups["world"]) if s]
-    return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live,
+    pairs = comm.all_gather_object(parts[0].cp.pairs if parts[0].cp else 0, mesh.groups["world"])
+    return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live, "pairs": pairs,
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
             "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1}
+
+
+def attention(rank, cp, impl, order):
+    """Context-parallel attention on the first cp ranks against torch's on the whole sequence (each
+    rank computes that reference itself): the largest error of the output and of dq, dk, dv on
+    any rank, each rank's block pairs, and whether each ring transfer was launched before the
+    attention of its step was done (comm's flight records against the host clock)."""
+    comm = Comm(torch.device("cpu"))
+    mesh = build_mesh(rank, cp, comm, cp=cp, members=range(cp))
+    if mesh is None:
+        return None
+    cx = Context(mesh.groups["cp"], impl, order)
+    g = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(2, 3, 8 * cp, 8, generator=g) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out.backward(do)
+    idx = token_index(8 * cp, cp, mesh.coord("cp"), order)
+    mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    got = cx.attend(*mine)
+    got.backward(do[:, :, idx])
+    err = max([(got - out[:, :, idx]).abs().max().item()] + [(a.grad - b.grad[:, :, idx]).abs().max().item()
+                                                             for a, b in zip(mine, ref)])
+    overlap = all(launched < done for launched, done in cx.events) and len(cx.events) == 2 * (cp - 1)
+    rows = comm.all_gather_object((err, cx.pairs, overlap), mesh.groups["world"])
+    return {"err": max(r[0] for r in rows), "pairs": [r[1] for r in rows],
+            "overlap": all(r[2] for r in rows) if impl == "ring" else None}
 
 
 def main(out, suite):
@@ -116,6 +154,14 @@ def main(out, suite):
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     results = {}
+    if suite == "cp":
+        for cp in (2, 4):
+            for impl in ("ring", "allgather"):
+                for order in ("zigzag", "contiguous"):
+                    r = attention(rank, cp, impl, order)
+                    if rank == 0:
+                        results[f"attention-cp{cp}-{impl}-{order}"] = r
+                    dist.barrier()
     for name, kw, steps in layouts(suite):
         r = run(rank, name, dict(kw), steps)
         if rank == 0:

@@ -15,7 +15,13 @@ BATCH = dict(seq_len=64, batch_size=2)
 
 REFUSED = [  # (id, world, keyword arguments, words the message must hold)
     ("degree-below-1", 1, dict(tp=0), ["--tp 0", ">= 1"]),
-    ("cp-not-yet", 2, dict(cp=2), ["--cp 2", "context parallelism", "--cp 1"]),
+    ("cp-seq-not-divisible", 2, dict(cp=2, seq_len=62), ["-t 62", "2*cp = 4 chunks", "-t 60 or -t 64"]),
+    ("cp-sp-lcm", 8, dict(cp=2, tp=4, sp=True, seq_len=60, model=GPTConfig(2, 4, 64, 64, 256)),
+     ["-t 60", "over tp = 4 (sp)", "-t 56 or -t 64", "multiple of 8"]),
+    ("cp-longer-than-sequence", 64, dict(cp=64), ["-t 64", "128 chunks", "use -t 128"]),
+    ("cp-exact-not-pow2", 3, dict(cp=3, exact=True, seq_len=60), ["--exact", "power-of-two cp", "cp=3"]),
+    ("cp-compile", 2, dict(cp=2, compile=True), ["--compile", "context parallelism", "--cp 1"]),
+    ("cp-world", 3, dict(cp=2), ["pp*cp*tp = 1*2*1 = 2 does not divide the world size 3"]),
     ("ep-not-yet", 2, dict(ep=2), ["--ep 2", "expert parallelism", "--ep 1"]),
     ("sp-without-tp", 1, dict(sp=True), ["--sp", "--tp 2 or more"]),
     ("compile-with-tp", 2, dict(tp=2, compile=True), ["--compile", "tp", "drop --compile"]),

@@ -121,6 +121,8 @@ def test_a_slow_link_or_stage_shows_in_the_simulated_step():
     (lambda plan: plan[0].insert(1, plan[0].pop(plan[0].index(Action("RECV_B", 0, 0)))), "deadlocks"),
     (lambda plan: plan[0].pop(1), "do not pair up"),  # a send left out
     (lambda plan: plan[1].remove(Action("B", 1, 0)), "runs"),
+    # a send before the forward that computes what it sends
+    (lambda plan: plan[0].insert(0, plan[0].pop(plan[0].index(Action("SEND_F", 0, 0)))), "before what it needs"),
 ])
 def test_a_plan_that_cannot_run_is_refused(broken, words):
     plan = pipeline.with_p2p(pipeline.compute_order("1f1b", 2, 1, 4), 2, 1)

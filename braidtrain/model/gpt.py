@@ -106,6 +106,7 @@ def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=N
 
 class Attention(nn.Module):
     deterministic = False  # exact mode on GPU: attention.causal_attention (GPT.use_deterministic_attention)
+    cp = None  # context parallelism (parallel/context.py's Context): attention over the whole sequence
 
     def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
@@ -118,7 +119,9 @@ class Attention(nn.Module):
         B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = qkv.split(C, dim=2)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
-        if self.deterministic:
+        if self.cp is not None and self.cp.active:
+            y = self.cp.attend(q, k, v)
+        elif self.deterministic:
             y = causal_attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -209,6 +212,14 @@ class GPT(nn.Module):
             self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.recompute = False  # activation checkpointing: keep only each block's input
         self.head_sink = None  # exact mode: where the head's gradient of wte goes (TiedHead)
+        self.cp = None  # context parallelism: this rank holds its chunks of each sequence (use_context)
+
+    def use_context(self, cp) -> None:
+        """Context parallelism (parallel/context.py): inputs are this rank's tokens of each
+        sequence, at cp.positions; attention runs over the whole sequence through `cp`."""
+        self.cp = cp
+        for block in self.h:
+            block.attn.cp = cp
 
     def use_deterministic_attention(self) -> None:
         """Exact mode on GPU: torch's fused attention backwards add partial tiles with atomics (not
@@ -256,7 +267,8 @@ class GPT(nn.Module):
         logits)."""
         if self.first:
             T = inp.shape[1]
-            pos = torch.arange(T, device=inp.device)
+            whole = self.cp is None or not self.cp.active
+            pos = torch.arange(T, device=inp.device) if whole else self.cp.positions(T, inp.device)
             if self.sp:
                 check_tp(self.cfg, self.tp, self.sp, T)
                 pos = pos.chunk(self.tp)[self.tp_rank]  # the residual stream holds this rank's T/tp rows

@@ -201,6 +201,14 @@ def check(plan: list[list[Action]], pp: int, v: int, m: int, backward: bool = Tr
                 ops = [a.op for a in seen if a.micro == i]
                 if ops != (["F"] if not backward else ["F", "B", "W"] if split_w else ["F", "B"]):
                     raise ValueError(f"rank {r}, chunk {c}, micro-batch {i}: runs {ops}")
+        done = set()
+        for a in actions:  # what each action uses is there: its chunk, its input, what it sends
+            need = {"SEND_F": "F", "SEND_B": "B"}.get(a.op)
+            if a.stage % pp != r or (need and (need, a.stage, a.micro) not in done) \
+                    or (a.op == "F" and a.stage > 0 and ("RECV_F", a.stage, a.micro) not in done) \
+                    or (a.op == "B" and a.stage < pp * v - 1 and ("RECV_B", a.stage, a.micro) not in done):
+                raise ValueError(f"rank {r}: {a!r} comes before what it needs (or is of a chunk it does not hold)")
+            done.add((a.op, a.stage, a.micro))
     queues = {}  # (pair, way) -> the tensors, in order
     for r, actions in enumerate(plan):
         for a in actions:
@@ -211,26 +219,7 @@ def check(plan: list[list[Action]], pp: int, v: int, m: int, backward: bool = Tr
         if queues.get((pair, "send"), []) != queues.get((pair, "recv"), []):
             raise ValueError(f"transfers from rank {pair[0]} to rank {pair[1]} do not pair up: sent "
                              f"{queues.get((pair, 'send'), [])[:3]}..., received {queues.get((pair, 'recv'), [])[:3]}...")
-    at, posted, taken = [0] * pp, {}, {}
-    moved = True
-    while moved:
-        moved = False
-        for r in range(pp):
-            while at[r] < len(plan[r]):
-                a = plan[r][at[r]]
-                if a.op in P2P:
-                    pair, _, way = ends(a, r, pp)
-                    if way == "send":
-                        posted[pair] = posted.get(pair, 0) + 1
-                    elif posted.get(pair, 0) > taken.get(pair, 0):
-                        taken[pair] = taken.get(pair, 0) + 1
-                    else:
-                        break  # its send is not posted yet
-                at[r] += 1
-                moved = True
-    stuck = [r for r in range(pp) if at[r] < len(plan[r])]
-    if stuck:
-        raise ValueError("the schedule deadlocks: " + "; ".join(f"rank {r} waits at {plan[r][at[r]]!r}" for r in stuck))
+    simulate(plan, pp, lambda a: 0.0)  # raises if the transfers cannot meet
 
 
 def simulate(plan: list[list[Action]], pp: int, cost, hop: float = 0.0, size=lambda _c: 0.0) -> list[dict]:
@@ -239,7 +228,7 @@ def simulate(plan: list[list[Action]], pp: int, cost, hop: float = 0.0, size=lam
     (or when reached, if later). A micro-batch's activations, size(chunk) bytes, live from the
     start of its forward to the end of its last backward action (W, when split: an upper bound,
     as W keeps only its matmuls' inputs). Per rank: `start` and `end` of its work, `busy` seconds
-    working, `peak` bytes alive -- its bubble, as train.py measures it, 1 - busy / (end - start)."""
+    working, `peak` bytes alive -- its bubble, as train.py measures it, 1 - busy / end (all start at 0)."""
     last = {}  # (rank, chunk, micro) -> index of its last backward action
     for r, actions in enumerate(plan):
         for k, a in enumerate(actions):
@@ -249,6 +238,7 @@ def simulate(plan: list[list[Action]], pp: int, cost, hop: float = 0.0, size=lam
     out = [{"start": None, "end": 0.0, "busy": 0.0, "peak": 0.0, "alive": 0.0} for _ in range(pp)]
     taken = {}
     while any(at[r] < len(plan[r]) for r in range(pp)):
+        before = list(at)
         for r in range(pp):
             o = out[r]
             while at[r] < len(plan[r]):
@@ -274,6 +264,9 @@ def simulate(plan: list[list[Action]], pp: int, cost, hop: float = 0.0, size=lam
                     if last.get((r, a.stage, a.micro)) == at[r]:
                         o["alive"] -= size(a.stage)
                 at[r] += 1
+        if at == before:
+            raise ValueError("the schedule deadlocks: " + "; ".join(
+                f"rank {r} waits at {plan[r][at[r]]!r}" for r in range(pp) if at[r] < len(plan[r])))
     return [{k: o[k] or 0.0 for k in ("start", "end", "busy", "peak")} for o in out]
 
 

@@ -99,6 +99,7 @@ class Executor:
         inputs, outputs, grads, weights, sends = {}, {}, {}, {}, []
         losses = [torch.zeros((), device=e.device)] * n_micro
         self.max_live, self.events = 0, []
+        self.started = self._clock()
         if train:
             e.begin_step(n_micro)
         for i, a in enumerate(actions):
@@ -109,7 +110,13 @@ class Executor:
                 (inputs if a.op == "RECV_F" else grads)[key] = buf.requires_grad_(a.op == "RECV_F")
             elif a.op in ("SEND_F", "SEND_B"):
                 t = outputs[key].detach() if a.op == "SEND_F" else inputs.pop(key).grad
-                sends.append((comm.transfer(t, self._group(a), self._what(a)), t))
+                sends.append(comm.transfer(t, self._group(a), self._what(a)))
+                if not train and a.op == "SEND_F":
+                    del outputs[key]
+                for h in sends:  # let go of what was sent once it is (the backend holds it till then)
+                    if h.ready():
+                        h.wait()
+                sends = [h for h in sends if not h.done]
             elif a.op == "F":
                 start = self._clock()
                 with e.forward(a.micro):
@@ -118,6 +125,10 @@ class Executor:
                 if last:
                     losses[a.micro] = outputs[key].detach()
                 self.max_live = max(self.max_live, len(outputs))
+                if not train:  # forwards only: nothing is kept for a backward
+                    inputs.pop(key, None)
+                    if last:
+                        del outputs[key]
             elif a.op == "B":
                 start = self._clock()
                 out, grad = outputs[key], grads.pop(key, None)
@@ -131,6 +142,7 @@ class Executor:
                 else:
                     del outputs[key]
                     e.backward(a.micro, tensors, grad, last=i == finals[a.stage], stage=a.stage)
+                out = tensors = grad = None  # (the graph lives in weights[key] until W, or not at all)
                 self._timed(a, start)
             elif a.op == "W":
                 start = self._clock()
@@ -140,9 +152,11 @@ class Executor:
                     e.backward(a.micro, *w, last=i == finals[a.stage], stage=a.stage)
                 else:
                     e.backward_weight(a.micro, w, last=i == finals[a.stage], stage=a.stage)
+                w = None
                 self._timed(a, start)
-        for h, _ in sends:
+        for h in sends:
             h.wait()
+        self.ended = self._clock()
         return losses
 
     def _group(self, a: Action):
@@ -153,10 +167,15 @@ class Executor:
 
     @staticmethod
     def _what(a: Action) -> str:
-        kind = "act" if a.op.endswith("_F") else "grad"
-        return f"{kind} chunk {a.stage} micro {a.micro}"
+        """The tensor, named alike on both ends: the activation chunk j outputs, or the gradient of it."""
+        j = a.stage if a.op in ("SEND_F", "RECV_B") else a.stage - 1
+        return f"{'act' if a.op.endswith('_F') else 'grad'} chunk {j} micro {a.micro}"
 
     def _clock(self):
+        """A clock reading, for the pipeline's bubble and timeline; none at pp 1 (no events on the
+        default path, nor inside a captured CUDA graph)."""
+        if self.pp == 1:
+            return None
         if self.engine.comm.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -164,16 +183,17 @@ class Executor:
         return time.perf_counter()
 
     def _timed(self, a: Action, start) -> None:
-        self.events.append((a.op, a.stage, a.micro, start, self._clock()))
+        if start is not None:
+            self.events.append((a.op, a.stage, a.micro, start, self._clock()))
+
+    def seconds(self, t) -> float:
+        """A clock reading of the last run as seconds from its start (on CUDA, once it is done)."""
+        return self.started.elapsed_time(t) / 1e3 if self.engine.comm.cuda else t - self.started
 
     def busy(self) -> tuple[float, float]:
-        """(seconds of work, seconds from the first work's start to the last's end) of the last
-        run, on this rank; on CUDA, call once the step's work is done."""
+        """(seconds of work, seconds from the run's start to its end) of the last run on this
+        rank: a later stage's wait for its first input counts as idle, as does the first stage's
+        for its last gradients. On CUDA, call once the step's work is done."""
         if not self.events:
             return 0.0, 0.0
-        if self.engine.comm.cuda:
-            first = self.events[0][3]
-            spans = [(first.elapsed_time(s) / 1e3, first.elapsed_time(t) / 1e3) for *_, s, t in self.events]
-        else:
-            spans = [(s, t) for *_, s, t in self.events]
-        return sum(t - s for s, t in spans), max(t for _, t in spans) - min(s for s, _ in spans)
+        return sum(self.seconds(t) - self.seconds(s) for *_, s, t in self.events), self.seconds(self.ended)

@@ -1,0 +1,185 @@
+"""Context parallelism: each sequence of a replica split over its cp ranks, attention computed
+block by block while keys and values move between them (Liu et al., "Ring Attention", 2023;
+the load-balanced split of Megatron and Transformer Engine).
+
+The split. A sequence of T tokens is cut into 2·cp chunks of c = T/(2·cp); rank r holds chunks
+r and 2·cp−1−r ("zigzag"): under a causal mask an early chunk attends to few keys and a late one
+to many, so each rank gets one of each and the same work (2·cp+1 block pairs). "contiguous"
+(chunks 2r and 2r+1) is there to show the imbalance (4r+3 pairs on rank r). Positions and targets
+follow the tokens (`token_index`); the loss sums over every token once, each rank its own.
+
+The ring (`impl="ring"`). Step s of cp: rank r holds the keys and values of rank (r−s) mod cp,
+sends them on to r+1 and receives the next ones from r−1 (comm.send_recv on the cp group) while
+it computes attention of its two query chunks against the two key chunks it holds -- pairs with
+the key chunk after the query chunk are skipped, the equal ones are causal, the earlier ones
+full. Each pair gives an output and its log-sum-exp (fp32); outputs are merged in ring order,
+o = o·e^(l−l') + o_b·e^(l_b−l') with l' = logaddexp(l, l_b). The backward goes round again:
+keys and values travel as before, with the fp32 gradients of the ones held (dK, dV) travelling
+beside them, each rank adding its share, until after cp steps they are back with their owner.
+
+`impl="allgather"` (Llama 3's): keys and values all-gathered once per layer, the same pairs in
+the same order (the forward's bits are the ring's), and in the backward the gradients of every
+rank's keys and values reduce-scattered back (exact mode: comm's exact reduce-scatter, a fixed
+tree in rank order).
+
+The pair attention is plain fp32 matrix products (softmax over a c×c block, masked on the
+diagonal), on every device: deterministic, so exact mode holds at a fixed cp. Changing cp
+changes the order of the sums, and so the bits (as tp does). A model outside training (sampling)
+sets `active = False` and sees whole sequences, attention then local.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+ORDERS = ("zigzag", "contiguous")
+IMPLS = ("ring", "allgather")
+
+
+def chunks_of(cp: int, r: int, order: str = "zigzag") -> tuple[int, int]:
+    """The two chunks (of 2·cp) of each sequence that cp rank r holds, in sequence order."""
+    return (r, 2 * cp - 1 - r) if order == "zigzag" else (2 * r, 2 * r + 1)
+
+
+def token_index(T: int, cp: int, r: int, order: str = "zigzag") -> torch.Tensor:
+    """The positions in a sequence of T tokens of cp rank r's T/cp tokens, in its order."""
+    c = T // (2 * cp)
+    return torch.cat([torch.arange(j * c, (j + 1) * c) for j in chunks_of(cp, r, order)])
+
+
+def block_pairs(cp: int, r: int, src: int, order: str = "zigzag") -> list[tuple[int, int, bool]]:
+    """(query chunk, key chunk, diagonal) of rank r's queries against rank src's keys that the
+    causal mask leaves anything of: local indices 0/1 into each rank's two chunks."""
+    mine, theirs = chunks_of(cp, r, order), chunks_of(cp, src, order)
+    return [(a, b, kj == qi) for a, qi in enumerate(mine) for b, kj in enumerate(theirs) if kj <= qi]
+
+
+class Context:
+    """One rank's context parallelism: its cp group, the implementation and chunk order, and
+    what the tests read (`pairs`: block pairs computed; `events`: for each ring step with a
+    transfer, when comm launched it and when the step's attention was done, host clock)."""
+
+    def __init__(self, group, impl: str = "ring", order: str = "zigzag", exact: bool = False):
+        self.group, self.comm, self.impl, self.order, self.exact = group, group.comm, impl, order, exact
+        self.n, self.r = group.size, group.index
+        self.active = True
+        self.pairs = 0
+        self.events: list[tuple[float, float]] = []
+
+    def positions(self, T_local: int, device) -> torch.Tensor:
+        return token_index(T_local * self.n, self.n, self.r, self.order).to(device)
+
+    def attend(self, q, k, v):
+        """softmax(q kᵀ/√D, causal over the whole sequence) v, for this rank's q, k, v (B, H, T/cp, D)."""
+        return _Attend.apply(q, k, v, self)
+
+    # -- the keys and values of each ring step --------------------------------------------------
+    def _stream(self, kv):
+        """Yields (step, source rank, its keys and values) for each of the cp steps."""
+        n, r = self.n, self.r
+        if self.impl == "allgather":
+            every = torch.empty((n, *kv.shape), dtype=kv.dtype, device=kv.device)
+            self.comm.all_gather(every.view(-1), kv.reshape(-1), self.group).wait()
+            for s in range(n):
+                yield s, (r - s) % n, every[(r - s) % n]
+            return
+        for s in range(n):
+            handle = None
+            if s < n - 1:
+                nxt = torch.empty_like(kv)
+                handle = self.comm.send_recv(kv, nxt, (r + 1) % n, (r - 1) % n, self.group)
+            yield s, (r - s) % n, kv
+            if handle is not None:
+                self.events.append((handle.rec.t_start, time.time()))  # (its flight record's launch, attention done)
+                handle.wait()
+                kv = nxt
+
+    def forward(self, q, k, v):
+        c, scale = q.shape[2] // 2, 1 / math.sqrt(q.shape[-1])
+        qf = q.float()
+        acc: list = [None, None]
+        for _s, src, kv in self._stream(torch.stack([k, v])):
+            for a, b, diag in block_pairs(self.n, self.r, src, self.order):
+                ob, lb = _pair(qf[:, :, a * c:(a + 1) * c], kv[0, :, :, b * c:(b + 1) * c].float(),
+                               kv[1, :, :, b * c:(b + 1) * c].float(), diag, scale)
+                self.pairs += 1
+                if acc[a] is None:
+                    acc[a] = (ob, lb)
+                else:
+                    o, lse = acc[a]
+                    new = torch.logaddexp(lse, lb)
+                    acc[a] = (o * torch.exp(lse - new).unsqueeze(-1) + ob * torch.exp(lb - new).unsqueeze(-1), new)
+        return torch.cat([acc[0][0], acc[1][0]], 2), torch.cat([acc[0][1], acc[1][1]], 2)
+
+    def backward(self, q, k, v, o, lse, do):
+        n, r = self.n, self.r
+        c, scale = q.shape[2] // 2, 1 / math.sqrt(q.shape[-1])
+        qf, dof = q.float(), do.float()
+        delta = (dof * o).sum(-1)
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v])
+        ring = self.impl == "ring"
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if ring else \
+            torch.zeros((n, *kv.shape), dtype=torch.float32, device=kv.device)
+        for _s, src, held in self._stream(kv):
+            mine = dkv if ring else dkv[src]
+            for a, b, diag in block_pairs(n, r, src, self.order):
+                qa, rows = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                dqa, dk, dv = _pair_backward(qf[:, :, qa], held[0, :, :, rows].float(), held[1, :, :, rows].float(),
+                                             dof[:, :, qa], lse[:, :, qa], delta[:, :, qa], diag, scale)
+                dq[:, :, qa] += dqa
+                mine[0, :, :, rows] += dk
+                mine[1, :, :, rows] += dv
+            if ring:  # on to the next holder of these keys and values; after cp steps, back home
+                back = torch.empty_like(dkv)
+                self.comm.send_recv(dkv, back, (r + 1) % n, (r - 1) % n, self.group).wait()
+                dkv = back
+        if not ring:
+            out = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+            if self.exact:
+                scratch = torch.empty_like(dkv)
+                self.comm.exact_reduce_scatter(out.view(-1), dkv.view(-1), scratch.view(-1), self.group).wait()
+            else:
+                self.comm.reduce_scatter(out.view(-1), dkv.view(-1), self.group).wait()
+            dkv = out
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _pair(q, k, v, diag: bool, scale: float):
+    """One block pair (fp32): its attention output and each row's log-sum-exp."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if diag:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _pair_backward(q, k, v, do, lse, delta, diag: bool, scale: float):
+    """One block pair's share of dq, dk, dv (fp32), its probabilities from the merged lse."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if diag:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+class _Attend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cx):
+        with torch.autocast(q.device.type, enabled=False):
+            o, lse = cx.forward(q, k, v)
+        ctx.cx = cx
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = ctx.cx.backward(q, k, v, o, lse, do)
+        return dq, dk, dv, None
