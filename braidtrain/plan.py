@@ -2,8 +2,15 @@
 
 A candidate is one point of the mesh (dp x tp, with sequence parallelism on or off when tp > 1) x
 ZeRO stage x micro-batch b x recompute; layout.make_layout -- the validator `train` runs -- says
-which can run. Each new axis (pp, cp, ep) is one more loop in `meshes` and one more term in
-`estimate`.
+which can run. Each new axis is one more loop in `meshes` and one more term in `estimate`: pp
+(estimate_pipeline, a simulation of the schedule) and cp so far, ep to come.
+
+Context parallelism (cp ranks share each sequence, without a pipeline here): the replica group
+is the n = dp*cp ranks of a tp slot (ZeRO shards over all of them); a rank's activations are
+those of its t/cp tokens (the counts below at t/cp; the ring's fp32 output and log-sum-exp, a
+few bytes a token more than flash attention's, are not counted); compute is the same FLOPs
+over dp*cp*tp ranks; and cp_comm_s adds what of the ring's transfers outlasts the attention it
+overlaps.
 
 Tensor parallelism (the placement table) splits each tp rank's parameters into a sharded part,
 divided by tp -- wte (the vocabulary padded to vocab_rows(tp), a multiple of 128*tp), c_attn,
@@ -255,21 +262,23 @@ class Candidate:
     pp: int = 1
     schedule: str = "sequential"  # the pipeline's (parallel/pipeline.py) when pp > 1
     virtual: int = 1  # chunks a pipeline rank holds (interleaved)
-    # cp, ep: one field each, one loop in meshes(), one term in estimate()
+    cp: int = 1  # context parallelism (the ring; without a pipeline here)
+    # ep: one field, one loop in meshes(), one term in estimate()
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def name(self) -> str:
         pipe = f" pp={self.pp} {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
         return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
-                + (" --sp" if self.sp else "") + (" --recompute" if self.recompute else ""))
+                + (f" cp={self.cp}" if self.cp > 1 else "") + (" --sp" if self.sp else "")
+                + (" --recompute" if self.recompute else ""))
 
     def layout_kw(self) -> dict:
         """make_layout's arguments for this candidate's degrees and features."""
         pipe = dict(schedule=self.schedule, virtual=self.virtual) if self.pp > 1 else {}
-        return dict(tp=self.tp, sp=self.sp, pp=self.pp, zero=self.zero, recompute=self.recompute, **pipe)
+        return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, zero=self.zero, recompute=self.recompute, **pipe)
 
 
 def layout_of(s: Setup, lay: Candidate, d: int | None = None, gpus: int | None = None):
@@ -310,26 +319,31 @@ def pipelines(s: Setup, tp: int, pps=None, schedules=None):
                 yield pp, name, v
 
 
-def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None):
-    """(dp, tp, sp, (pp, schedule, virtual)) for every mesh of s.gpus; tps, pps: only these
-    degrees (None: all), sps: these sp settings (sp needs tp > 1 and t divisible by tp),
-    schedules: these pipeline schedules. cp: one more loop, dp = gpus // (tp*pp*cp)."""
+def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None, cps=None):
+    """(dp, tp, sp, (pp, schedule, virtual), cp) for every mesh of s.gpus; tps, pps, cps: only
+    these degrees (None: all), sps: these sp settings (sp needs tp > 1 and t divisible by tp),
+    schedules: these pipeline schedules. cp > 1 without a pipeline only (the planner does not
+    weigh the two together yet)."""
     for tp in tp_degrees(s):
         if tps is not None and tp not in tps:
             continue
         for pipe in pipelines(s, tp, pps, schedules):
-            for sp in (False, True) if tp > 1 else (False,):
-                if sp in sps and valid(s, tp, sp):  # with the rest of the layout: layouts()
-                    yield s.gpus // (tp * pipe[0]), tp, sp, pipe
+            rest = s.gpus // (tp * pipe[0])
+            for cp in [c for c in range(1, rest + 1) if rest % c == 0 and (c == 1 or pipe[0] == 1)]:
+                if cps is not None and cp not in cps:
+                    continue
+                for sp in (False, True) if tp > 1 else (False,):
+                    if sp in sps and valid(s, tp, sp, cp=cp):  # with the rest of the layout: layouts()
+                        yield rest // cp, tp, sp, pipe, cp
 
 
 def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-            pps=None, schedules=None):
-    for dp, tp, sp, pipe in meshes(s, tps, sps, pps, schedules):
-        for zero in zeros if dp > 1 or len(zeros) == 1 else (0,):  # dp = 1: nothing to shard
+            pps=None, schedules=None, cps=None):
+    for dp, tp, sp, pipe, cp in meshes(s, tps, sps, pps, schedules, cps):
+        for zero in zeros if dp * cp > 1 or len(zeros) == 1 else (0,):  # one replica: nothing to shard
             for b in bs:
                 for rc in recomputes:
-                    lay = Candidate(dp, zero, b, rc, tp, sp, *pipe)
+                    lay = Candidate(dp, zero, b, rc, tp, sp, *pipe, cp=cp)
                     if layout_of(s, lay, s.d) is not None:
                         yield lay
 
@@ -362,23 +376,23 @@ def tp_comm_s(s: Setup, lay: Candidate) -> float:
 def estimate(s: Setup, lay: Candidate) -> dict:
     if lay.pp > 1:
         return estimate_pipeline(s, lay)
-    cfg, n, tp = s.cfg, lay.dp, lay.tp
+    cfg, n, tp, cp = s.cfg, lay.dp * lay.cp, lay.tp, lay.cp  # n: the replicas, dp x cp
     counts = param_counts(cfg, tp)
     P = counts["rank"]  # this tp rank's parameters, then sharded over the replica group by ZeRO
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = next(k for kind, k in buckets if kind == "embed")
     state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), embed)
-    act = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, P, tp, lay.sp)
+    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, P, tp, lay.sp)  # a rank's t/cp tokens
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
     mem["activations"] = act["peak"]
     allocated = sum(mem.values())
-    communicators = (n > 1) + (tp > 1)  # the replica group's, the tp group's
+    communicators = (n > 1) + (tp > 1) + (cp > 1)  # the replica group's, the tp group's, the cp ring's
     mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
     mem["total"] = sum(mem.values())
 
-    micro = max(1, s.d // (lay.b * s.t * n))
+    micro = max(1, s.d // (lay.b * s.t * lay.dp))
     compute = cfg.flops_per_token(s.t) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
     fwd = compute / micro * (1 / 4 if lay.recompute else 1 / 3)  # the forward is 1 of 3 (of 4) passes
     bwd = compute / micro - fwd
@@ -389,14 +403,33 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
         owned = counts["replicated"] / (n if lay.zero >= 1 else 1)
         tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
-    return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm)
+    return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm, cp_comm=micro * cp_comm_s(s, lay))
 
 
-def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, tp_comm, pp_comm=0.0, **more) -> dict:
-    step = compute + dp_comm + tp_comm + pp_comm
+def cp_comm_s(s: Setup, lay: Candidate) -> float:
+    """Exposed seconds of the cp ring in one micro-step (parallel/context.py): per block, cp - 1
+    forward steps each send this rank's keys and values (2 b t/cp C, bf16; fp32 on the CPU) while
+    two block pairs are attended to (4 b c^2 C FLOPs each way, c = t/2cp), only what outlasts
+    them exposed; the backward sends them again the same way and the fp32 dK, dV after each of
+    its cp steps, unhidden. tp shares the heads."""
+    if lay.cp == 1:
+        return 0.0
+    cp, C, b = lay.cp, s.cfg.n_embd / lay.tp, lay.b
+    c = s.t / (2 * cp)
+    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (s.busbw * 1e9)  # noqa: E731
+    kv = 2 * b * (s.t / cp) * C * (4 if s.cpu else 2)
+    pairs_s = 2 * 4 * b * c * c * C / (s.tflops * 1e12)  # a ring step's attention, forward
+    fwd = (cp - 1) * max(0.0, hop(kv) - pairs_s)
+    bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(2 * kv * (2 if not s.cpu else 1))
+    return s.cfg.n_layer * ((2 if lay.recompute else 1) * fwd + bwd)
+
+
+def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, tp_comm, pp_comm=0.0, cp_comm=0.0,
+           **more) -> dict:
+    step = compute + dp_comm + tp_comm + pp_comm + cp_comm
     return {"layout": lay, "micro_steps": micro, "mem": mem, "allocated": allocated, "state": state,
             "activations": act, "compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
-            "comm_s": dp_comm + tp_comm + pp_comm, "step_s": step, "tokens_per_s": s.d / step,
+            "cp_comm_s": cp_comm, "comm_s": dp_comm + tp_comm + pp_comm + cp_comm, "step_s": step, "tokens_per_s": s.d / step,
             "fits": mem["total"] <= s.mem_gb * GB, **more}
 
 
@@ -533,10 +566,11 @@ def rank(rows: list[dict]) -> list[dict]:
     them apart); then fewer micro-steps (larger GEMMs, which a constant --tflops does not see),
     less sharding (tp first: its GEMMs are smaller too), less memory."""
     return sorted(rows, key=lambda e: (not e["fits"], float(f"{e['step_s']:.3g}"), e["micro_steps"],
-                                       e["layout"].tp, e["layout"].pp, e["layout"].zero, e["mem"]["total"]))
+                                       e["layout"].tp, e["layout"].pp, e["layout"].cp, e["layout"].zero,
+                                       e["mem"]["total"]))
 
 
-SETTINGS = ("tp", "sp", "pp", "schedule", "zero", "b", "recompute")  # what a fix may change (dp follows)
+SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "zero", "b", "recompute")  # what a fix may change (dp follows)
 
 
 def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
@@ -546,6 +580,7 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     changed = lambda f: tuple(k for k in SETTINGS if getattr(f["layout"], k) != getattr(lay, k))
     say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
            "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
+           "cp": lambda l: f"cp={l.cp}",
            "zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
            "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
     opts = []
@@ -576,10 +611,10 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
 
 
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-         pps=None, schedules=None) -> dict:
+         pps=None, schedules=None, cps=None) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout."""
-    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules)])
+    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps)])
     grid = rank([estimate(s, lay) for lay in layouts(s)])
     if not rows or not grid:
         unit = s.t * s.gpus
@@ -608,7 +643,7 @@ def row_json(e: dict) -> dict:
             "mem_gb": {k: v / GB for k, v in e["mem"].items()}, "allocated_gb": e["allocated"] / GB,
             "activations_gb": {k: v / GB for k, v in e["activations"].items()},
             "compute_s": e["compute_s"], "exposed_comm_s": e["comm_s"], "dp_exposed_comm_s": e["dp_comm_s"],
-            "tp_comm_s": e["tp_comm_s"], "pp_comm_s": e["pp_comm_s"], "step_s": e["step_s"],
+            "tp_comm_s": e["tp_comm_s"], "pp_comm_s": e["pp_comm_s"], "cp_comm_s": e["cp_comm_s"], "step_s": e["step_s"],
             "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix"),
             **({"bubble": e["bubble"], "stages_gb": e["stages_gb"]} if "bubble" in e else {})}
 
@@ -619,7 +654,9 @@ def table(result: dict, top: int) -> str:
     has pp > 1; memory is the fullest rank's."""
     shown = result["rows"][:top] if top > 0 else result["rows"]
     tp, pp = any(e["layout"].tp > 1 for e in shown), any(e["layout"].pp > 1 for e in shown)
-    head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), "zero", "b", "micro",
+    cp = any(e["layout"].cp > 1 for e in shown)
+    head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), *(["cp"] if cp else []),
+            "zero", "b", "micro",
             "recomp", "mem GB", "params", "grads", "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
     lines = [head]
     for e in shown:
@@ -629,6 +666,7 @@ def table(result: dict, top: int) -> str:
             pipe = "-" if lay.pp == 1 else lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
             bubble = f"{max(e['bubble']):.0%}" if lay.pp > 1 else "-"
             mesh += [lay.pp, pipe, bubble]
+        mesh += [lay.cp] if cp else []
         lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])
@@ -687,6 +725,7 @@ def add_parser(sub):
     a("--sp", action=argparse.BooleanOptionalAction, help="only layouts with (without) sequence parallelism")
     a("--pp", type=int, help="only this number of pipeline stages (dp = gpus / (tp*pp))")
     a("--pp-schedule", choices=pipeline.SCHEDULES, help="only pipelines of this schedule")
+    a("--cp", type=int, help="only this context-parallel degree (each sequence over cp GPUs; without --pp)")
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--json", action="store_true")
     a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
@@ -698,7 +737,7 @@ def add_parser(sub):
 
 
 def setup_from(args) -> Setup:
-    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp"):
+    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp", "cp"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     if args.alpha_us < 0 or args.top < 0:
@@ -715,14 +754,18 @@ def setup_from(args) -> Setup:
         cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size)
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw)
-    check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule)
+    check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule, args.cp)
     return s
 
 
-def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None, schedule: str | None = None) -> None:
-    """One-line UserErrors for a --tp / --sp / --pp the GPUs or the model cannot take (layout.py's)."""
+def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None, schedule: str | None = None,
+               cp: int | None = None) -> None:
+    """One-line UserErrors for a --tp / --sp / --pp / --cp the GPUs or the model cannot take
+    (layout.py's), or the planner cannot weigh."""
     make_layout(s.gpus, s.cfg, seq_len=s.t, batch_size=1, tp=tp or 1, sp=bool(sp) and tp is not None,
-                pp=pp or 1, schedule="gpipe", world_name=f"--gpus {s.gpus}")
+                pp=pp or 1, cp=cp or 1, schedule="gpipe", world_name=f"--gpus {s.gpus}")
+    if (cp or 1) > 1 and (pp or 1) > 1:
+        raise UserError("plan does not weigh context parallelism with a pipeline yet: give --cp or --pp, not both")
     if schedule and pp == 1:
         raise UserError(f"--pp-schedule {schedule} orders a pipeline's stages: give --pp 2 or more (or drop it)")
     if sp and not any(True for _ in meshes(s, None if tp is None else (tp,), (True,))):
@@ -732,8 +775,8 @@ def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None,
 def check_layout(args) -> Candidate:
     """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp,
     --pp and --pp-schedule (default 1f1b)."""
-    tp, pp = args.tp or 1, args.pp or 1
-    mesh = dict(dp=args.gpus // (tp * pp), tp=tp, sp=bool(args.sp), pp=pp)
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp)
     if pp > 1:
         mesh.update(schedule=args.pp_schedule or "1f1b", virtual=2 if args.pp_schedule == "interleaved" else 1)
     if not args.check:  # the layout from the flags
@@ -766,6 +809,7 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
            "--bucket-mb", s.bucket_mb] + (["--tp", lay.tp] if lay.tp > 1 else []) + (["--sp"] if lay.sp else [])
     cmd += ["--pp", lay.pp, "--pp-schedule", lay.schedule, "--pp-virtual", lay.virtual] if lay.pp > 1 else []
     cmd += ["--recompute"] if lay.recompute else []
+    cmd += ["--cp", lay.cp] if lay.cp > 1 else []
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:
@@ -795,7 +839,8 @@ def run(args) -> int:
     pick = lambda v, all_: all_ if v is None else (v,)
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
                   None if args.tp is None else (args.tp,), pick(args.sp, (False, True)),
-                  None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,))
+                  None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
+                  None if args.cp is None else (args.cp,))
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},

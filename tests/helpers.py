@@ -60,3 +60,12 @@ def run_interpreted(script: str) -> dict:
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-5000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def layouts(out: Path, suite: str) -> dict:
+    """tests/layouts_worker.py's `suite` of layouts, run in one 8-rank process group: its results."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+           str(ROOT / "tests" / "layouts_worker.py"), str(out), suite]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((Path(out) / "results.json").read_text())

@@ -6,24 +6,16 @@ batches -- cp 2 and 4, zigzag and contiguous, with dp, ZeRO, tp (sp) and pp; 4 s
 the single process (within 1e-5) and, in exact mode at cp 2, to the bit across dp, ZeRO and pp. Then the command line: a cp 2 run
 that validates, samples and saves, resumed at cp 1; and bad input."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import SMALL, braidtrain, layouts, metrics
 from braidtrain.parallel import context
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(ROOT / "tests" / "layouts_worker.py"), str(out), "cp"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    return layouts(tmp_path_factory.mktemp("cp"), "cp")
 
 
 def test_ring_and_allgather_attention_match_torchs_on_the_whole_sequence(runs):

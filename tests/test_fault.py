@@ -50,6 +50,32 @@ def doctor(run: Path) -> str:
     return p.stdout
 
 
+def while_frozen(p: subprocess.Popen, ready, wait_s: float, check) -> str:
+    """A run with a SIGSTOPped rank: once ready() (or after wait_s), check() what the survivors
+    left; then kill the frozen rank by pid -- torchrun's SIGTERM cannot reach a stopped process,
+    so it would wait 30 s before SIGKILL -- and let torchrun restart the group. Its stdout."""
+    err_lines: list[str] = []
+    reader = threading.Thread(target=lambda: err_lines.extend(iter(p.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + wait_s
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stopped = [l for l in err_lines if "fault injected: SIGSTOP" in l]
+    pid = int(stopped[0].split("pid ")[1].split()[0]) if stopped else None
+    try:
+        check()
+    except BaseException as e:
+        p.terminate()  # torchrun stops its workers (the frozen one is killed below)
+        raise AssertionError(f"{e}\n{''.join(err_lines)[-4000:]}") from e
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+    out, _ = p.communicate(timeout=240)
+    reader.join(5)
+    assert p.returncode == 0, "".join(err_lines)[-4000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory, shakespeare) -> Path:
     """The uninterrupted run every recovery must reproduce bit for bit (1 rank, checkpoints at 4, 8)."""
@@ -98,34 +124,18 @@ def test_frozen_rank_is_detected_and_named(tmp_path, shakespeare, ref):
     run = tmp_path / "run"
     p = torchrun(4, *COMMON, "-i", shakespeare, "--ckpt-every", 2, "--out", run, "--heartbeat-timeout", 3,
                  "--timeout", 120, fault="stop:rank=1:step=3")
-    err_lines: list[str] = []
-    reader = threading.Thread(target=lambda: err_lines.extend(iter(p.stderr.readline, "")), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 90
-    while len(headers(run) if (run / "flight").is_dir() else {}) < 3 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    stopped = [l for l in err_lines if "fault injected: SIGSTOP" in l]
-    pid = int(stopped[0].split("pid ")[1].split()[0]) if stopped else None
-    try:
+
+    def check():
         h = headers(run) if (run / "flight").is_dir() else {}
-        assert sorted(h) == [0, 2, 3], f"survivors' flight logs: {sorted(h)}\n{''.join(err_lines)[-4000:]}"
+        assert sorted(h) == [0, 2, 3], f"survivors' flight logs: {sorted(h)}"
         for r in (0, 2, 3):
             assert h[r]["reason"].startswith("peer lost:") and "rank 1" in h[r]["reason"], h[r]
             assert h[r]["step"] == 3
         report = doctor(run)
         assert "rank 1 stopped after collective #" in report and "wrote no flight log" in report, report
         assert "ranks 0,2,3 waited in #" in report, report
-    except BaseException:
-        p.terminate()  # torchrun stops its workers (the frozen one is killed below)
-        raise
-    finally:
-        # torchrun's own SIGTERM cannot reach a stopped process, so it waits 30 s before SIGKILL;
-        # the test does not wait: it kills the frozen rank it caused (by pid) and lets torchrun restart.
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-    out, _ = p.communicate(timeout=240)
-    reader.join(5)
-    assert p.returncode == 0, "".join(err_lines)[-4000:]
+
+    out = while_frozen(p, lambda: len(headers(run) if (run / "flight").is_dir() else {}) >= 3, 90, check)
     assert "resumed from" in out and "step_00000002" in out
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
@@ -139,27 +149,13 @@ def test_frozen_pipeline_stage_is_named_and_the_pipeline_resumes_exactly(tmp_pat
     run = tmp_path / "run"
     p = torchrun(2, *COMMON, "-i", shakespeare, "--pp", 2, "--out", run, "--ckpt-every", 2, "--heartbeat-timeout", 3,
                  "--timeout", 120, fault="stop:rank=1:step=3")
-    err_lines: list[str] = []
-    reader = threading.Thread(target=lambda: err_lines.extend(iter(p.stderr.readline, "")), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 60
-    while not (run / "flight" / "rank_00000.jsonl").is_file() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    stopped = [l for l in err_lines if "fault injected: SIGSTOP" in l]
-    pid = int(stopped[0].split("pid ")[1].split()[0]) if stopped else None
-    try:
+
+    def check():
         report = doctor(run)
         assert "rank 1 stopped after collective #" in report and "wrote no flight log" in report, report
         assert "rank 0 waited in #" in report and "(p2p pp[1>0], step 3, recv grad chunk 0 micro 0)" in report, report
-    except BaseException:
-        p.terminate()
-        raise
-    finally:
-        if pid:  # the frozen rank, by pid (torchrun's SIGTERM cannot reach it); torchrun then restarts
-            os.kill(pid, signal.SIGKILL)
-    out, _ = p.communicate(timeout=240)
-    reader.join(5)
-    assert p.returncode == 0, "".join(err_lines)[-4000:]
+
+    out = while_frozen(p, lambda: (run / "flight" / "rank_00000.jsonl").is_file(), 60, check)
     assert "resumed from" in out and "step_00000002" in out
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 

@@ -8,13 +8,10 @@ them, on tiny buckets); then end to end through `braidtrain train` -- the data e
 loop, the summary -- a few layouts, and exact mode's pinned bits.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import SMALL, braidtrain, layouts, metrics, summary
 
 D = 1024  # 8 sequences of 64: 8, 4, 2, 1 micro-steps per rank at N = 1, 2, 4, 8
 
@@ -27,12 +24,7 @@ def train(tmp_path, data, nproc, *extra, steps=10):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(ROOT / "tests" / "layouts_worker.py"), str(out), "dp"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    return layouts(tmp_path_factory.mktemp("dp"), "dp")
 
 
 def test_every_zero_stage_and_size_matches_the_single_process(runs):

@@ -13,19 +13,14 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import ROOT, SMALL, braidtrain, env, layouts, metrics, summary
 from braidtrain.parallel import pipeline
 from braidtrain.parallel.schedule import Action
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(ROOT / "tests" / "layouts_worker.py"), str(out), "pipeline"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    return layouts(tmp_path_factory.mktemp("pipeline"), "pipeline")
 
 
 def test_every_layout_matches_the_single_process(runs):

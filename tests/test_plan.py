@@ -125,9 +125,9 @@ def test_a_layout_that_does_not_fit_gets_single_setting_fixes(capsys):
 def test_json_parses_and_every_layout_has_the_breakdown(capsys):
     data = json.loads(run_plan("--model", "gpt2", "--gpus", 8, "--json", capsys=capsys))
     assert data["model"]["params"] == 124_475_904 and data["recommendation"].startswith("recommended:")
-    # without a pipeline, meshes (dp, tp, sp): (8, 1, off), (4, 2, off/on), (2, 4, off/on); tp=8
-    # does not divide 12 heads
-    assert sum(r["pp"] == 1 for r in data["layouts"]) == 4 * 7 * 2 * 5
+    # without a pipeline or cp, meshes (dp, tp, sp): (8, 1, off), (4, 2, off/on), (2, 4, off/on);
+    # tp=8 does not divide 12 heads
+    assert sum(r["pp"] == 1 and r["cp"] == 1 for r in data["layouts"]) == 4 * 7 * 2 * 5
     for row in data["layouts"]:
         mem = row["mem_gb"]
         parts = ("params", "grads", "optimizer", "activations", "comm", "overhead")
@@ -155,7 +155,7 @@ def test_plan_is_wired_into_the_cli():
 # ----------------------------------------------------------------------------- tensor parallelism
 
 def meshes_of(data) -> set:
-    return {(r["dp"], r["tp"], r["sp"]) for r in data["layouts"] if r["pp"] == 1}
+    return {(r["dp"], r["tp"], r["sp"]) for r in data["layouts"] if r["pp"] == r["cp"] == 1}
 
 
 def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
@@ -164,8 +164,8 @@ def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
     for row in data["layouts"]:
         assert (row["tp_comm_s"] > 0) == (row["tp"] > 1)
         assert row["step_s"] == pytest.approx(row["compute_s"] + row["dp_exposed_comm_s"] + row["tp_comm_s"]
-                                              + row["pp_comm_s"])
-    out = run_plan("--model", "gpt2", "--gpus", 8, "--tp", 2, "--sp", "--pp", 1, "--top", 0, capsys=capsys)
+                                              + row["pp_comm_s"] + row["cp_comm_s"])
+    out = run_plan("--model", "gpt2", "--gpus", 8, "--tp", 2, "--sp", "--pp", 1, "--cp", 1, "--top", 0, capsys=capsys)
     lines = out.splitlines()
     assert lines[1].split()[:4] == ["dp", "tp", "sp", "zero"]  # the mesh columns, when tp rows are shown
     rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
@@ -348,16 +348,19 @@ def test_pipelines_in_the_table(capsys):
     assert not any(r["recompute"] or r["zero"] == 3 for r in zb["layouts"])  # what layout.py refuses, never planned
 
 
-def test_bad_pipeline_input_is_one_user_error(capsys):
+def test_bad_pipeline_or_cp_input_is_one_user_error(capsys):
     for argv, words in ((["--pp", 3], "does not divide --gpus 8"), (["--pp", 0], "--pp must be positive"),
-                        (["--pp", 1, "--pp-schedule", "zb"], "give --pp 2 or more")):
+                        (["--pp", 1, "--pp-schedule", "zb"], "give --pp 2 or more"),
+                        (["--cp", 3, "-t", 1020], "does not divide --gpus 8"), (["--cp", 2, "-t", 1022], "-t 1020 or -t 1024"),
+                        (["--cp", 2, "--pp", 2], "give --cp or --pp, not both")):
         with pytest.raises(UserError, match=words):
             run_plan("--model", "gpt2", "--gpus", 8, *argv, capsys=capsys)
 
 
 # ----------------------------------------------------------------------------- --check
 
-CHECKS = [(1, 0, 1, 1), (2, 0, 1, 1), (2, 1, 1, 1), (2, 0, 2, 1), (4, 1, 1, 2)]  # (processes, ZeRO, tp, pp); tp 2 with --sp
+# (processes, ZeRO, tp, pp, cp); tp 2 with --sp
+CHECKS = [(1, 0, 1, 1, 1), (2, 0, 1, 1, 1), (2, 1, 1, 1, 1), (2, 0, 2, 1, 1), (4, 1, 1, 2, 1), (4, 1, 1, 1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -365,8 +368,13 @@ def checks(tmp_path_factory, monkeypatch_module):
     data = prepare_bytes(tmp_path_factory.mktemp("plan") / "shakespeare")
 
     def one(case):
-        n, zero, tp, pp = case
+        n, zero, tp, pp, cp = case
         s = plan.Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
+        if cp > 1:  # ZeRO-1's shard of Adam over the dp x cp = 4 replicas
+            args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
+                         "--cp", cp, "--data", data)
+            assert plan.check_layout(args) == plan.Candidate(n // cp, zero, 2, False, cp=cp)
+            return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
         if pp > 1:  # rank 0's model state: the first stage's, its ZeRO-1 shard of Adam over dp = 2
             args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 512, "--check", f"{zero},2",
                          "--pp", pp, "--pp-schedule", "zb", "--data", data)
@@ -394,9 +402,26 @@ def monkeypatch_module():
 
 
 @pytest.mark.parametrize("case", CHECKS, ids=lambda c: f"{c[0]}proc-zero{c[1]}" + (f"-tp{c[2]}-sp" if c[2] > 1 else "")
-                         + (f"-pp{c[3]}" if c[3] > 1 else ""))
+                         + (f"-pp{c[3]}" if c[3] > 1 else "") + (f"-cp{c[4]}" if c[4] > 1 else ""))
 def test_check_model_state_matches_a_real_cpu_run(checks, case):
     r = checks[case]
     assert r["device"] == "cpu" and r["layout"]["zero"] == case[1] and r["layout"]["tp"] == case[2]
-    assert r["layout"]["pp"] == case[3]
+    assert r["layout"]["pp"] == case[3] and r["layout"]["cp"] == case[4]
     assert abs(r["rel_error"]) < 0.05, r
+
+
+def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
+    """gpt2 at t = 262144 on 2 x 80 GB without recompute: a whole sequence a GPU (dp 2) does not
+    fit; each sequence over 2 cp ranks does, each rank keeping its t/cp tokens' activations, and
+    is what plan recommends."""
+    cfg = model_config("gpt2", 50257, block_size=262144)
+    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=262144, d=2 * 262144)
+    r = plan.plan(s, recomputes=(False,))
+    pick = lambda cp: next(e for e in r["rows"] if (e["layout"].cp, e["layout"].tp, e["layout"].pp,  # noqa: E731
+                                                    e["layout"].zero) == (cp, 1, 1, 0))
+    one, two = pick(1), pick(2)
+    assert not one["fits"] and two["fits"]
+    assert two["activations"]["layers"] == pytest.approx(one["activations"]["layers"] / 2)
+    assert two["cp_comm_s"] > 0 and one["cp_comm_s"] == 0
+    assert r["rows"][0]["layout"].cp == 2 and "cp=2" in r["recommendation"]
+    assert "cp" in plan.table(r, 4).splitlines()[0].split()

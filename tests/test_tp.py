@@ -2,14 +2,11 @@
 and gradient norm against the single process (in one process group of many layouts), then end to
 end through the command line: checkpoints moving between tp degrees, exact mode at a fixed tp."""
 
-import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import SMALL, braidtrain, layouts, metrics, summary
 
 TP_MODEL = [*SMALL, "--n-head", "4", "--bucket-mb", "0.05"]  # 4 heads: tp up to 4
 D = 1024
@@ -24,12 +21,7 @@ def train(out, data, nproc, *extra, steps=10):
 def runs(tmp_path_factory):
     """Nine tp layouts (tp 2 and 4; sp; dp 1, 2, 4; ZeRO 0-2) and the single process, in one
     8-rank process group (tests/layouts_worker.py): every step's loss and gradient norm."""
-    out = tmp_path_factory.mktemp("tp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(ROOT / "tests" / "layouts_worker.py"), str(out), "tp"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    return layouts(tmp_path_factory.mktemp("tp"), "tp")
 
 
 def test_tp_matches_single_process(runs):
