@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 import torch
 
@@ -67,10 +68,14 @@ class Context:
         self.n, self.r = group.size, group.index
         self.active = True
         self.pairs = 0
-        self.events: list[tuple[float, float]] = []
+        self.events: deque[tuple[float, float]] = deque(maxlen=64)  # the latest ring steps'
+        self._positions: dict = {}
 
     def positions(self, T_local: int, device) -> torch.Tensor:
-        return token_index(T_local * self.n, self.n, self.r, self.order).to(device)
+        key = (T_local, str(device))
+        if key not in self._positions:
+            self._positions[key] = token_index(T_local * self.n, self.n, self.r, self.order).to(device)
+        return self._positions[key]
 
     def attend(self, q, k, v):
         """softmax(q kᵀ/√D, causal over the whole sequence) v, for this rank's q, k, v (B, H, T/cp, D)."""
