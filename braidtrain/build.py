@@ -170,9 +170,12 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float]:
     return Path(out), session
 
 
+BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag"}  # a checkpoint's layout from before pp, cp
+
+
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     """'world_size 4 -> 2, zero 1 -> 3, ...': how this run differs from the one that saved."""
-    layout = {"pp": 1, "cp": 1, **meta["layout"]}  # (a checkpoint from before pipelines, context parallelism)
+    layout = {**BEFORE, **meta["layout"]}
     diff = [f"{k} {layout.get(k)} -> {v}" for k, v in now.items() if layout.get(k) != v]
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
@@ -198,8 +201,8 @@ def resume(run: Run) -> None:
     changed = what_changed(meta, now, cfg)
     rt.log(f"resumed from {path} (step {run.start_step}) in {run.load_s:.2f} s"
            + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
-    for axis in ("tp", "cp"):
-        saved, mine = meta["layout"].get(axis, 1), getattr(run.layout, axis)
+    for axis in ("tp", "cp", "cp_impl", "cp_order"):  # what sets the order of the model's own sums
+        saved, mine = {"tp": 1, **BEFORE, **meta["layout"]}[axis], getattr(run.layout, axis)
         if cfg.exact and saved != mine:
             rt.log(f"note: --exact is bitwise across dp, ZeRO and restarts at a fixed {axis}; this run resumes a "
                    f"{axis}={saved} checkpoint at {axis}={mine}, so from here on its bits differ from a run that "

@@ -77,7 +77,8 @@ def pieces(engine):
 
 def layout_record(lay, world_size: int) -> dict:
     """What meta.json says of the saving layout (and a resume compares with its own)."""
-    return {"world_size": world_size, "dp": lay.dp, "zero": lay.zero, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp}
+    return {"world_size": world_size, "dp": lay.dp, "zero": lay.zero, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
+            "cp_impl": lay.cp_impl, "cp_order": lay.cp_order}
 
 
 def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int, midway=None) -> float:

@@ -364,9 +364,11 @@ class Comm:
             out.copy_(inp)
         return self._launch("all_to_all", group, inp, lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
 
-    def send_recv(self, send, recv, to: int, frm: int, group: Group) -> Handle:
+    def send_recv(self, send, recv, to: int, frm: int, group: Group, direct: bool = False) -> Handle:
         """Send `send` to group index `to` while receiving `recv` from group index `frm`, posted
-        together (batch_isend_irecv) so that a ring of them cannot deadlock."""
+        together (batch_isend_irecv) so that a ring of them cannot deadlock. `direct` (the cp
+        ring): on CUDA issued from the compute stream, not queued on the side stream behind the
+        gradients' collectives; wait() makes the compute stream wait for it."""
         def fn(g):
             ops = [dist.P2POp(dist.isend, send, group.global_rank(to), g),
                    dist.P2POp(dist.irecv, recv, group.global_rank(frm), g)]
@@ -374,7 +376,7 @@ class Comm:
 
         if group.pg is None:
             recv.copy_(send)
-        return self._launch("send_recv", group, send, fn)
+        return self._launch("send_recv", group, send, fn, direct=direct)
 
     def transfer(self, tensor, group: Group, what: str) -> Handle:
         """A pipeline transfer on a group of one direction (mesh.p2p): this rank sends `tensor` if

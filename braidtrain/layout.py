@@ -169,7 +169,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     dp = world // inner
     batch = batch_plan(total_batch, batch_size, seq_len, dp)
     if exact:
-        _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device)
+        _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device if cp == 1 else "cpu")
     ctx = dict(cp_impl=cp_impl, cp_order=cp_order)
     if pp == 1:
         return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch, **ctx)
@@ -211,7 +211,7 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
         lo = 1 << (micro.bit_length() - 1)
         raise UserError(f"--exact with dp={dp} needs a power-of-two number of micro-steps per rank, got "
                         f"d/(b*t*dp) = {micro}: use -d {lo * unit} or -d {2 * lo * unit}")
-    if device == "cuda":
+    if device == "cuda":  # (under cp, context.py's attention, which needs neither: the caller passes "cpu")
         from braidtrain.model import attention
 
         if not attention.available("cuda"):

@@ -7,10 +7,10 @@ which can run. Each new axis is one more loop in `meshes` and one more term in `
 
 Context parallelism (cp ranks share each sequence, without a pipeline here): the replica group
 is the n = dp*cp ranks of a tp slot (ZeRO shards over all of them); a rank's activations are
-those of its t/cp tokens (the counts below at t/cp; the ring's fp32 output and log-sum-exp, a
-few bytes a token more than flash attention's, are not counted); compute is the same FLOPs
-over dp*cp*tp ranks; and cp_comm_s adds what of the ring's transfers outlasts the attention it
-overlaps.
+those of its t/cp tokens (the counts below at t/cp) plus ring_bytes: the ring's fp32 output
+per block and one tile's fp32 scores; compute is the same FLOPs over dp*cp*tp ranks, at
+--tflops (the block pairs are fp32 matrix products for now, slower than that on a GPU: not
+modelled); and cp_comm_s adds what of the ring's transfers outlasts the attention it overlaps.
 
 Tensor parallelism (the placement table) splits each tp rank's parameters into a sharded part,
 divided by tp -- wte (the vocabulary padded to vocab_rows(tp), a multiple of 128*tp), c_attn,
@@ -367,7 +367,7 @@ def tp_comm_s(s: Setup, lay: Candidate) -> float:
     cannot go on before its all-reduce (or all-gather) is back."""
     if lay.tp == 1:
         return 0.0
-    m = tp_messages(s.cfg, lay.b, s.t, lay.sp, s.cpu)
+    m = tp_messages(s.cfg, lay.b, s.t // lay.cp, lay.sp, s.cpu)  # a rank's t/cp tokens under cp
     t = lambda msgs: sum(collective_s(s, kind, nb, lay.tp, s.tp_busbw) for kind, nb in msgs)
     passes = 2 if lay.recompute else 1  # recompute runs each block's forward (and its messages) again
     return s.cfg.n_layer * (passes * t(m["layer_fwd"]) + t(m["layer_bwd"])) + t(m["ends"])
@@ -384,10 +384,13 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     embed = next(k for kind, k in buckets if kind == "embed")
     state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), embed)
     act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, P, tp, lay.sp)  # a rank's t/cp tokens
+    if cp > 1:
+        act = {**act, **ring_bytes(s, lay)}
+        act["peak"] += act["ring_out"] + act["ring_scores"]
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
     mem["activations"] = act["peak"]
     allocated = sum(mem.values())
-    communicators = (n > 1) + (tp > 1) + (cp > 1)  # the replica group's, the tp group's, the cp ring's
+    communicators = (n > 1) + (tp > 1) + (cp > 1 and lay.dp > 1)  # replica, tp, cp (the replica's own at dp 1)
     mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
     mem["total"] = sum(mem.values())
@@ -406,6 +409,18 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm, cp_comm=micro * cp_comm_s(s, lay))
 
 
+def ring_bytes(s: Setup, lay: Candidate) -> dict:
+    """What context.py's attention adds to a rank's activations: per block its fp32 output (and
+    log-sum-exp), saved for the backward (4 b t/cp C/tp; one block under recompute); and, while a
+    block pair is computed, one tile's fp32 scores, probabilities and their gradients (4 x 4 b
+    H/tp rows c, context.tile_rows)."""
+    from braidtrain.parallel.context import tile_rows
+
+    b, h, c = lay.b, s.cfg.n_head // lay.tp, s.t // (2 * lay.cp)
+    out = 4 * b * (s.t // lay.cp) * (s.cfg.n_embd // lay.tp + h)
+    return {"ring_out": out * (1 if lay.recompute else s.cfg.n_layer), "ring_scores": 16 * b * h * tile_rows(c) * c}
+
+
 def cp_comm_s(s: Setup, lay: Candidate) -> float:
     """Exposed seconds of the cp ring in one micro-step (parallel/context.py): per block, cp - 1
     forward steps each send this rank's keys and values (2 b t/cp C, bf16; fp32 on the CPU) while
@@ -420,7 +435,7 @@ def cp_comm_s(s: Setup, lay: Candidate) -> float:
     kv = 2 * b * (s.t / cp) * C * (4 if s.cpu else 2)
     pairs_s = 2 * 4 * b * c * c * C / (s.tflops * 1e12)  # a ring step's attention, forward
     fwd = (cp - 1) * max(0.0, hop(kv) - pairs_s)
-    bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(2 * kv * (2 if not s.cpu else 1))
+    bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(kv * (1 if s.cpu else 2))  # dK, dV in fp32
     return s.cfg.n_layer * ((2 if lay.recompute else 1) * fwd + bwd)
 
 
@@ -492,12 +507,16 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         buckets = bucket_numels(cfg, s.bucket_mb, tp, table)
         blocks = [k for kind, k in buckets if kind == "block"]
         state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"))
+        if lay.schedule == "zb" and lay.zero == 2:  # W opens every block bucket's scratch at once (engine.py)
+            extra = 4 * max(0, sum(blocks) - 2 * max(blocks, default=0))
+            state = {**state, "grads": state["grads"] + extra, "transient": state["transient"] + extra}
         act = {"live": sim["peak"], "block_recomputed": terms["block_recomputed"], "weights_bf16": 0 if s.cpu else 2 * P}
         act["peak"] = sum(act.values())
         mem = {k: state[k] for k in ("params", "grads", "optimizer")}
         mem["activations"] = act["peak"]
         allocated = sum(mem.values())
-        communicators = (n > 1) + (tp > 1) + 1 + (2 if pp == 2 else 4)  # dp, tp, pp, each direction to each neighbour
+        neighbours = 1 if pp == 2 else 2 if 0 < r < pp - 1 or L.virtual > 1 else 1  # (the interleaved ring)
+        communicators = (n > 1) + (tp > 1) + 1 + 2 * neighbours  # dp, tp, pp, each direction to each neighbour
         mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
         mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
         mem["total"] = sum(mem.values())

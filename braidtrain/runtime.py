@@ -31,7 +31,7 @@ DEFAULT_PORT = 29500
 FS_FILE = "braidtrain_rendezvous.txt"  # the file rank 0 publishes inside -pf
 _POLL_S = 0.2
 _OK = "ok"
-HIGH_PRIORITY = ("world", "dp", "replica", "tp")  # mesh axes whose NCCL groups get high-priority streams
+HIGH_PRIORITY = ("world", "dp", "replica", "cp", "tp")  # mesh axes whose NCCL groups get high-priority streams
 
 
 @dataclass

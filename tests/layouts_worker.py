@@ -46,7 +46,9 @@ def layouts(suite: str):
                    ("cp2-dp2-z1", dict(cp=2, dp=2, zero=1)), ("cp2-tp2", dict(cp=2, tp=2)),
                    ("cp2-tp2-sp", dict(cp=2, tp=2, sp=True)), ("cp2-pp2", dict(cp=2, pp=2, schedule="1f1b"))]
         exact = [("cp2-exact", dict(cp=2)), ("cp2-dp2-z0-exact", dict(cp=2, dp=2)), ("cp2-dp2-z3-exact", dict(cp=2, dp=2, zero=3)),
-                 ("cp2-dp4-z1-exact", dict(cp=2, dp=4, zero=1)), ("cp2-pp2-dp2-exact", dict(cp=2, pp=2, dp=2, zero=1))]
+                 ("cp2-dp4-z1-exact", dict(cp=2, dp=4, zero=1)), ("cp2-pp2-dp2-exact", dict(cp=2, pp=2, dp=2, zero=1)),
+                 ("cp2-allgather-exact", dict(cp=2, cp_impl="allgather")),
+                 ("cp2-dp2-z3-allgather-exact", dict(cp=2, dp=2, zero=3, cp_impl="allgather"))]
         return ([("ref", dict(), 4)] + [(n, kw, 4) for n, kw in default]  # 4 steps: the ring's transfers are many
                 + [(n, dict(kw, exact=True), 3) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
@@ -121,7 +123,7 @@ def run(rank, name, kw, steps):
             "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1}
 
 
-def attention(rank, cp, impl, order):
+def attention(rank, cp, impl, order, dtype=torch.float32):
     """Context-parallel attention on the first cp ranks against torch's on the whole sequence (each
     rank computes that reference itself): the largest error of the output and of dq, dk, dv on
     any rank, each rank's block pairs, and whether each ring transfer was launched before the
@@ -132,17 +134,19 @@ def attention(rank, cp, impl, order):
         return None
     cx = Context(mesh.groups["cp"], impl, order)
     g = torch.Generator().manual_seed(7)
-    q, k, v, do = (torch.randn(2, 3, 8 * cp, 8, generator=g) for _ in range(4))
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    q, k, v, do = (torch.randn(2, 3, 8 * cp, 8, generator=g).to(dtype) for _ in range(4))
+    ref = [t.float().clone().requires_grad_() for t in (q, k, v)]  # torch's, in fp32 on the same values
     out = F.scaled_dot_product_attention(*ref, is_causal=True)
-    out.backward(do)
+    out.backward(do.float())
     idx = token_index(8 * cp, cp, mesh.coord("cp"), order)
     mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
     got = cx.attend(*mine)
     got.backward(do[:, :, idx])
-    err = max([(got - out[:, :, idx]).abs().max().item()] + [(a.grad - b.grad[:, :, idx]).abs().max().item()
-                                                             for a, b in zip(mine, ref)])
-    overlap = all(launched < done for launched, done in cx.events) and len(cx.events) == 2 * (cp - 1)
+    assert got.dtype == dtype and all(a.grad.dtype == dtype for a in mine)
+    err = max([(got.float() - out[:, :, idx]).abs().max().item()] + [(a.grad.float() - b.grad[:, :, idx]).abs().max().item()
+                                                                     for a, b in zip(mine, ref)])
+    # each transfer launched before its step's attention began, waited for only once it was done
+    overlap = all(launched <= begun <= done for launched, begun, done in cx.events) and len(cx.events) == 2 * (cp - 1)
     rows = comm.all_gather_object((err, cx.pairs, overlap), mesh.groups["world"])
     return {"err": max(r[0] for r in rows), "pairs": [r[1] for r in rows],
             "overlap": all(r[2] for r in rows) if impl == "ring" else None}
@@ -162,6 +166,10 @@ def main(out, suite):
                     if rank == 0:
                         results[f"attention-cp{cp}-{impl}-{order}"] = r
                     dist.barrier()
+        r = attention(rank, 2, "ring", "zigzag", torch.bfloat16)  # bf16 in and out, fp32 inside
+        if rank == 0:
+            results["bf16-attention-cp2-ring-zigzag"] = r
+        dist.barrier()
     for name, kw, steps in layouts(suite):
         r = run(rank, name, dict(kw), steps)
         if rank == 0:

@@ -425,3 +425,14 @@ def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
     assert two["cp_comm_s"] > 0 and one["cp_comm_s"] == 0
     assert r["rows"][0]["layout"].cp == 2 and "cp=2" in r["recommendation"]
     assert "cp" in plan.table(r, 4).splitlines()[0].split()
+
+
+def test_zero_bubble_at_zero_2_holds_every_block_buckets_scratch_at_w():
+    """Under zb, W computes a chunk's weight gradients at once: ZeRO-2's scratch is then every block
+    bucket of the stage, not the two of an unsplit backward (1f1b): on gpt2's first stage (8 blocks,
+    4 buckets of 2) two buckets more; its last (4 blocks, 2 buckets) the same."""
+    s = plan.Setup(model_config("gpt2", 50257), gpus=4, mem_gb=80, t=1024, d=4 * 1024 * 8)
+    est = {name: plan.estimate(s, plan.Candidate(2, 2, 4, False, pp=2, schedule=name)) for name in ("1f1b", "zb")}
+    grads = {name: [st["grads"] for st in e["stage_state"]] for name, e in est.items()}
+    bucket = 4 * plan.bucket_numels(s.cfg, s.bucket_mb)[0][1]
+    assert grads["zb"] == [grads["1f1b"][0] + 2 * bucket, grads["1f1b"][1]], grads

@@ -23,7 +23,8 @@ rank's keys and values reduce-scattered back (exact mode: comm's exact reduce-sc
 tree in rank order).
 
 The pair attention is plain fp32 matrix products (softmax over a c×c block, masked on the
-diagonal), on every device: deterministic, so exact mode holds at a fixed cp. Changing cp
+diagonal; tile by tile of query rows, so that only one tile's scores exist at a time), on every
+device: deterministic, so exact mode holds at a fixed cp. Changing cp
 changes the order of the sums, and so the bits (as tp does). A model outside training (sampling)
 sets `active = False` and sees whole sequences, attention then local.
 """
@@ -61,14 +62,15 @@ def block_pairs(cp: int, r: int, src: int, order: str = "zigzag") -> list[tuple[
 class Context:
     """One rank's context parallelism: its cp group, the implementation and chunk order, and
     what the tests read (`pairs`: block pairs computed; `events`: for each ring step with a
-    transfer, when comm launched it and when the step's attention was done, host clock)."""
+    transfer, when comm launched it, when the step's attention began and when it was done and
+    the transfer waited for, host clock)."""
 
     def __init__(self, group, impl: str = "ring", order: str = "zigzag", exact: bool = False):
         self.group, self.comm, self.impl, self.order, self.exact = group, group.comm, impl, order, exact
         self.n, self.r = group.size, group.index
         self.active = True
         self.pairs = 0
-        self.events: deque[tuple[float, float]] = deque(maxlen=64)  # the latest ring steps'
+        self.events: deque[tuple[float, float, float]] = deque(maxlen=64)  # the latest ring steps'
         self._positions: dict = {}
 
     def positions(self, T_local: int, device) -> torch.Tensor:
@@ -95,10 +97,11 @@ class Context:
             handle = None
             if s < n - 1:
                 nxt = torch.empty_like(kv)
-                handle = self.comm.send_recv(kv, nxt, (r + 1) % n, (r - 1) % n, self.group)
+                handle = self.comm.send_recv(kv, nxt, (r + 1) % n, (r - 1) % n, self.group, direct=True)
+            begun = time.time()
             yield s, (r - s) % n, kv
-            if handle is not None:
-                self.events.append((handle.rec.t_start, time.time()))  # (its flight record's launch, attention done)
+            if handle is not None:  # (its flight record's launch, the step's attention begun, and done)
+                self.events.append((handle.rec.t_start, begun, time.time()))
                 handle.wait()
                 kv = nxt
 
@@ -140,7 +143,7 @@ class Context:
                 mine[1, :, :, rows] += dv
             if ring:  # on to the next holder of these keys and values; after cp steps, back home
                 back = torch.empty_like(dkv)
-                self.comm.send_recv(dkv, back, (r + 1) % n, (r - 1) % n, self.group).wait()
+                self.comm.send_recv(dkv, back, (r + 1) % n, (r - 1) % n, self.group, direct=True).wait()
                 dkv = back
         if not ring:
             out = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
@@ -153,24 +156,49 @@ class Context:
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+SCORES = 1 << 22  # elements of one tile's scores per (batch, head): query rows x key chunk
+
+
+def tile_rows(c: int) -> int:
+    """Query rows a tile of a c x c block pair: the scores (and their gradients) exist for one
+    tile at a time, rows x c fp32 per (batch, head). A function of c alone, so the bits are too."""
+    return max(1, min(c, SCORES // c))
+
+
+def _scores(q, k, rows: slice, diag: bool, scale: float):
+    s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale
+    if diag:  # query row i (of the chunk) sees keys 0..i
+        i = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(k.shape[2], device=s.device)[None, :] > i, float("-inf"))
+    return s
+
+
 def _pair(q, k, v, diag: bool, scale: float):
-    """One block pair (fp32): its attention output and each row's log-sum-exp."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diag:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    """One block pair (fp32), tile by tile of query rows: its attention output and each row's
+    log-sum-exp."""
+    c, t = q.shape[2], tile_rows(q.shape[2])
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=q.dtype, device=q.device)
+    for a in range(0, c, t):
+        rows = slice(a, min(a + t, c))
+        s = _scores(q, k, rows, diag, scale)
+        lse[:, :, rows] = torch.logsumexp(s, -1)
+        o[:, :, rows] = torch.matmul(torch.exp(s - lse[:, :, rows].unsqueeze(-1)), v)
+    return o, lse
 
 
 def _pair_backward(q, k, v, do, lse, delta, diag: bool, scale: float):
-    """One block pair's share of dq, dk, dv (fp32), its probabilities from the merged lse."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diag:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+    """One block pair's share of dq, dk, dv (fp32), its probabilities from the merged lse; tile by
+    tile of query rows, dk and dv summed over the tiles in order."""
+    c, t = q.shape[2], tile_rows(q.shape[2])
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a in range(0, c, t):
+        rows = slice(a, min(a + t, c))
+        p = torch.exp(_scores(q, k, rows, diag, scale) - lse[:, :, rows].unsqueeze(-1))
+        dv += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
+        ds = p * (torch.matmul(do[:, :, rows], v.transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1))
+        dq[:, :, rows] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, rows]) * scale
+    return dq, dk, dv
 
 
 class _Attend(torch.autograd.Function):
