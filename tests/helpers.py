@@ -69,3 +69,20 @@ def layouts(out: Path, suite: str) -> dict:
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads((Path(out) / "results.json").read_text())
+
+
+def assert_follows(runs: dict, names, ref: dict, rel: float, learns: float = 0.01) -> None:
+    """Each named layout's loss and gradient norm at every step within `rel` of ref's, and its
+    loss down by `learns` over the run (a layout that silently skipped updates would not be)."""
+    for name in names:
+        r = runs[name]
+        for got, want in zip(r["losses"] + r["norms"], ref["losses"] + ref["norms"]):
+            assert abs(got - want) <= rel * abs(want), (name, r["losses"], r["norms"], ref)
+        assert r["losses"][-1] < r["losses"][0] - learns, name
+
+
+def assert_bitwise(runs: dict, names, ref: dict) -> None:
+    """Each named layout's final weights, every loss and every gradient norm: ref's, to the bit."""
+    for name in names:
+        r = runs[name]
+        assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"], ref["norms"]), name

@@ -9,7 +9,7 @@ that validates, samples and saves, resumed at cp 1; and bad input."""
 
 import pytest
 
-from helpers import SMALL, braidtrain, layouts, metrics
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, layouts, metrics
 from braidtrain.parallel import context
 
 
@@ -47,11 +47,7 @@ def test_every_layout_matches_the_single_process(runs):
     ref = runs["ref"]
     default = [k for k in runs if k.startswith("cp") and not k.endswith("exact")]
     assert len(default) == 7
-    for name in default:
-        r = runs[name]
-        for got, want in zip(r["losses"] + r["norms"], ref["losses"] + ref["norms"]):
-            assert abs(got - want) <= 1e-5 * abs(want), (name, r["losses"], r["norms"], ref)
-        assert r["losses"][-1] < r["losses"][0] - 0.01, name  # it learns
+    assert_follows(runs, default, ref, 1e-5)
 
 
 def test_exact_mode_at_cp_2_is_bitwise_across_dp_zero_and_pp(runs):
@@ -61,10 +57,7 @@ def test_exact_mode_at_cp_2_is_bitwise_across_dp_zero_and_pp(runs):
                         ("cp2-allgather-exact", ["cp2-dp2-z3-allgather-exact"])):
         others = [k for k in others if k != ref]
         assert len(others) == (4 if ref == "cp2-exact" else 1)
-        want = runs[ref]
-        for name in others:
-            r = runs[name]
-            assert (r["sha"], r["losses"], r["norms"]) == (want["sha"], want["losses"], want["norms"]), name
+        assert_bitwise(runs, others, runs[ref])
     assert runs["cp2-allgather-exact"]["losses"][0] == runs["cp2-exact"]["losses"][0]  # the same forward
 
 

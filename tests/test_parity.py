@@ -11,7 +11,7 @@ loop, the summary -- a few layouts, and exact mode's pinned bits.
 
 import pytest
 
-from helpers import SMALL, braidtrain, layouts, metrics, summary
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, layouts, metrics, summary
 
 D = 1024  # 8 sequences of 64: 8, 4, 2, 1 micro-steps per rank at N = 1, 2, 4, 8
 
@@ -32,20 +32,14 @@ def test_every_zero_stage_and_size_matches_the_single_process(runs):
     ref = runs["ref"]
     default = [k for k in runs if k.startswith("dp") and not k.endswith("exact")]
     assert len(default) == 9
-    for name in default:
-        r = runs[name]
-        for got, want in zip(r["losses"] + r["norms"], ref["losses"] + ref["norms"]):
-            assert abs(got - want) <= 1e-6 * abs(want), (name, r["losses"], r["norms"])
-        assert r["losses"][-1] < r["losses"][0] - 0.05, name  # it learns
+    assert_follows(runs, default, ref, 1e-6, learns=0.05)
 
 
 def test_exact_mode_is_bitwise_on_every_zero_stage_and_size(runs):
     ref = runs["ref-exact"]
     exact = [k for k in runs if k.endswith("exact") and k != "ref-exact"]
     assert len(exact) == 11
-    for name in exact:
-        r = runs[name]
-        assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"], ref["norms"]), name
+    assert_bitwise(runs, exact, ref)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, braidtrain, env, layouts, metrics, summary
+from helpers import ROOT, SMALL, assert_bitwise, assert_follows, braidtrain, env, layouts, metrics, summary
 from braidtrain.parallel import pipeline
 from braidtrain.parallel.schedule import Action
 
@@ -27,20 +27,14 @@ def test_every_layout_matches_the_single_process(runs):
     ref = runs["ref"]
     default = [k for k in runs if not k.endswith("exact") and k != "ref"]
     assert len(default) == 13
-    for name in default:
-        r = runs[name]
-        for got, want in zip(r["losses"] + r["norms"], ref["losses"] + ref["norms"]):
-            assert abs(got - want) <= 1e-5 * abs(want), (name, r["losses"], r["norms"])
-        assert r["losses"][-1] < r["losses"][0] - 0.01, name  # it learns
+    assert_follows(runs, default, ref, 1e-5)
 
 
 def test_exact_mode_is_bitwise_across_pp_schedules_dp_and_zero(runs):
     ref = runs["ref-exact"]
     exact = [k for k in runs if k.endswith("exact") and k != "ref-exact"]
     assert len(exact) == 18 and all(any(s in n for n in exact) for s in pipeline.SCHEDULES)
-    for name in exact:
-        r = runs[name]
-        assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"], ref["norms"]), name
+    assert_bitwise(runs, exact, ref)
 
 
 def test_activations_alive_at_once(runs):
