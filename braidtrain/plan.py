@@ -9,8 +9,8 @@ Context parallelism (cp ranks share each sequence, without a pipeline here): the
 is the n = dp*cp ranks of a tp slot (ZeRO shards over all of them); a rank's activations are
 those of its t/cp tokens (the counts below at t/cp) plus ring_bytes: the ring's fp32 output
 per block and one tile's fp32 scores; compute is the same FLOPs over dp*cp*tp ranks, at
---tflops (the block pairs are fp32 matrix products for now, slower than that on a GPU: not
-modelled); and cp_comm_s adds what of the ring's transfers outlasts the attention it overlaps.
+--tflops (on a GPU the block pairs are flash's kernels, within 4-22% of flash SDPA at cp = 1;
+exact mode's fp32 pairs are 30-50x slower: not modelled); and cp_comm_s adds what of the ring's transfers outlasts the attention it overlaps.
 
 Tensor parallelism (the placement table) splits each tp rank's parameters into a sharded part,
 divided by tp -- wte (the vocabulary padded to vocab_rows(tp), a multiple of 128*tp), c_attn,
@@ -262,7 +262,8 @@ class Candidate:
     pp: int = 1
     schedule: str = "sequential"  # the pipeline's (parallel/pipeline.py) when pp > 1
     virtual: int = 1  # chunks a pipeline rank holds (interleaved)
-    cp: int = 1  # context parallelism (the ring; without a pipeline here)
+    cp: int = 1  # context parallelism (without a pipeline here)
+    cp_impl: str = "ring"  # or "allgather" (parallel/context.py)
     # ep: one field, one loop in meshes(), one term in estimate()
 
     @property
@@ -272,13 +273,14 @@ class Candidate:
     def name(self) -> str:
         pipe = f" pp={self.pp} {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
         return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
-                + (f" cp={self.cp}" if self.cp > 1 else "") + (" --sp" if self.sp else "")
+                + (f" cp={self.cp}" + (" allgather" if self.cp_impl == "allgather" else "") if self.cp > 1 else "") + (" --sp" if self.sp else "")
                 + (" --recompute" if self.recompute else ""))
 
     def layout_kw(self) -> dict:
         """make_layout's arguments for this candidate's degrees and features."""
         pipe = dict(schedule=self.schedule, virtual=self.virtual) if self.pp > 1 else {}
-        return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, zero=self.zero, recompute=self.recompute, **pipe)
+        return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, cp_impl=self.cp_impl, zero=self.zero,
+                    recompute=self.recompute, **pipe)
 
 
 def layout_of(s: Setup, lay: Candidate, d: int | None = None, gpus: int | None = None):
@@ -343,9 +345,10 @@ def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, T
         for zero in zeros if dp * cp > 1 or len(zeros) == 1 else (0,):  # one replica: nothing to shard
             for b in bs:
                 for rc in recomputes:
-                    lay = Candidate(dp, zero, b, rc, tp, sp, *pipe, cp=cp)
-                    if layout_of(s, lay, s.d) is not None:
-                        yield lay
+                    for impl in ("ring", "allgather") if cp > 1 else ("ring",):
+                        lay = Candidate(dp, zero, b, rc, tp, sp, *pipe, cp=cp, cp_impl=impl)
+                        if layout_of(s, lay, s.d) is not None:
+                            yield lay
 
 
 def collective_s(s: Setup, kind: str, nbytes: float, n: int, busbw: float | None = None) -> float:
@@ -413,30 +416,42 @@ def ring_bytes(s: Setup, lay: Candidate) -> dict:
     """What context.py's attention adds to a rank's activations: per block its fp32 output (and
     log-sum-exp), saved for the backward (4 b t/cp C/tp; one block under recompute); and, while a
     block pair is computed, one tile's fp32 scores, probabilities and their gradients (4 x 4 b
-    H/tp rows c, context.tile_rows)."""
+    H/tp rows c, context.tile_rows). All-gather adds, for the block in its backward, every rank's
+    keys and values (2 b t C/tp) and their fp32 gradients before the reduce-scatter (twice that)."""
     from braidtrain.parallel.context import tile_rows
 
     b, h, c = lay.b, s.cfg.n_head // lay.tp, s.t // (2 * lay.cp)
     out = 4 * b * (s.t // lay.cp) * (s.cfg.n_embd // lay.tp + h)
-    return {"ring_out": out * (1 if lay.recompute else s.cfg.n_layer), "ring_scores": 16 * b * h * tile_rows(c) * c}
+    gathered = 2 * b * s.t * (s.cfg.n_embd // lay.tp) * ((4 if s.cpu else 2) + 4) if lay.cp_impl == "allgather" else 0
+    return {"ring_out": out * (1 if lay.recompute else s.cfg.n_layer),
+            "ring_scores": 16 * b * h * tile_rows(c) * c + gathered}
 
 
 def cp_comm_s(s: Setup, lay: Candidate) -> float:
-    """Exposed seconds of the cp ring in one micro-step (parallel/context.py): per block, cp - 1
-    forward steps each send this rank's keys and values (2 b t/cp C, bf16; fp32 on the CPU) while
-    two block pairs are attended to (4 b c^2 C FLOPs each way, c = t/2cp), only what outlasts
-    them exposed; the backward sends them again the same way and the fp32 dK, dV after each of
-    its cp steps, unhidden. tp shares the heads."""
+    """Exposed seconds of context parallelism's transfers in one micro-step (parallel/context.py).
+    The ring: per block, cp - 1 forward steps each send this rank's keys and values (2 b t/cp C,
+    bf16; fp32 on the CPU) while two block pairs are attended to (4 b c^2 C FLOPs each way,
+    c = t/2cp), only what outlasts them exposed; the backward sends them again the same way and
+    the fp32 dK, dV after each of its cp steps, unhidden. All-gather: per block one all-gather of
+    every rank's keys and values before any attention (forward and backward) and one
+    reduce-scatter of their fp32 gradients after it, none hidden but each paying one latency, not
+    cp - 1 -- so it wins where the ring's hops are short and latency-bound (short sequences, many
+    cp ranks) and the ring wins where attention hides its transfers (long ones). tp shares the heads."""
     if lay.cp == 1:
         return 0.0
     cp, C, b = lay.cp, s.cfg.n_embd / lay.tp, lay.b
     c = s.t / (2 * cp)
-    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (s.busbw * 1e9)  # noqa: E731
     kv = 2 * b * (s.t / cp) * C * (4 if s.cpu else 2)
+    dkv = kv * (1 if s.cpu else 2)  # fp32
+    passes = 2 if lay.recompute else 1
+    if lay.cp_impl == "allgather":
+        gather = collective_s(s, "all_gather", kv * cp, cp)
+        return s.cfg.n_layer * (passes * gather + gather + collective_s(s, "reduce_scatter", dkv * cp, cp))
+    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (s.busbw * 1e9)  # noqa: E731
     pairs_s = 2 * 4 * b * c * c * C / (s.tflops * 1e12)  # a ring step's attention, forward
     fwd = (cp - 1) * max(0.0, hop(kv) - pairs_s)
-    bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(kv * (1 if s.cpu else 2))  # dK, dV in fp32
-    return s.cfg.n_layer * ((2 if lay.recompute else 1) * fwd + bwd)
+    bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(dkv)
+    return s.cfg.n_layer * (passes * fwd + bwd)
 
 
 def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, tp_comm, pp_comm=0.0, cp_comm=0.0,
@@ -589,7 +604,7 @@ def rank(rows: list[dict]) -> list[dict]:
                                        e["mem"]["total"]))
 
 
-SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "zero", "b", "recompute")  # what a fix may change (dp follows)
+SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "zero", "b", "recompute")  # what a fix may change (dp follows)
 
 
 def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
@@ -599,7 +614,7 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     changed = lambda f: tuple(k for k in SETTINGS if getattr(f["layout"], k) != getattr(lay, k))
     say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
            "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
-           "cp": lambda l: f"cp={l.cp}",
+           "cp": lambda l: f"cp={l.cp}", "cp_impl": lambda l: f"--cp-impl {l.cp_impl}" if l.cp > 1 else "",
            "zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
            "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
     opts = []
@@ -685,7 +700,7 @@ def table(result: dict, top: int) -> str:
             pipe = "-" if lay.pp == 1 else lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
             bubble = f"{max(e['bubble']):.0%}" if lay.pp > 1 else "-"
             mesh += [lay.pp, pipe, bubble]
-        mesh += [lay.cp] if cp else []
+        mesh += [f"{lay.cp}" + ("ag" if lay.cp_impl == "allgather" else "") if lay.cp > 1 else 1] if cp else []
         lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])
@@ -828,7 +843,7 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
            "--bucket-mb", s.bucket_mb] + (["--tp", lay.tp] if lay.tp > 1 else []) + (["--sp"] if lay.sp else [])
     cmd += ["--pp", lay.pp, "--pp-schedule", lay.schedule, "--pp-virtual", lay.virtual] if lay.pp > 1 else []
     cmd += ["--recompute"] if lay.recompute else []
-    cmd += ["--cp", lay.cp] if lay.cp > 1 else []
+    cmd += ["--cp", lay.cp, "--cp-impl", lay.cp_impl] if lay.cp > 1 else []
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:

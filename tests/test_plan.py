@@ -427,6 +427,30 @@ def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
     assert "cp" in plan.table(r, 4).splitlines()[0].split()
 
 
+def test_the_planner_says_when_the_ring_or_the_all_gather_wins():
+    """cp_comm_s against the docstring's counts: the all-gather pays one latency per collective
+    and hides nothing; the ring pays one per hop and hides its keys and values behind two block
+    pairs. At t = 1024 over 8 ranks with a 20 us latency the all-gather wins; at t = 131072 (the
+    ring's transfers hidden) the ring does. Its gathered keys and values also count in memory."""
+    cfg = model_config("gpt2", 50257, block_size=131072)
+    for t, winner in ((1024, "allgather"), (131072, "ring")):
+        s = plan.Setup(cfg, gpus=8, mem_gb=80, t=t, d=t, alpha_us=20.0, busbw=100.0)
+        ring, ag = (plan.estimate(s, plan.Candidate(1, 0, 1, False, cp=8, cp_impl=i)) for i in ("ring", "allgather"))
+        C, L, kv = cfg.n_embd, cfg.n_layer, 2 * t // 8 * cfg.n_embd * 2
+        gather = 20e-6 + 7 / 8 * kv * 8 / 100e9
+        scatter = 20e-6 + 7 / 8 * 2 * kv * 8 / 100e9
+        assert ag["cp_comm_s"] == pytest.approx(L * (2 * gather + scatter), rel=1e-9)
+        c = t / 16
+        hop, pairs = (lambda n: 20e-6 + n / 100e9), 8 * c * c * C / (s.tflops * 1e12)
+        want = L * (7 * max(0, hop(kv) - pairs) + 7 * max(0, hop(kv) - 2 * pairs) + 8 * hop(2 * kv))
+        assert ring["cp_comm_s"] == pytest.approx(want, rel=1e-9)
+        best = min((ring, ag), key=lambda e: e["step_s"])
+        assert best["layout"].cp_impl == winner, (t, ring["cp_comm_s"], ag["cp_comm_s"])
+        assert ag["activations"]["ring_scores"] - ring["activations"]["ring_scores"] == 2 * t * C * (2 + 4)
+    rows = plan.plan(s)["rows"]
+    assert {e["layout"].cp_impl for e in rows if e["layout"].cp > 1} == {"ring", "allgather"}
+
+
 def test_zero_bubble_at_zero_2_holds_every_block_buckets_scratch_at_w():
     """Under zb, W computes a chunk's weight gradients at once: ZeRO-2's scratch is then every block
     bucket of the stage, not the two of an unsplit backward (1f1b): on gpt2's first stage (8 blocks,

@@ -22,10 +22,12 @@ the same order (the forward's bits are the ring's), and in the backward the grad
 rank's keys and values reduce-scattered back (exact mode: comm's exact reduce-scatter, a fixed
 tree in rank order).
 
-The pair attention is plain fp32 matrix products (softmax over a c×c block, masked on the
-diagonal; tile by tile of query rows, so that only one tile's scores exist at a time), on every
-device: deterministic, so exact mode holds at a fixed cp. Changing cp
-changes the order of the sums, and so the bits (as tp does). A model outside training (sampling)
+A block pair on CUDA in half precision is torch's flash attention (its log-sum-exp returned;
+its backward given the merged output and log-sum-exp); on the CPU, in fp32 and in exact mode
+(flash's backward is not deterministic) it is plain fp32 matrix products (softmax over a c×c
+block, masked on the diagonal; tile by tile of query rows, so that only one tile's scores exist
+at a time): deterministic, so exact mode holds at a fixed cp. Changing cp changes the order of
+the sums, and so the bits (as tp does). A model outside training (sampling)
 sets `active = False` and sees whole sequences, attention then local.
 """
 
@@ -107,12 +109,13 @@ class Context:
 
     def forward(self, q, k, v):
         c, scale = q.shape[2] // 2, 1 / math.sqrt(q.shape[-1])
-        qf = q.float()
+        flash = _flash(q, self.exact)
+        qf = q if flash else q.float()
         acc: list = [None, None]
         for _s, src, kv in self._stream(torch.stack([k, v])):
             for a, b, diag in block_pairs(self.n, self.r, src, self.order):
-                ob, lb = _pair(qf[:, :, a * c:(a + 1) * c], kv[0, :, :, b * c:(b + 1) * c].float(),
-                               kv[1, :, :, b * c:(b + 1) * c].float(), diag, scale)
+                qa, ka, va = qf[:, :, a * c:(a + 1) * c], kv[0, :, :, b * c:(b + 1) * c], kv[1, :, :, b * c:(b + 1) * c]
+                ob, lb = _flash_pair(qa, ka, va, diag, scale) if flash else _pair(qa, ka.float(), va.float(), diag, scale)
                 self.pairs += 1
                 if acc[a] is None:
                     acc[a] = (ob, lb)
@@ -125,9 +128,11 @@ class Context:
     def backward(self, q, k, v, o, lse, do):
         n, r = self.n, self.r
         c, scale = q.shape[2] // 2, 1 / math.sqrt(q.shape[-1])
-        qf, dof = q.float(), do.float()
-        delta = (dof * o).sum(-1)
-        dq = torch.zeros_like(qf)
+        flash = _flash(q, self.exact)
+        qf, dof = (q, do.to(q.dtype)) if flash else (q.float(), do.float())
+        delta = None if flash else (dof * o).sum(-1)
+        of = o.to(q.dtype) if flash else None
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         ring = self.impl == "ring"
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if ring else \
@@ -136,12 +141,16 @@ class Context:
             mine = dkv if ring else dkv[src]
             for a, b, diag in block_pairs(n, r, src, self.order):
                 qa, rows = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                dqa, dk, dv = _pair_backward(qf[:, :, qa], held[0, :, :, rows].float(), held[1, :, :, rows].float(),
-                                             dof[:, :, qa], lse[:, :, qa], delta[:, :, qa], diag, scale)
+                if flash:
+                    dqa, dk, dv = _flash_pair_backward(qf[:, :, qa], held[0, :, :, rows], held[1, :, :, rows],
+                                                       of[:, :, qa], lse[:, :, qa], dof[:, :, qa], diag, scale)
+                else:
+                    dqa, dk, dv = _pair_backward(qf[:, :, qa], held[0, :, :, rows].float(), held[1, :, :, rows].float(),
+                                                 dof[:, :, qa], lse[:, :, qa], delta[:, :, qa], diag, scale)
                 dq[:, :, qa] += dqa
                 mine[0, :, :, rows] += dk
                 mine[1, :, :, rows] += dv
-            if ring:  # on to the next holder of these keys and values; after cp steps, back home
+            if ring and n > 1:  # on to the next holder of these keys and values; after cp steps, home
                 back = torch.empty_like(dkv)
                 self.comm.send_recv(dkv, back, (r + 1) % n, (r - 1) % n, self.group, direct=True).wait()
                 dkv = back
@@ -199,6 +208,29 @@ def _pair_backward(q, k, v, do, lse, delta, diag: bool, scale: float):
         dq[:, :, rows] = torch.matmul(ds, k) * scale
         dk += torch.matmul(ds.transpose(-1, -2), q[:, :, rows]) * scale
     return dq, dk, dv
+
+
+def _flash(q, exact: bool) -> bool:
+    """Whether block pairs run on torch's flash kernels: on CUDA in half precision, outside exact
+    mode (flash's backward adds dq in whatever order its blocks finish)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not exact
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+
+def _flash_pair(q, k, v, diag: bool, scale: float):
+    """One block pair on torch's flash attention: the output (as fp32, for the merge) and the
+    log-sum-exp it returns (fp32)."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, diag, False, scale=scale)
+    return out[0].float(), out[1][..., :q.shape[2]]
+
+
+def _flash_pair_backward(q, k, v, o, lse, do, diag: bool, scale: float):
+    """One block pair's share of dq, dk, dv on flash's backward, its probabilities from the merged
+    output and lse (so that its delta is the whole row's)."""
+    c = q.shape[2]  # (no sequence offsets, no dropout: None for their tensors)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, o, lse.contiguous(), None, None, c, c, 0.0, diag, None, None, scale=scale)
+    return dq.float(), dk.float(), dv.float()
 
 
 class _Attend(torch.autograd.Function):
