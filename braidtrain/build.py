@@ -68,7 +68,7 @@ def build(cfg: Config) -> Run:
     if cfg.init_from:
         mcfg = hf_model_config(cfg, vocab)
     else:
-        mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
+        mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, **moe_of(cfg))
     lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
@@ -89,7 +89,7 @@ def build(cfg: Config) -> Run:
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
 
     comm = Comm(device)
-    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, new_group=rt.new_group,
+    mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, ep=lay.ep, new_group=rt.new_group,
                       ring=lay.virtual > 1)
     train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
@@ -140,7 +140,16 @@ def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> lis
         cp = Context(mesh.groups["cp"], lay.cp_impl, lay.cp_order, lay.exact)
         for part in parts:
             part.use_context(cp)
+    for part in parts:  # a mixture of experts: exact mode's per-source calls; the aux term's weight
+        part.dispatch.exact = lay.exact
+        for moe in part.moe_layers():
+            moe.loss_scale = 1.0 / lay.batch.total_tokens
     return parts
+
+
+def moe_of(cfg: Config) -> dict:
+    """The model config's mixture-of-experts fields from the run's."""
+    return {k: getattr(cfg, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_hidden", "moe_capacity", "moe_aux")}
 
 
 def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
@@ -153,6 +162,8 @@ def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
     if c["vocab_size"] != vocab:
         raise UserError(f"--init-from {cfg.init_from} has a vocabulary of {c['vocab_size']} tokens but the data's "
                         f"tokenizer has {vocab}: use data prepared with the model's tokenizer")
+    if cfg.moe_experts:
+        raise UserError("--init-from a HuggingFace GPT-2 starts a dense model: drop --moe-experts")
     return model_config(cfg.model, vocab, **dims)
 
 
@@ -170,7 +181,7 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float]:
     return Path(out), session
 
 
-BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag"}  # a checkpoint's layout from before pp, cp
+BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}  # a checkpoint's layout from before pp, cp, ep
 
 
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
@@ -201,7 +212,7 @@ def resume(run: Run) -> None:
     changed = what_changed(meta, now, cfg)
     rt.log(f"resumed from {path} (step {run.start_step}) in {run.load_s:.2f} s"
            + (f"; changed since the save: {changed}" if changed else "; same layout and config"))
-    for axis in ("tp", "cp", "cp_impl", "cp_order"):  # what sets the order of the model's own sums
+    for axis in ("tp", "cp", "cp_impl", "cp_order"):  # what sets the order of the model's own sums (ep does not)
         saved, mine = {"tp": 1, **BEFORE, **meta["layout"]}[axis], getattr(run.layout, axis)
         if cfg.exact and saved != mine:
             rt.log(f"note: --exact is bitwise across dp, ZeRO and restarts at a fixed {axis}; this run resumes a "

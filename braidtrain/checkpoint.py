@@ -43,6 +43,14 @@ from braidtrain.parallel import placement
 FORMAT = 3  # 3: meta.json holds the placement table; 2 (read too): the table is the model config's
 
 
+def saved_model(meta: dict) -> dict:
+    """The saved model config, with the defaults of fields added since (a dense model before MoE)."""
+    from braidtrain.model.gpt import GPTConfig
+
+    return {**{f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING},
+            **meta["model"]}
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -78,7 +86,7 @@ def pieces(engine):
 def layout_record(lay, world_size: int) -> dict:
     """What meta.json says of the saving layout (and a resume compares with its own)."""
     return {"world_size": world_size, "dp": lay.dp, "zero": lay.zero, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
-            "cp_impl": lay.cp_impl, "cp_order": lay.cp_order}
+            "cp_impl": lay.cp_impl, "cp_order": lay.cp_order, "ep": lay.ep}
 
 
 def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int, midway=None) -> float:
@@ -188,8 +196,13 @@ def load(path: Path, engine, opt) -> dict:
     shard) from a checkpoint saved by any layout: any world size, ZeRO stage or tp degree."""
     meta = json.loads((path / "meta.json").read_text())
     want = dataclasses.asdict(engine.model.cfg)
-    if meta["model"] != want:
-        diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
+    saved = saved_model(meta)
+    if saved != want:
+        diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+        if saved.get("moe_experts") != want["moe_experts"] and 0 in (saved.get("moe_experts"), want["moe_experts"]):
+            kind = ("an MoE", "a dense") if saved.get("moe_experts") else ("a dense", "an MoE")
+            raise UserError(f"checkpoint {path} holds {kind[0]} model and this run builds {kind[1]} one: use "
+                            f"the checkpoint's --moe-experts {saved.get('moe_experts')}")
         raise UserError(f"checkpoint {path} was saved from a different model ({diff} saved vs now): "
                         "use the same model config")
     read = Reader(path, meta, engine.table)
@@ -223,7 +236,7 @@ class Reader:
         else:  # format 2: the table of the model config, at tp = 1 (the layout is meta's)
             from braidtrain.model.gpt import GPTConfig
 
-            self.saved = placement.for_config(GPTConfig(**meta["model"]))
+            self.saved = placement.for_config(GPTConfig(**saved_model(meta)))
         self.saved_tp = meta["layout"].get("tp", 1)
         self.tp, self.tp_rank = (table.tp, table.tp_rank) if table is not None else (1, 0)
         self.index: dict[str, list[tuple[int, str, str]]] = {}  # "<name>/t<r>" -> [(start, file, key rest)]
@@ -283,7 +296,8 @@ def weights_sha256(engine) -> str:
     """A sha256 of the weights that does not depend on the layout: over the sha256 of every
     parameter's full fp32 bytes (Placed.unshard: under tp the shards are gathered, collective over
     the tp group, and joined into the tp = 1 shape), in the whole model's named_parameters order.
-    Each pipeline stage hashes its own parameters; the digests meet over the pp group. Under
+    Each pipeline stage (and ep rank: its experts) hashes its own parameters; the digests meet over
+    the pp group (the world under ep). Under
     ZeRO-3 the parameters are gathered for it (collective over the replica group)."""
     tp = engine.tp
     mine = {}
@@ -296,8 +310,8 @@ def weights_sha256(engine) -> str:
                     t = e.unshard([r.view(t.shape) for r in rows])
                 if not e.copy:  # (a copy of the bytes: numpy pins storage)
                     mine[name] = hashlib.sha256(t.cpu().clone().numpy().tobytes()).hexdigest()
-    digests = {}
-    for d in engine.comm.all_gather_object(mine, engine.pp):
+    digests = {}  # each stage's, each ep rank's experts
+    for d in engine.comm.all_gather_object(mine, engine.world if engine.ep.size > 1 else engine.pp):
         digests.update(d)
     names = [e.name for e in placement.for_config(engine.model.cfg)]
     return hashlib.sha256("".join(digests[n] for n in names).encode()).hexdigest()

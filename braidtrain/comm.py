@@ -364,6 +364,15 @@ class Comm:
             out.copy_(inp)
         return self._launch("all_to_all", group, inp, lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
 
+    def all_to_all_v(self, out, inp, out_splits: list[int], in_splits: list[int], group: Group) -> Handle:
+        """Rows of `inp` in runs of in_splits[i] to group index i; out receives out_splits[j] rows
+        from index j, in index order (the experts' dispatch: parallel/expert.py). On the critical
+        path: on CUDA issued on the compute stream and waited for there (inline)."""
+        if group.pg is None:
+            out.copy_(inp)
+        return self._launch("all_to_all", group, inp, lambda g: dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=g, async_op=True), inline=self.cuda)
+
     def send_recv(self, send, recv, to: int, frm: int, group: Group, direct: bool = False) -> Handle:
         """Send `send` to group index `to` while receiving `recv` from group index `frm`, posted
         together (batch_isend_irecv) so that a ring of them cannot deadlock. `direct` (the cp

@@ -28,6 +28,13 @@ class Config:
     n_head: int | None = None
     n_embd: int | None = None
     block_size: int | None = None
+    # a mixture of experts (model/moe.py): experts in place of the MLP of every moe_every-th block
+    moe_experts: int = 0  # 0: dense
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_hidden: int = 0  # 0: the dense MLP's width, 4 n_embd
+    moe_capacity: float = 0.0  # capacity factor; 0: dropless
+    moe_aux: float = 0.01  # the load-balancing loss's coefficient
     # data
     train_data: str = "data/shakespeare"
     val_data: str | None = None  # default: the val split beside the training data
@@ -67,7 +74,7 @@ class Config:
     cp_impl: str = "ring"  # ring | allgather: how keys and values reach the other cp ranks
     cp_order: str = "zigzag"  # zigzag (rank r: chunks r and 2cp-1-r, balanced) | contiguous
     tp: int = 1  # tensor-parallel degree (ranks that split each layer); dp = world / (pp * cp * tp)
-    ep: int = 1  # expert-parallel degree (not available yet)
+    ep: int = 1  # expert-parallel degree: experts sharded over ep ranks carved from dp*cp (parallel/expert.py)
     sp: bool = False  # sequence parallelism within the tp group
     exact: bool = False
     recompute: bool = False

@@ -99,6 +99,8 @@ def export(run: str, out: str, fmt: str = "hf") -> Path:
         raise UserError(f"{run}: no such run or checkpoint folder")
     ckpt = run_path if (run_path / "meta.json").exists() else latest(run_path)
     params, meta = load_params(ckpt)
+    if meta["model"].get("moe_experts"):
+        raise UserError(f"{ckpt} is a mixture of experts: HuggingFace's GPT-2 format holds dense models only")
     write_hf(params, GPTConfig(**meta["model"]), meta["tokenizer"], Path(out))
     return ckpt
 

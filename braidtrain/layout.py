@@ -22,9 +22,6 @@ from dataclasses import dataclass
 
 from braidtrain.errors import UserError
 
-NOT_YET = {"ep": "expert parallelism"}
-
-
 @dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer step's -d tokens are split: the same d over any layout, micro-steps d / (b*t*dp)."""
@@ -125,9 +122,14 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     for name, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if size < 1:
             raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
-    for name, size in (("ep", ep),):
-        if size > 1:
-            raise UserError(f"--{name} {size}: {NOT_YET[name]} is not available yet: use --{name} 1")
+    moe = getattr(model, "moe_experts", 0)
+    if ep > 1 and not moe:
+        raise UserError(f"--ep {ep} shards a mixture of experts: give --moe-experts (and --moe-top-k), or use --ep 1")
+    if moe and (compile or cuda_graph):
+        raise UserError(f"{'--compile' if compile else '--cuda-graph'} with a mixture of experts is not supported "
+                        f"(the routing's sizes are known only at run time): drop it")
+    if ep > 1 and moe % ep:
+        raise UserError(f"--ep {ep} does not divide --moe-experts {moe}: use ep in {divisors(moe)}")
     if sp and tp == 1:
         raise UserError("--sp splits the sequence over the tp ranks: it needs --tp 2 or more (or drop --sp)")
     if compile and tp > 1:
@@ -167,6 +169,9 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         raise UserError(f"pp*cp*tp = {pp}*{cp}*{tp} = {inner} does not divide {what}: use a multiple of {inner} "
                         f"ranks, or other degrees")
     dp = world // inner
+    if (dp * cp) % ep:
+        raise UserError(f"--ep {ep} does not divide the dp*cp = {dp}*{cp} = {dp * cp} ranks it is carved from: "
+                        f"use ep in {divisors(math.gcd(dp * cp, moe or 1))}")
     batch = batch_plan(total_batch, batch_size, seq_len, dp)
     if exact:
         _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device if cp == 1 else "cpu")

@@ -13,8 +13,13 @@ The *replica* group of a parameter -- the ranks that sum its gradient and share 
 shards -- is the dp*cp ranks with the same (pp, tp) coordinates, in rank order (torch orders a
 group's members so). Exact mode adds their gradients along one tree in cp-major order instead
 (the group's `tree`): with cp outermost, one cp rank's replicas over dp are a subtree, as one
-rank's micro-batches are at dp 1, so the bits do not depend on dp at a fixed cp. Expert parallelism (later) shards
-experts over those same ranks. `world` is every rank (barriers, the run's small agreements).
+rank's micro-batches are at dp 1, so the bits do not depend on dp at a fixed cp.
+
+Expert parallelism carves its ep groups from the replicas: consecutive runs of ep members in that
+tree order (at cp 1, ep consecutive dp ranks), whose all-to-all carries the tokens
+(parallel/expert.py); ep rank k of each run holds the same experts, and those dp*cp/ep ranks are
+the *expert* group that reduces their gradients (in run order, a subtree of the replicas' tree
+per run). At ep 1 the expert group is the replica group. `world` is every rank (barriers, the run's small agreements).
 
 Pipeline transfers run between neighbouring ranks of a pp line, each direction on a process
 group of its own (`p2p[(from, to)]`, by pp index): NCCL keeps one stream per group, so a send
@@ -40,7 +45,7 @@ AXES = ("pp", "dp", "cp", "tp")
 class Mesh:
     sizes: dict[str, int]  # pp, dp, cp, tp
     coords: dict[str, int]
-    groups: dict[str, Group]  # pp, dp, cp, tp, replica, world: this rank's group along each
+    groups: dict[str, Group]  # pp, dp, cp, tp, replica, ep, expert, world: this rank's group along each
     rank: int = 0
     p2p: dict = field(default_factory=dict)  # (from, to) pp indices -> the group of that direction
 
@@ -60,7 +65,7 @@ class Mesh:
         return slice(first, first + dp * cp * tp, tp)
 
 
-def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, new_group=None,
+def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, new_group=None,
                ring: bool = False, members: list[int] | None = None) -> Mesh | None:
     """Every rank must call this with the same degrees: new_group is collective over the world.
     `new_group(ranks, axis)` makes one line's process group (runtime.Runtime.new_group: the run's
@@ -78,6 +83,16 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
     # replica lines: ranks sharing (pp, tp), varying (dp, cp), in rank order
     lines["replica"] = grid.permute(0, 3, 1, 2).reshape(-1, sizes["dp"] * sizes["cp"]).tolist()
     tree = tuple(d * cp + c for c in range(cp) for d in range(sizes["dp"]))  # its members cp-major
+    n, orders = sizes["dp"] * cp, {}
+    lines["ep"], lines["expert"] = [], []
+    for line in lines["replica"]:  # runs of ep replicas in tree order; rank k of each run: the same experts
+        ordered = [line[i] for i in tree]
+        runs = [ordered[j : j + ep] for j in range(0, n, ep)]
+        same = [[sorted(run)[k] for run in runs] for k in range(ep)]
+        for group in runs + same:  # a group's members in rank order (torch's), its exact order kept
+            orders[tuple(sorted(group))] = tuple(sorted(group).index(g) for g in group)
+        lines["ep"] += [sorted(run) for run in runs]
+        lines["expert"] += [sorted(g) for g in same]
     lines["world"] = [members]
     made: dict[tuple, object] = {}
     groups = {}
@@ -93,8 +108,8 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
                 else:
                     made[key] = new_group(line, axis) if new_group else dist.new_group(line)
             if rank in line:
-                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world),
-                                     tree if axis == "replica" else ())
+                order = tree if axis == "replica" else orders[key] if axis in ("ep", "expert") else ()
+                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world), order)
     p2p = {}
     for line in lines["pp"]:  # each direction between neighbours, a group of its own
         pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if ring and pp > 1 else [])

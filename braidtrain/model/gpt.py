@@ -45,6 +45,8 @@ from braidtrain.errors import UserError
 from braidtrain.layout import check_tp
 from braidtrain.model.attention import causal_attention
 from braidtrain.model.loss import head_loss
+from braidtrain.model.moe import MoE
+from braidtrain.parallel.expert import Dispatch
 from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp,
                                      gather_last_dim, vocab_parallel_cross_entropy)
 
@@ -67,6 +69,28 @@ class GPTConfig:
     n_embd: int
     block_size: int
     vocab_size: int  # the tokenizer's; the embedding is padded beyond it
+    # a mixture of experts (model/moe.py) in place of the MLP of every moe_every-th block (0, n, 2n, ...)
+    moe_experts: int = 0  # 0: dense
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_hidden: int = 0  # an expert's width (0: the dense MLP's, 4 n_embd)
+    moe_capacity: float = 0.0  # capacity factor; 0: dropless
+    moe_aux: float = 0.01  # the load-balancing loss's coefficient
+
+    @property
+    def moe_width(self) -> int:
+        return self.moe_hidden or 4 * self.n_embd
+
+    def is_moe(self, block: int) -> bool:
+        return self.moe_experts > 0 and block % self.moe_every == 0
+
+    def block_params(self, block: int, active: bool = False) -> int:
+        """Parameters of block `block` (active: those one token uses -- its top-k experts)."""
+        c = self.n_embd
+        if not self.is_moe(block):
+            return 12 * c * c + 13 * c
+        expert = 2 * c * self.moe_width + self.moe_width + c
+        return 4 * c * c + 8 * c + self.moe_experts * c + (self.moe_top_k if active else self.moe_experts) * expert
 
     @property
     def padded_vocab(self) -> int:
@@ -78,18 +102,20 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Parameters counted once (the tied head is the embedding)."""
-        c, v, l = self.n_embd, self.padded_vocab, self.n_layer
-        per_block = 12 * c * c + 13 * c
-        return v * c + self.block_size * c + l * per_block + 2 * c
+        c, v = self.n_embd, self.padded_vocab
+        return v * c + self.block_size * c + sum(self.block_params(i) for i in range(self.n_layer)) + 2 * c
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight (forward + backward) plus attention's
-        6 * 2 * n_layer * seq_len * n_embd for QK^T and AV (PaLM appendix B), embeddings excluded."""
-        n = self.num_params() - self.padded_vocab * self.n_embd - self.block_size * self.n_embd
+        6 * 2 * n_layer * seq_len * n_embd for QK^T and AV (PaLM appendix B), embeddings excluded;
+        of a mixture of experts, the parameters a token uses (its top-k experts)."""
+        n = sum(self.block_params(i, active=True) for i in range(self.n_layer)) + 2 * self.n_embd
         return 6 * n + 6 * self.padded_vocab * self.n_embd + 12 * self.n_layer * seq_len * self.n_embd
 
 
-def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=None, block_size=None) -> GPTConfig:
+def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=None, block_size=None,
+                 **moe) -> GPTConfig:
+    """A preset (or llm.c's dN) with these sizes overriding it; `moe`: GPTConfig's moe_* fields."""
     if name in PRESETS:
         base = PRESETS[name]
     elif name[1:].isdigit() and int(name[1:]) in LLMC_DEPTHS:  # llm.c's -e dN
@@ -101,7 +127,27 @@ def model_config(name: str, vocab_size: int, n_layer=None, n_head=None, n_embd=N
     nl, nh, ne, bs = (a if a is not None else b for a, b in zip((n_layer, n_head, n_embd, block_size), base))
     if ne % nh:
         raise UserError(f"n_embd={ne} is not divisible by n_head={nh}")
-    return GPTConfig(nl, nh, ne, bs, vocab_size)
+    cfg = GPTConfig(nl, nh, ne, bs, vocab_size, **{k: v for k, v in moe.items() if v is not None})
+    check_moe(cfg)
+    return cfg
+
+
+def check_moe(cfg: GPTConfig) -> None:
+    """The mixture of experts' settings on their own (the layout checks ep against them)."""
+    if cfg.moe_experts == 0:
+        return
+    if cfg.moe_experts < 0:
+        raise UserError(f"--moe-experts {cfg.moe_experts}: give the number of experts (>= 1), or 0 for a dense model")
+    if not 1 <= cfg.moe_top_k <= cfg.moe_experts:
+        raise UserError(f"--moe-top-k {cfg.moe_top_k}: each token picks between 1 and --moe-experts "
+                        f"{cfg.moe_experts} experts")
+    if cfg.moe_capacity < 0:
+        raise UserError(f"--moe-capacity {cfg.moe_capacity}: a capacity factor is > 0 (e.g. 1.25), or 0 for dropless")
+    if not 1 <= cfg.moe_every <= cfg.n_layer:
+        raise UserError(f"--moe-every {cfg.moe_every}: every n-th block of {cfg.n_layer} is an MoE block, "
+                        f"so n is between 1 and n_layer = {cfg.n_layer}")
+    if cfg.moe_hidden < 0 or cfg.moe_aux < 0:
+        raise UserError("--moe-hidden and --moe-aux are >= 0")
 
 
 class Attention(nn.Module):
@@ -139,12 +185,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False):
+    def __init__(self, cfg: GPTConfig, tp: int = 1, group=None, sp: bool = False, moe=None):
+        """`moe`: (this rank's experts, their dispatch) for a mixture of experts in place of the MLP."""
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg, tp, group, sp)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg, group, sp)
+        self.mlp = MLP(cfg, group, sp) if moe is None else MoE(cfg, *moe)
 
     compiled = None  # torch.compile(self.body) under --compile (GPT.compile_blocks)
 
@@ -206,7 +253,10 @@ class GPT(nn.Module):
             self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp, align=VOCAB_ALIGN)
         if first:
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp)
+        ep = mesh is not None and "ep" in mesh.groups and mesh.size("ep") > 1
+        self.dispatch = Dispatch(mesh.groups["ep"] if ep else None)  # (exact mode: build sets .exact)
+        mine = self.dispatch.experts_of(cfg.moe_experts, mesh.coord("ep") if ep else 0)
+        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, (mine, self.dispatch) if cfg.is_moe(i) else None)
                          for i in (range(cfg.n_layer) if blocks is None else blocks)})
         if last:
             self.ln_f = nn.LayerNorm(cfg.n_embd)
@@ -220,6 +270,9 @@ class GPT(nn.Module):
         self.cp = cp
         for block in self.h:
             block.attn.cp = cp
+
+    def moe_layers(self) -> list:
+        return [block.mlp for block in self.h if isinstance(block.mlp, MoE)]
 
     def use_deterministic_attention(self) -> None:
         """Exact mode on GPU: torch's fused attention backwards add partial tiles with atomics (not

@@ -50,6 +50,7 @@ class Engine:
         self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
         self.table = placement.build(self.parts)
         self.tp, self.pp, self.world = mesh.groups["tp"], mesh.groups["pp"], mesh.groups["world"]
+        self.ep = mesh.groups["ep"]  # ranks holding different experts (parallel/expert.py)
         # Tensor parallelism: the tp ranks of one replica slot hold different shards of the sharded
         # parameters and identical copies of the replicated ones. The norm counts those copies
         # once (Table.counted_here); under sp their gradients are partial sums, added over tp.
@@ -347,6 +348,8 @@ class Engine:
                     sq += self.norm_view(b, g).float().pow(2).sum()
             if self.zero >= 1 and group.size > 1:
                 self.comm.all_reduce(sq, group).wait()
+            if group.axis == "expert" and self.ep.size > 1:  # the other ep ranks' experts
+                self.comm.all_reduce(sq, self.ep).wait()
             total += sq
         for group in (self.pp, self.tp):  # the other stages' parameters, the other shards
             if group.size > 1:

@@ -82,13 +82,15 @@ class ExactNorm:
     counts once: a tp-replicated one on tp rank 0 only, a pipeline's copy of wte on the first
     stage (Engine.norm_view); each stage fills its parameters' places in the whole model's list,
     and the stages' lists are added -- each place non-zero on one stage only, so adding is
-    picking."""
+    picking; an expert's place likewise on the ep rank that holds it."""
 
     def __init__(self, engine):
         from braidtrain.parallel import placement
 
         self.e = engine
-        self.slot = {e.name: i for i, e in enumerate(placement.for_config(engine.model.cfg))}
+        whole = placement.for_config(engine.model.cfg)
+        self.slot = {e.name: i for i, e in enumerate(whole)}
+        self.expert = torch.tensor([e.expert for e in whole], device=engine.device)
         self.rows = {}  # bucket -> (index into its chunk vector, with one zero appended; canonical slots)
         for b in engine.buckets:
             n_chunks = b.padded // Q
@@ -117,6 +119,8 @@ class ExactNorm:
                 col += k
         if e.pp.size > 1:
             per_param = pairwise_sum(e.comm.gather_rows(per_param, e.pp))
+        if e.ep.size > 1:  # an expert's place is filled on its ep rank only: adding is picking again
+            per_param = torch.where(self.expert, e.comm.gather_rows(per_param, e.ep).sum(0), per_param)
         total = pairwise_sum(per_param)[None]
         if e.tp.size > 1:
             total = pairwise_sum(e.comm.gather_rows(total, e.tp))  # tp-rank order

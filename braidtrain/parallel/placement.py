@@ -6,6 +6,8 @@
     h.3.attn.c_attn.*  (3C, C)       rows, q k v apart    block 3 0      no      replica
     h.3.attn.c_proj.w  (C, C)        columns              block 3 0      no      replica
     h.3.ln_1.*, biases of c_proj     replicated           block 3 0      no      replica
+    h.2.mlp.router.weight  (E, C)    replicated           block 2 0      no      replica
+    h.2.mlp.experts.5.*  (H, C) ...  replicated           block 2 0      yes     expert (its ep rank's)
     ...
 
 Built once from the model and its layout: each tp layer declares how its parameters split
@@ -41,7 +43,7 @@ class Placed:
     split: ShardSpec  # how it splits over tp
     unit: int  # 0: the embedding group; 1 + i: block i (model.param_units order)
     stage: int = 0  # pipeline stage (all 0 until pipeline parallelism)
-    expert: bool = False
+    expert: bool = False  # held by one ep rank (and its expert group); dense ones by every rank
     reduce: str = "replica"  # the mesh group that reduces its gradient (mesh.groups key)
     users: tuple = ()  # of a parameter used in two places (the tied wte), the uses this rank performs
     copy: bool = False  # a copy of another stage's parameter (a last stage's wte): saved, counted once there
@@ -142,7 +144,8 @@ def build(parts) -> Table:
     chunk and uses. Full shapes are those of the whole model at tp = 1."""
     parts = parts if isinstance(parts, list) else [parts]
     model = parts[0]
-    whole = len(parts) == 1 and model.tp == 1 and model.first and model.last  # (what for_config builds)
+    whole = (len(parts) == 1 and model.tp == 1 and model.first and model.last  # (what for_config builds)
+             and model.dispatch.n == 1)
     full = ({n: tuple(p.shape) for n, p in model.named_parameters()} if whole
             else {e.name: e.shape for e in for_config(model.cfg)})
     entries, modules = [], []
@@ -151,13 +154,16 @@ def build(parts) -> Table:
         for module, names in part.param_units():
             unit_of.update(dict.fromkeys(names, len(modules)))
             modules.append(module)
-        split_of = {}
+        split_of, experts = {}, set()
         for mod_name, module in part.named_modules():
             for pname, split in getattr(module, "tp_split", {}).items():
                 split_of[f"{mod_name}.{pname}" if mod_name else pname] = split
+            if getattr(module, "expert", False):  # an expert's parameters (model/moe.py)
+                experts.update(f"{mod_name}.{pname}" for pname, _ in module.named_parameters())
         users, copies = part.tied_users(), part.copies()
-        entries += [Placed(n, full[n], split_of.get(n, REPLICATED), unit_of[n], part.stage, users=users.get(n, ()),
-                           copy=n in copies) for n, _ in part.named_parameters()]
+        entries += [Placed(n, full[n], split_of.get(n, REPLICATED), unit_of[n], part.stage, expert=n in experts,
+                           reduce="expert" if n in experts else "replica", users=users.get(n, ()), copy=n in copies)
+                    for n, _ in part.named_parameters()]
     return Table(entries, model.tp, model.tp_rank, model.sp, modules)
 
 

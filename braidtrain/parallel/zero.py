@@ -49,6 +49,7 @@ class Zero:
         self.kept = (self.embed + self.blocks[-1:]) if self.zero3 else []
         self.keep_gathered = False  # inside gathered(): nothing is released
         self._watch = None  # the saved-tensor hooks of the block running forward
+        self._watched: list = []  # its buckets (a block of experts has two: dense and expert parameters)
         if self.zero3:
             with torch.no_grad():
                 for b in engine.buckets:
@@ -120,18 +121,24 @@ class Zero:
                     return  # a recomputation inside the backward, or evaluation
                 if nxt is not None:
                     self._gather(nxt, wait=False)
-                self._stop_watching()  # left over from a forward that raised
+                if self._watch is not None:  # another bucket of this block is watched already: both
+                    b.needs_full = False
+                    self._watched.append(b)
+                    return
                 # Other code's saved-tensor hooks (torch.utils.checkpoint's under --recompute, whose
                 # backward runs the forward again; save_on_cpu): ours would hide theirs. Gather again.
                 b.needs_full = _other_saved_tensor_hooks()
                 if not b.needs_full:
-                    self._watch = torch.autograd.graph.saved_tensors_hooks(partial(self._saved, b), _same)
+                    self._watched = [b]
+                    self._watch = torch.autograd.graph.saved_tensors_hooks(self._saved, _same)
                     self._watch.__enter__()
 
             def post(_mod, _args, out, b=b, prev=prev, last_block=k == 0):
                 if e.backward_phase or not torch.is_grad_enabled():
                     return
-                self._stop_watching()
+                self._watched = [w for w in self._watched if w is not b]
+                if not self._watched:
+                    self._stop_watching()
                 if out is None:  # the forward raised (always_call)
                     return
                 if self.zero3 and not (last_block and b.needs_full):  # else the backward needs it again at once
@@ -161,17 +168,18 @@ class Zero:
         if self._watch is not None:
             self._watch.__exit__(None, None, None)
             self._watch = None
+        self._watched = []
 
-    @staticmethod
-    def _saved(b, t):
-        """Autograd keeps t for bucket b's backward: will the backward read b's gathered buffer?
-        (Seen here: what goes through save_for_backward. A custom autograd function that keeps a
-        parameter as a plain ctx attribute would escape this check; ours do not.)"""
-        if t.device != b.full.device or t.untyped_storage().data_ptr() != b.full.untyped_storage().data_ptr():
-            return t
-        if b.small.get(t.storage_offset()) == t.numel() and t.dim() == 1:
-            return t.clone()  # a LayerNorm weight, a bias: a copy, so the bucket can go
-        b.needs_full = True
+    def _saved(self, t):
+        """Autograd keeps t for a watched bucket's backward: will the backward read its gathered
+        buffer? (Seen here: what goes through save_for_backward. A custom autograd function that
+        keeps a parameter as a plain ctx attribute would escape this check; ours do not.)"""
+        for b in self._watched:
+            if t.device != b.full.device or t.untyped_storage().data_ptr() != b.full.untyped_storage().data_ptr():
+                continue
+            if b.small.get(t.storage_offset()) == t.numel() and t.dim() == 1:
+                return t.clone()  # a LayerNorm weight, a bias: a copy, so the bucket can go
+            b.needs_full = True
         return t
 
 

@@ -1,0 +1,120 @@
+"""Expert parallelism: the E experts of each MoE layer (model/moe.py) sharded over the ep ranks,
+tokens sent to them and back by all-to-all.
+
+The ep group is carved from the dp*cp replicas of one (pp, tp) slot (mesh.py): ep rank r holds
+experts [r E/ep, (r+1) E/ep). One MoE forward on each rank:
+
+    1. its kept assignments sorted expert-major, token order within an expert (each token meets
+       an expert at most once): rows = x[token of each], counts per expert (E,)
+    2. counts exchanged by all-to-all: how many rows each source sends each of my experts
+    3. rows by all-to-all with per-rank splits (comm.all_to_all_v); what arrives is ordered
+       (source, my expert, token) and is reordered to (my expert, source, token) -- for each
+       expert its rows in global token order (sources in the ep group's order)
+    4. each expert over its rows: on CUDA in bf16 one grouped GEMM for all of them
+       (torch._grouped_mm), elsewhere a loop; in exact mode one call per (expert, source), the
+       shapes and rows that source would have computed alone at ep 1
+    5. reordered back, returned by the reverse all-to-all, and put in place per (token, slot) by
+       index -- no atomics, each place written once; the router's weights combine them (moe.py)
+
+The all-to-alls are autograd functions whose backward is the reverse exchange, so the gradients
+of rows travel back the same way. At ep = 1 steps 2, 3 and 5's exchanges are skipped.
+
+Gradients: an expert's parameters are reduced over the dp*cp/ep ranks that hold the same experts
+(mesh group "expert"), dense ones over the dp*cp replicas, each in its own buckets
+(placement.py); the gradient norm counts each expert once (its ep rank's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        group.comm.all_to_all_v(out, x.contiguous(), out_splits, in_splits, group).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.group.comm.all_to_all_v(back, grad.contiguous(), in_splits, out_splits, ctx.group).wait()
+        return back, None, None, None
+
+
+class Dispatch:
+    """How one rank's tokens reach the experts: `group` the ep group (None: every expert here)."""
+
+    def __init__(self, group=None, exact: bool = False):
+        self.group, self.exact = group, exact
+        self.n = group.size if group is not None else 1
+
+    def experts_of(self, E: int, r: int) -> range:
+        return range(r * E // self.n, (r + 1) * E // self.n)
+
+    def __call__(self, xs, idx, keep, moe):
+        N, k = idx.shape
+        expert = idx.reshape(-1)  # assignment a = token * k + slot
+        kept = keep.reshape(-1).nonzero().squeeze(1)
+        order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
+        rows = xs[order // k]
+        if torch.is_autocast_enabled(xs.device.type):  # travel and compute in the autocast dtype
+            rows = rows.to(torch.get_autocast_dtype(xs.device.type))
+        counts = torch.bincount(expert[order], minlength=moe.E)
+        out = self._run(rows, counts, moe)
+        y = out.new_zeros(N * k, out.shape[-1]).index_copy(0, order, out)
+        return y.view(N, k, -1)
+
+    def _run(self, rows, counts, moe):
+        local = [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
+        if self.n == 1:
+            return compute(rows, counts.tolist(), local, [[int(c)] for c in counts.tolist()], self.exact)
+        n, El = self.n, moe.E // self.n
+        got = torch.empty_like(counts)
+        self.group.comm.all_to_all(got, counts, self.group).wait()
+        sent, recv = counts.view(n, El).tolist(), got.view(n, El).tolist()  # [source][my expert]
+        send_splits, recv_splits = [sum(r) for r in sent], [sum(r) for r in recv]
+        arrived = _AllToAll.apply(rows, recv_splits, send_splits, self.group)
+        start, pos = [], 0  # where (source s, my expert e) begins in what arrived
+        for s in range(n):
+            start.append([])
+            for e in range(El):
+                start[s].append(pos)
+                pos += recv[s][e]
+        perm = [i for e in range(El) for s in range(n) for i in range(start[s][e], start[s][e] + recv[s][e])]
+        perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
+        out = compute(arrived[perm], [sum(recv[s][e] for s in range(n)) for e in range(El)], local,
+                      [[recv[s][e] for s in range(n)] for e in range(El)], self.exact)
+        back = torch.empty_like(out).index_copy(0, perm, out) if perm.numel() else out
+        return _AllToAll.apply(back, send_splits, recv_splits, self.group)
+
+
+def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool):
+    """The experts over their runs of rows (counts[e] rows each, in order). In exact mode each
+    expert's run in `parts` pieces (one per source rank), each its own call; on CUDA in half
+    precision otherwise one grouped GEMM for every expert."""
+    if not exact and rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and rows.numel():
+        return _grouped(rows, counts, experts)
+    outs = []
+    for ex, piece in zip(experts, rows.split(counts)):
+        sizes = parts[experts.index(ex)] if exact else [piece.shape[0]]
+        outs += [ex(p) for p in piece.split(sizes)]
+    return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])
+
+
+def _grouped(rows, counts, experts):
+    """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run)."""
+    dt = rows.dtype
+    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+    which = torch.repeat_interleave(torch.arange(len(experts), device=rows.device),
+                                    torch.tensor(counts, device=rows.device))
+    w1 = torch.stack([e.c_fc.weight for e in experts]).to(dt)  # (E, H, C)
+    b1 = torch.stack([e.c_fc.bias for e in experts]).to(dt)
+    w2 = torch.stack([e.c_proj.weight for e in experts]).to(dt)
+    b2 = torch.stack([e.c_proj.bias for e in experts]).to(dt)
+    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + b1[which]
+    return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + b2[which]
