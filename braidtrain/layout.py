@@ -175,6 +175,9 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     batch = batch_plan(total_batch, batch_size, seq_len, dp)
     if exact:
         _check_exact(dp, batch.micro_steps, batch_size * seq_len * dp, model, device if cp == 1 else "cpu")
+        if ep > 1 and not _pow2(batch.micro_steps):  # (the ep sources' subtrees: parallel/expert.Sourced)
+            raise UserError(f"--exact with ep={ep} needs a power-of-two number of micro-steps per rank, got "
+                            f"d/(b*t*dp) = {batch.micro_steps}: change -d")
     ctx = dict(cp_impl=cp_impl, cp_order=cp_order)
     if pp == 1:
         return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch, **ctx)

@@ -46,8 +46,14 @@ class Expert(nn.Module):
         self.c_fc = nn.Linear(n_embd, hidden)
         self.c_proj = nn.Linear(hidden, n_embd)
 
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+    def forward(self, x, weights=None):
+        """`weights`: (c_fc weight, bias, c_proj weight, bias) to use instead of the parameters
+        (exact mode's taps: parallel/expert.py)."""
+        w1, b1, w2, b2 = weights or (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
+        return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+    def weights(self):
+        return self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
 
 
 def route(logits: torch.Tensor, k: int, capacity: float):

@@ -60,6 +60,7 @@ class Bucket:
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
         self.needs_full = True  # ZeRO-3: a backward of this bucket reads the gathered buffer
+        self.sourced = False  # exact mode at ep > 1: its gradients come by expert.Sourced, not autograd
         self.small = {off: p.numel() for (_, p), off in zip(params, self.offsets) if p.dim() == 1}  # 1-D params
 
     def views(self, buf):

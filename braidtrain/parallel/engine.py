@@ -34,7 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from braidtrain.comm import Comm, pairwise_sum, timing_events
-from braidtrain.parallel import buckets, placement, zb
+from braidtrain.parallel import buckets, expert, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
 from braidtrain.parallel.tied import Tied
@@ -79,6 +79,9 @@ class Engine:
         self.tied = Tied(self)  # the tied embedding's two uses, kept apart (exact mode, pipelines)
         self.zero_hooks = Zero(self) if zero >= 2 else None
         self.exact_norm = exact_sums.ExactNorm(self) if exact else None
+        self.sourced = expert.Sourced(self) if exact and self.ep.size > 1 else None  # experts' leaves by source
+        for part in self.parts:
+            part.dispatch.sink = self.sourced.add if self.sourced else None
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
@@ -116,6 +119,8 @@ class Engine:
         failed part-way may have left: open buffers, partial sums, a buffer pooled twice."""
         self.n_micro = n_micro
         self.tied.begin_step()
+        if self.sourced:
+            self.sourced.clear()
         for b in self.buckets:
             b.first, b.open = True, False
             if self.exact:
@@ -164,6 +169,8 @@ class Engine:
             if b.stage != stage:
                 continue
             b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
+            if b.sourced:  # (its gradients come by expert.Sourced)
+                continue
             if (self.exact and self.zero <= 1) or (open_blocks and b.modules):  # a fresh buffer for this backward
                 self._open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
         self.backward_phase = True
@@ -196,6 +203,9 @@ class Engine:
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
+        if b.sourced:  # (autograd runs the hook with no gradient: expert.Tap gave it to Sourced)
+            p.grad = None
+            return
         if self.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
                 raise RuntimeError(f"ZeRO-{self.zero}: a gradient of bucket {b.index} arrived before its buffer was "

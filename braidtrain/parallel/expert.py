@@ -47,10 +47,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 class Dispatch:
-    """How one rank's tokens reach the experts: `group` the ep group (None: every expert here)."""
+    """How one rank's tokens reach the experts: `group` the ep group (None: every expert here);
+    `sink` (exact mode at ep > 1, set by the engine: Sourced.add) takes each source's gradients."""
 
     def __init__(self, group=None, exact: bool = False):
-        self.group, self.exact = group, exact
+        self.group, self.exact, self.sink = group, exact, None
         self.n = group.size if group is not None else 1
 
     def experts_of(self, E: int, r: int) -> range:
@@ -88,22 +89,85 @@ class Dispatch:
         perm = [i for e in range(El) for s in range(n) for i in range(start[s][e], start[s][e] + recv[s][e])]
         perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
         out = compute(arrived[perm], [sum(recv[s][e] for s in range(n)) for e in range(El)], local,
-                      [[recv[s][e] for s in range(n)] for e in range(El)], self.exact)
+                      [[recv[s][e] for s in range(n)] for e in range(El)], self.exact, self.sink)
         back = torch.empty_like(out).index_copy(0, perm, out) if perm.numel() else out
         return _AllToAll.apply(back, send_splits, recv_splits, self.group)
 
 
-def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool):
+def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, sink=None):
     """The experts over their runs of rows (counts[e] rows each, in order). In exact mode each
-    expert's run in `parts` pieces (one per source rank), each its own call; on CUDA in half
-    precision otherwise one grouped GEMM for every expert."""
+    expert's run in `parts` pieces (one per source rank, empty ones too), each its own call, its
+    parameters' gradients handed to `sink` per source (Tap); on CUDA in half precision otherwise
+    one grouped GEMM for every expert."""
     if not exact and rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and rows.numel():
         return _grouped(rows, counts, experts)
     outs = []
-    for ex, piece in zip(experts, rows.split(counts)):
-        sizes = parts[experts.index(ex)] if exact else [piece.shape[0]]
-        outs += [ex(p) for p in piece.split(sizes)]
+    for ex, piece, sizes in zip(experts, rows.split(counts), parts):
+        for s, p in enumerate(piece.split(sizes if exact else [piece.shape[0]])):
+            outs.append(ex(p, [Tap.apply(w, sink, s) for w in ex.weights()] if sink is not None else None))
     return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])
+
+
+class Tap(torch.autograd.Function):
+    """A parameter as one source's expert call uses it: forward the identity; backward hands the
+    gradient to `sink(param, source, grad)` and gives autograd none (as model/gpt.TiedHead)."""
+
+    @staticmethod
+    def forward(ctx, w, sink, source: int):
+        ctx.w, ctx.sink, ctx.source = w, sink, source
+        return w.detach()  # (an alias autograd does not track as a view of the parameter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(ctx.w, ctx.source, grad)
+        return None, None, None
+
+
+class Sourced:
+    """Exact mode at ep > 1: an expert's gradient summed along the tree it has at ep 1. There,
+    rank g's gradient of micro-batch j is leaf (g, j) of one tree over the replicas (in their exact
+    order) and micro-batches (exact.py). Here the expert's rank computes source s's part of
+    micro-batch j by itself (Dispatch: one call per source) and its taps bring each part's
+    gradients here: leaf s * m + j of the bucket's tree, so the ep sources' subtrees are added in
+    order, then over the expert group -- the same tree, since an ep group is a run of consecutive
+    replicas in that order (mesh.py)."""
+
+    def __init__(self, engine):
+        self.e = engine
+        self.buckets = [b for b in engine.buckets if b.group.axis == "expert"]
+        for b in self.buckets:
+            b.sourced = True
+        self.place = {p: (b, i) for b in self.buckets for i, (_, p) in enumerate(b.params)}
+        self.leaves, self.pending, self.done = {}, {}, {}
+        order = engine.ep.tree or tuple(range(engine.ep.size))
+        self.position = {s: order.index(s) for s in range(engine.ep.size)}  # a source's place in the exact order
+
+    def add(self, p, source: int, grad) -> None:
+        e = self.e
+        b, i = self.place[p]
+        key = (b, source)
+        if key not in self.leaves:
+            self.leaves[key] = leaf = e._take(b.padded)
+            leaf.zero_()
+            self.pending[key] = len(b.params)
+        off = b.offsets[i]
+        self.leaves[key][off : off + p.numel()].view_as(p).copy_(grad)
+        self.pending[key] -= 1
+        if self.pending[key]:
+            return
+        e.trees[b].add(self.position[source] * e.n_micro + e.micro, self.leaves.pop(key))
+        self.done[b] = self.done.get(b, 0) + 1
+        if self.done[b] < e.ep.size:
+            return
+        self.done[b] = 0
+        if e.last:
+            b.grad = e.trees[b].total(e.ep.size * e.n_micro)
+            b.handle = e._exact_reduce(b, b.grad, *e.owned_grad(b), e.scratch.get(b))
+        if e.zero_hooks is not None:
+            e.zero_hooks.gradients_done(b)
+
+    def clear(self) -> None:
+        self.leaves.clear(), self.pending.clear(), self.done.clear()
 
 
 def _grouped(rows, counts, experts):

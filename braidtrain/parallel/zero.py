@@ -154,7 +154,8 @@ class Zero:
                         # its own backward reads it, or if it is the first block and a forward follows
                         if prev is not None and (prev.needs_full or (prev in self.kept and not e.last)):
                             self._gather(prev, wait=False)
-                    e._open_grad(b)
+                    if not b.sourced:
+                        e._open_grad(b)
                     return grad
 
                 if out.requires_grad:
