@@ -137,11 +137,17 @@ def cmd_data(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from braidtrain.metrics import plot_runs, plot_schedule
+    from braidtrain.metrics import plot_experts, plot_runs, plot_schedule
 
-    if bool(args.runs) == bool(args.schedule):
-        raise UserError("plot needs runs to overlay their losses, or --schedule RUN for a pipeline's timeline (not both)")
-    plot_schedule(args.schedule, args.out) if args.schedule else plot_runs(args.runs, args.out)
+    if bool(args.runs) + bool(args.schedule) + bool(args.experts) != 1:
+        raise UserError("plot needs runs to overlay their losses, --schedule RUN for a pipeline's timeline, or "
+                        "--experts RUN for a mixture of experts' load (one of them)")
+    if args.schedule:
+        plot_schedule(args.schedule, args.out)
+    elif args.experts:
+        plot_experts(args.experts, args.out)
+    else:
+        plot_runs(args.runs, args.out)
     print(f"wrote {args.out}")
     return 0
 
@@ -228,9 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--name", help="shard name prefix (default: the corpus name)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     parsers["data"] = p
-    p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's timeline")
+    p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's timeline; --experts: MoE load")
     p.add_argument("runs", nargs="*")
     p.add_argument("--schedule", metavar="RUN", help="draw each rank's forwards and backwards in the last step of RUN")
+    p.add_argument("--experts", metavar="RUN", help="draw each expert's share of the tokens over the steps of RUN (MoE)")
     p.add_argument("--out", default="loss.png")
     p = parsers["sample"] = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
     p.add_argument("run")

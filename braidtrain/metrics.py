@@ -118,6 +118,35 @@ def plot_schedule(run: str, out: str) -> None:
     plt.close(fig)
 
 
+def plot_experts(run: str, out: str) -> None:
+    """A mixture of experts' load over the steps of a run (metrics.jsonl's moe_load: each expert's
+    share of the tokens kept, all MoE layers together), with the balanced share 1/E dashed and
+    the share of assignments dropped at capacity beside it."""
+    rows = [r for r in read_metrics(Path(run)) if "moe_load" in r]
+    if not rows:
+        raise UserError(f"{run}: no moe_load in metrics.jsonl (written by runs with --moe-experts)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, n = [r["step"] for r in rows], len(rows[0]["moe_load"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    ax.stackplot(steps, list(zip(*[r["moe_load"] for r in rows])), labels=[f"expert {e}" for e in range(n)], alpha=0.85)
+    for k in range(1, n):
+        ax.axhline(k / n, color="black", lw=0.5, ls="--")
+    ax.set(xlabel="step", ylabel="share of tokens (stacked; dashed: balanced)", ylim=(0, 1),
+           title=f"{Path(run).name}: expert load (max/mean at the end {rows[-1]['moe_load_max']:.2f})")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    bx.plot(steps, [100 * r["moe_dropped"] for r in rows], color="#c44e52")
+    bx.set(xlabel="step", ylabel="% of assignments dropped at capacity")
+    bx.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def fmt_rate(x: float) -> str:
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if x >= scale:

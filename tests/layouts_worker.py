@@ -1,5 +1,6 @@
 """Run under torchrun (8 ranks, gloo) by test_parity.py, test_tp.py, test_pipeline.py and
-test_context.py (argv: OUT, then "dp", "tp", "pipeline" or "cp"): many layouts of one small GPT in one process group -- each on the first
+test_context.py and test_moe.py (argv: OUT, then "dp", "tp", "pipeline", "cp" or "ep"): many layouts of one small GPT
+(a mixture of experts for "ep") in one process group -- each on the first
 pp*dp*tp ranks, the others waiting -- trained a few steps with
 the engine, the schedule's executor and AdamW as the trainer drives them (train.Trainer.work),
 on the same global batches. Writes, per layout, every step's loss and gradient norm, the final
@@ -8,9 +9,11 @@ copies of the tied wte are bitwise equal, to OUT/results.json."""
 
 import hashlib
 import json
+import math
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -25,10 +28,14 @@ from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import init_weights, model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.context import Context, token_index
+from braidtrain.model.moe import MoE, route
 from braidtrain.parallel.engine import Engine
+from braidtrain.parallel.expert import Dispatch
 from braidtrain.passes import Passes, reduce_loss
 
 CFG = model_config("tiny", 256, n_layer=8, n_embd=32, n_head=4, block_size=16)  # 4 heads: tp up to 4
+MOE = model_config("tiny", 256, n_layer=4, n_embd=32, n_head=4, block_size=16, moe_experts=4, moe_top_k=2,
+                   moe_hidden=48, moe_every=1, moe_capacity=1.0, moe_aux=0.01)
 T, B, SEQS = 16, 1, 8  # 8 sequences a step: 8 micro-steps at dp 1, 4 at dp 2
 
 
@@ -51,6 +58,20 @@ def layouts(suite: str):
                  ("cp2-dp2-z3-allgather-exact", dict(cp=2, dp=2, zero=3, cp_impl="allgather"))]
         return ([("ref", dict(), 4)] + [(n, kw, 4) for n, kw in default]  # 4 steps: the ring's transfers are many
                 + [(n, dict(kw, exact=True), 3) for n, kw in exact])
+    if suite == "ep":  # experts over ep ranks of the dp (x cp) replicas, with ZeRO, tp, pp, cp
+        default = [("dp2-ep1", dict(dp=2)), ("dp2-ep2", dict(dp=2, ep=2)), ("dp4-ep2-z1", dict(dp=4, ep=2, zero=1)),
+                   ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("dp8-ep4-z2", dict(dp=8, ep=4, zero=2)),
+                   ("tp2-dp2-ep2", dict(tp=2, dp=2, ep=2)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b")),
+                   ("dp2-ep2-dropless", dict(dp=2, ep=2, cfg="dropless")),
+                   # cp and sp give a rank a share of each sequence: the routing groups change with it (moe.py),
+                   # so they are compared dropless without the balance loss (what depends on the groups)
+                   ("cp2-ep2-free", dict(cp=2, ep=2, cfg="free")), ("tp2-sp-dp2-ep2-free", dict(tp=2, sp=True, dp=2, ep=2, cfg="free"))]
+        exact = [("dp4-ep1-z0", dict(dp=4)), ("dp4-ep2-z0", dict(dp=4, ep=2)), ("dp4-ep4-z0", dict(dp=4, ep=4)),
+                 ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("dp4-ep2-z3", dict(dp=4, ep=2, zero=3)),
+                 ("dp8-ep4-z1", dict(dp=8, ep=4, zero=1)), ("dp2-ep2-z2-recompute", dict(dp=2, ep=2, zero=2, recompute=True))]
+        return ([("ref", dict(), 9), ("ref-dropless", dict(cfg="dropless"), 9), ("ref-free", dict(cfg="free"), 9),
+                 ("ref-exact", dict(exact=True), 4)]
+                + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z), 4)
@@ -82,15 +103,15 @@ def batch(step, first, count):
     return torch.stack([xy[:, :-1], xy[:, 1:]])
 
 
-def run(rank, name, kw, steps):
+def run(rank, name, kw, steps, cfg=CFG):
     pp, dp, cp, tp = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1)
     n = pp * dp * cp * tp
-    lay = make_layout(n, CFG, seq_len=T, batch_size=B, total_batch=SEQS * T, **kw)
+    lay = make_layout(n, cfg, seq_len=T, batch_size=B, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
-    mesh = build_mesh(rank, n, comm, pp=pp, cp=cp, tp=tp, ring=lay.virtual > 1, members=range(n))
+    mesh = build_mesh(rank, n, comm, pp=pp, cp=cp, tp=tp, ep=lay.ep, ring=lay.virtual > 1, members=range(n))
     if mesh is None:
         return None
-    parts = make_parts(CFG, mesh, lay, lay.sp)
+    parts = make_parts(cfg, mesh, lay, lay.sp)
     for part in parts:
         init_weights(part, 5)
         part.recompute = lay.recompute
@@ -99,7 +120,7 @@ def run(rank, name, kw, steps):
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
     built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=B, seq_len=T), parts=parts,
-                            mcfg=CFG, engine=engine, fault=None)
+                            mcfg=cfg, engine=engine, fault=None)
     passes = Passes(built, nullcontext, tokens)
     losses, norms = [], []
     for step in range(steps):
@@ -152,6 +173,69 @@ def attention(rank, cp, impl, order, dtype=torch.float32):
             "overlap": all(r[2] for r in rows) if impl == "ring" else None}
 
 
+def dispatch(rank, ep, capacity):
+    """One MoE layer with its experts over the first ep ranks, each rank routing its own random
+    tokens, against a plain reference written here: every rank's tokens through the whole
+    layer in one process (route by hand, capacity counted token by token in priority order, each
+    token through its experts one by one). The largest relative error (of the largest value) of
+    the output, the input's and the router's gradients and each held expert's, and whether the
+    dropped assignments are the reference's."""
+    comm = Comm(torch.device("cpu"))
+    mesh = build_mesh(rank, ep, comm, ep=ep, members=range(ep))
+    if mesh is None:
+        return None
+    cfg = replace(MOE, moe_experts=8, moe_capacity=capacity)
+    torch.manual_seed(0)
+    ref = MoE(cfg, range(8), Dispatch())  # the whole layer, every expert (the same weights on every rank)
+    layer = MoE(cfg, Dispatch(mesh.groups["ep"]).experts_of(8, mesh.coord("ep")), Dispatch(mesh.groups["ep"]))
+    layer.load_state_dict({k: v for k, v in ref.state_dict().items() if k in layer.state_dict()})
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(ep, 2, 12, 32, generator=g)  # every rank's tokens (rank r: xs[r]); each rank its own
+    dys = torch.randn(ep, 2, 12, 32, generator=g)
+    x = xs[rank].clone().requires_grad_()
+    y = layer(x)
+    y.backward(dys[rank])
+    errs, dropped_ok = [], True
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()  # noqa: E731
+    xr = xs.clone().requires_grad_()
+    outs = []
+    for r in range(ep):  # the reference: each rank's tokens a group of their own, as its capacity is
+        tokens = xr[r].reshape(-1, 32)
+        probs = torch.softmax(tokens @ ref.router.weight.T, -1)
+        w, idx = probs.topk(2, -1)
+        w = w / w.sum(-1, keepdim=True)
+        cap = math.ceil(capacity * tokens.shape[0] * 2 / 8) if capacity else tokens.shape[0] * 2
+        taken, keep = [0] * 8, torch.zeros(idx.shape, dtype=torch.bool)
+        for slot in range(2):
+            for t in range(tokens.shape[0]):
+                e = int(idx[t, slot])
+                if taken[e] < cap:
+                    taken[e], keep[t, slot] = taken[e] + 1, True
+        rows = []
+        for t in range(tokens.shape[0]):
+            acc = torch.zeros(32)
+            for slot in range(2):
+                if keep[t, slot]:
+                    ex = ref.experts[str(int(idx[t, slot]))]
+                    acc = acc + w[t, slot] * ex.c_proj(F.gelu(ex.c_fc(tokens[t]), approximate="tanh"))
+            rows.append(acc)
+        outs.append(torch.stack(rows).view(2, 12, 32))
+        if r == rank:
+            _, _, mine, _, _ = route(layer.router(x.detach().reshape(-1, 32)), 2, capacity)
+            dropped_ok = torch.equal(mine, keep)
+    out = torch.stack(outs)
+    (out * dys).sum().backward()
+    errs.append(rel(y, out[rank]))
+    errs.append(rel(x.grad, xr.grad[rank]))
+    router = comm.gather_rows(layer.router.weight.grad.reshape(-1), mesh.groups["world"]).sum(0)  # (each rank's: its tokens')
+    errs.append(rel(router, ref.router.weight.grad.reshape(-1)))
+    for e, ex in layer.experts.items():
+        for a, b in zip(ex.parameters(), ref.experts[e].parameters()):
+            errs.append(rel(a.grad, b.grad))
+    rows = comm.all_gather_object((max(errs), dropped_ok, int((~mine).sum())), mesh.groups["world"])
+    return {"err": max(r[0] for r in rows), "dropped_ok": all(r[1] for r in rows), "dropped": sum(r[2] for r in rows)}
+
+
 def main(out, suite):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -170,8 +254,18 @@ def main(out, suite):
         if rank == 0:
             results["bf16-attention-cp2-ring-zigzag"] = r
         dist.barrier()
+    if suite == "ep":
+        for ep in (2, 4):
+            for capacity in (1.0, 0.0):
+                r = dispatch(rank, ep, capacity)
+                if rank == 0:
+                    results[f"dispatch-ep{ep}-capacity{capacity}"] = r
+                dist.barrier()
     for name, kw, steps in layouts(suite):
-        r = run(rank, name, dict(kw), steps)
+        kw = dict(kw)
+        cfg = {"dropless": replace(MOE, moe_capacity=0.0), "free": replace(MOE, moe_capacity=0.0, moe_aux=0.0),
+               None: MOE if suite == "ep" else CFG}[kw.pop("cfg", None)]
+        r = run(rank, name, kw, steps, cfg)
         if rank == 0:
             results[name] = r
         dist.barrier()

@@ -11,6 +11,7 @@ from braidtrain.model import attention
 from braidtrain.model.gpt import GPTConfig, model_config
 
 MODEL = model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=64)
+MOE = model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=64, moe_experts=6)
 BATCH = dict(seq_len=64, batch_size=2)
 
 REFUSED = [  # (id, world, keyword arguments, words the message must hold)
@@ -22,7 +23,12 @@ REFUSED = [  # (id, world, keyword arguments, words the message must hold)
     ("cp-exact-not-pow2", 3, dict(cp=3, exact=True, seq_len=60), ["--exact", "power-of-two cp", "cp=3"]),
     ("cp-compile", 2, dict(cp=2, compile=True), ["--compile", "context parallelism", "--cp 1"]),
     ("cp-world", 3, dict(cp=2), ["pp*cp*tp = 1*2*1 = 2 does not divide the world size 3"]),
-    ("ep-not-yet", 2, dict(ep=2), ["--ep 2", "expert parallelism", "--ep 1"]),
+    ("ep-without-experts", 2, dict(ep=2), ["--ep 2", "mixture of experts", "--moe-experts", "--ep 1"]),
+    ("ep-not-dividing-experts", 4, dict(ep=4, model=MOE), ["--ep 4", "--moe-experts 6", "{1,2,3,6}"]),
+    ("ep-not-dividing-dp-cp", 2, dict(ep=3, model=MOE, seq_len=60), ["--ep 3", "dp*cp = 2*1 = 2", "{1,2}"]),
+    ("moe-compile", 1, dict(compile=True, model=MOE), ["--compile", "mixture of experts", "drop it"]),
+    ("moe-exact-ep-micro", 2, dict(cp=2, ep=2, exact=True, model=MOE, total_batch=2 * 64 * 3),
+     ["--exact", "ep=2", "power-of-two number of micro-steps", "3"]),
     ("sp-without-tp", 1, dict(sp=True), ["--sp", "--tp 2 or more"]),
     ("compile-with-tp", 2, dict(tp=2, compile=True), ["--compile", "tp", "drop --compile"]),
     ("cuda-graph-zero-2", 1, dict(zero=2, cuda_graph=True, device="cuda"), ["--cuda-graph", "ZeRO", "-z 0 or 1"]),

@@ -44,9 +44,12 @@ class Zero:
     def __init__(self, engine):
         self.e = engine
         self.zero3 = engine.zero == 3
-        self.blocks = [b for b in engine.buckets if b.modules]  # in backward order: last block first
+        # block buckets in backward order (last block first), a chain per reduce group (a block of
+        # experts is in two: its dense and its expert parameters), each its own prefetch order
+        self.chains = [[b for b in engine.buckets if b.modules and b.group is g]
+                       for g in dict.fromkeys(b.group for b in engine.buckets if b.modules)]
         self.embed = [b for b in engine.buckets if not b.modules]
-        self.kept = (self.embed + self.blocks[-1:]) if self.zero3 else []
+        self.kept = (self.embed + [c[-1] for c in self.chains]) if self.zero3 else []
         self.keep_gathered = False  # inside gathered(): nothing is released
         self._watch = None  # the saved-tensor hooks of the block running forward
         self._watched: list = []  # its buckets (a block of experts has two: dense and expert parameters)
@@ -65,8 +68,8 @@ class Zero:
         if self.zero3:
             for b in self.embed:  # needed first and last
                 self._gather(b)
-            if self.blocks:
-                self._gather(self.blocks[-1], wait=False)  # prefetch the first block
+            for chain in self.chains:
+                self._gather(chain[-1], wait=False)  # prefetch the first block
 
     def gradients_done(self, b):
         """A backward's gradients of bucket b are all in (and their reduction launched)."""
@@ -110,60 +113,64 @@ class Zero:
             self.e._open_grad(b)
 
     def _install(self):
+        for chain in self.chains:
+            for k, b in enumerate(chain):
+                self._install_bucket(b, chain[k - 1] if k > 0 else None, chain[k + 1] if k + 1 < len(chain) else None,
+                                     k == 0)
+
+    def _install_bucket(self, b, nxt, prev, last_block):
+        """Block bucket b's hooks; nxt, prev: the next bucket of its chain in forward, backward order."""
         e = self.e
-        for k, b in enumerate(self.blocks):
-            nxt = self.blocks[k - 1] if k > 0 else None  # the next bucket in forward order
-            prev = self.blocks[k + 1] if k + 1 < len(self.blocks) else None  # the next one in backward order
 
-            def pre(_mod, _args, b=b, nxt=nxt):
-                self._gather(b)
-                if e.backward_phase or not torch.is_grad_enabled():
-                    return  # a recomputation inside the backward, or evaluation
-                if nxt is not None:
-                    self._gather(nxt, wait=False)
-                if self._watch is not None:  # another bucket of this block is watched already: both
-                    b.needs_full = False
-                    self._watched.append(b)
-                    return
-                # Other code's saved-tensor hooks (torch.utils.checkpoint's under --recompute, whose
-                # backward runs the forward again; save_on_cpu): ours would hide theirs. Gather again.
-                b.needs_full = _other_saved_tensor_hooks()
-                if not b.needs_full:
-                    self._watched = [b]
-                    self._watch = torch.autograd.graph.saved_tensors_hooks(self._saved, _same)
-                    self._watch.__enter__()
+        def pre(_mod, _args, b=b, nxt=nxt):
+            self._gather(b)
+            if e.backward_phase or not torch.is_grad_enabled():
+                return  # a recomputation inside the backward, or evaluation
+            if nxt is not None:
+                self._gather(nxt, wait=False)
+            if self._watch is not None:  # another bucket of this block is watched already: both
+                b.needs_full = False
+                self._watched.append(b)
+                return
+            # Other code's saved-tensor hooks (torch.utils.checkpoint's under --recompute, whose
+            # backward runs the forward again; save_on_cpu): ours would hide theirs. Gather again.
+            b.needs_full = _other_saved_tensor_hooks()
+            if not b.needs_full:
+                self._watched = [b]
+                self._watch = torch.autograd.graph.saved_tensors_hooks(self._saved, _same)
+                self._watch.__enter__()
 
-            def post(_mod, _args, out, b=b, prev=prev, last_block=k == 0):
-                if e.backward_phase or not torch.is_grad_enabled():
-                    return
-                self._watched = [w for w in self._watched if w is not b]
-                if not self._watched:
-                    self._stop_watching()
-                if out is None:  # the forward raised (always_call)
-                    return
-                if self.zero3 and not (last_block and b.needs_full):  # else the backward needs it again at once
-                    self._release(b)
+        def post(_mod, _args, out, b=b, prev=prev, last_block=last_block):
+            if e.backward_phase or not torch.is_grad_enabled():
+                return
+            self._watched = [w for w in self._watched if w is not b]
+            if not self._watched:
+                self._stop_watching()
+            if out is None:  # the forward raised (always_call)
+                return
+            if self.zero3 and not (last_block and b.needs_full):  # else the backward needs it again at once
+                self._release(b)
 
-                def reached(grad, b=b, prev=prev):
-                    if e.input_only:  # zb's B: the weights' gradients come at W, which opens the bucket
-                        return grad
-                    if self.zero3:
-                        if b.needs_full:
-                            self._gather(b)
-                        # the bucket before b (in forward order) is gathered as b's backward starts if
-                        # its own backward reads it, or if it is the first block and a forward follows
-                        if prev is not None and (prev.needs_full or (prev in self.kept and not e.last)):
-                            self._gather(prev, wait=False)
-                    if not b.sourced:
-                        e._open_grad(b)
+            def reached(grad, b=b, prev=prev):
+                if e.input_only:  # zb's B: the weights' gradients come at W, which opens the bucket
                     return grad
+                if self.zero3:
+                    if b.needs_full:
+                        self._gather(b)
+                    # the bucket before b (in forward order) is gathered as b's backward starts if
+                    # its own backward reads it, or if it is the first block and a forward follows
+                    if prev is not None and (prev.needs_full or (prev in self.kept and not e.last)):
+                        self._gather(prev, wait=False)
+                if not b.sourced:
+                    e._open_grad(b)
+                return grad
 
-                if out.requires_grad:
-                    out.register_hook(reached)
+            if out.requires_grad:
+                out.register_hook(reached)
 
-            if self.zero3:
-                b.modules[0].register_forward_pre_hook(pre)
-            b.modules[-1].register_forward_hook(post, always_call=True)
+        if self.zero3:
+            b.modules[0].register_forward_pre_hook(pre)
+        b.modules[-1].register_forward_hook(post, always_call=True)
 
     def _stop_watching(self):
         if self._watch is not None:

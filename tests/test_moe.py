@@ -1,0 +1,125 @@
+"""A mixture of experts and expert parallelism. The router on its own against the formulas
+(the balance loss, capacity in priority order); in one 8-rank process group
+(tests/layouts_worker.py "ep"): one MoE layer's dispatch over ep 2 and 4 against a plain
+reference written in the worker, then many layouts of one MoE GPT -- ep 1, 2, 4 with dp, ZeRO 0-3,
+tp (and sp), pp and cp; 9 steps -- against the single process (within 1e-5) and, in exact mode,
+to the bit across ep, dp and ZeRO. Then the command line: an ep 2 run's metrics, its checkpoint
+resumed at ep 1, the load plot; and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, layouts, metrics, summary
+from test_cli import assert_one_line_error
+from braidtrain.model.moe import capacity_of, route
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return layouts(tmp_path_factory.mktemp("ep"), "ep")
+
+
+def test_the_balance_loss_is_switchs_formula():
+    """E * sum_i f_i P_i, f_i the share of the k N assignments to expert i, P_i its mean
+    probability -- computed here from the softmax by hand; 1 for a router that splits evenly."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 6, generator=g)
+    _, idx, _, aux, routed = route(logits, 2, 0.0)
+    p = torch.exp(logits) / torch.exp(logits).sum(-1, keepdim=True)
+    f = torch.tensor([(idx == i).sum().item() / 100 for i in range(6)])
+    assert aux.item() == pytest.approx(6 * (f * p.mean(0)).sum().item(), rel=1e-6)
+    assert routed.tolist() == [(idx == i).sum().item() for i in range(6)]
+    _, _, _, even, _ = route(torch.zeros(12, 4), 1, 0.0)  # (ties: topk takes the first)
+    assert even.item() == pytest.approx(1.0)
+
+
+def test_capacity_keeps_first_choices_first_and_drops_the_rest():
+    """ceil(C N k / E) a expert; every token's first choice in token order, then second choices."""
+    logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 0.0, 4.0], [5.0, 4.0, 0.0], [0.0, 4.0, 5.0]])
+    w, idx, keep, _, _ = route(logits, 2, 0.75)  # capacity ceil(0.75 * 4 * 2 / 3) = 2
+    assert capacity_of(0.75, 4, 2, 3) == 2
+    assert idx.tolist() == [[0, 1], [0, 2], [0, 1], [2, 1]]
+    # first choices in token order: 0 and 1 fill expert 0, 2's is dropped, 3's takes expert 2; then
+    # second choices: 0's and 2's take expert 1, 1's the second place of expert 2, 3's finds expert 1 full
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    assert torch.allclose(w.sum(-1), torch.ones(4))
+    _, _, keep, _, _ = route(logits, 2, 0.0)
+    assert keep.all()
+
+
+def test_the_dispatch_matches_a_plain_reference(runs):
+    for ep in (2, 4):
+        for capacity in (1.0, 0.0):
+            r = runs[f"dispatch-ep{ep}-capacity{capacity}"]
+            assert r["err"] <= 1e-6 and r["dropped_ok"], (ep, capacity, r)
+            assert (r["dropped"] > 0) == (capacity > 0), r
+
+
+def test_every_layout_matches_the_single_process(runs):
+    groups = {"ref": [k for k in runs if k.startswith(("dp", "tp", "pp")) and k.endswith(("z1", "z2", "z3", "ep1", "ep2"))],
+              "ref-dropless": ["dp2-ep2-dropless"], "ref-free": ["cp2-ep2-free", "tp2-sp-dp2-ep2-free"]}
+    assert len(groups["ref"]) == 7, groups
+    for ref, names in groups.items():
+        assert_follows(runs, names, runs[ref], 1e-5)
+    assert runs["dp2-ep2"]["sha"] != runs["dp2-ep2-dropless"]["sha"]  # capacity did drop tokens
+
+
+def test_exact_mode_is_bitwise_across_ep_dp_and_zero(runs):
+    exact = [k for k in runs if k.endswith("-exact") and k != "ref-exact"]
+    assert len(exact) == 7
+    assert_bitwise(runs, exact, runs["ref-exact"])
+
+
+MOE = [*SMALL, "--moe-experts", "4", "--moe-top-k", "2", "--moe-hidden", "64", "-d", "256"]
+
+
+def test_an_ep_run_logs_its_experts_and_resumes_at_ep_1(tmp_path, shakespeare):
+    """Exact mode, ep 2 on 2 ranks: the single process's losses and figures to the bit; moe_aux,
+    moe_dropped and the load in metrics.jsonl; its checkpoint resumed on one process trains on
+    to the single process's weights; plot --experts draws the load."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    flags = [*MOE, "-i", shakespeare, "--moe-capacity", "1.0", "--ckpt-every", 2, "--exact"]
+    braidtrain("train", *flags, "-x", 2, "--out", one)
+    p = braidtrain("train", *flags, "-x", 2, "--out", two, "--ep", 2, nproc=2)
+    assert "dp 2 x ep 2" in p.stdout, p.stdout
+    a, b = metrics(one)[-2], metrics(two)[-2]
+    for key in ("loss", "grad_norm", "moe_aux", "moe_dropped", "moe_load"):
+        assert b[key] == a[key], key
+    assert 0 < b["moe_dropped"] < 1 and b["moe_aux"] >= 1 - 1e-6 and len(b["moe_load"]) == 4
+    assert math.isclose(sum(b["moe_load"]), 1, rel_tol=1e-6) and b["moe_load_max"] >= 1
+    p = braidtrain("train", *flags, "-x", 4, "--out", two, "--resume", "auto")
+    assert "ep 2 -> 1" in p.stdout, p.stdout
+    braidtrain("train", *flags, "-x", 4, "--out", one, "--resume", "auto")
+    after = lambda run: [r for r in metrics(run) if r.get("step", 0) > 2 and "grad_norm" in r]  # noqa: E731
+    assert [r["step"] for r in after(two)] == [3, 4]
+    assert [(r["loss"], r["grad_norm"]) for r in after(one)] == [(r["loss"], r["grad_norm"]) for r in after(two)]
+    assert summary(two)["weights_sha256"] == summary(one)["weights_sha256"]
+    braidtrain("plot", "--experts", two, "--out", tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--moe-top-k", "5"], ["--moe-top-k 5", "between 1 and --moe-experts 4"]),
+    (["--moe-top-k", "0"], ["--moe-top-k 0"]),
+    (["--moe-capacity", "-1"], ["--moe-capacity -1", "0 for dropless"]),
+    (["--moe-every", "3"], ["--moe-every 3", "n_layer = 2"]),
+    (["--ep", "3"], ["--ep 3", "--moe-experts 4", "{1,2,4}"]),
+    (["--ep", "2"], ["--ep 2", "dp*cp = 1*1 = 1"]),
+    (["--compile"], ["--compile", "mixture of experts"]),
+], ids=["top-k-above-E", "top-k-zero", "capacity-negative", "every-above-n-layer", "ep-not-dividing-E",
+        "ep-not-dividing-dp", "compile"])
+def test_bad_moe_input_is_one_line(argv, words, shakespeare):
+    assert_one_line_error(braidtrain("train", *MOE, "-i", shakespeare, "-x", 1, *argv, check=False), *words)
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused_in_one_line(tmp_path, shakespeare):
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    braidtrain("train", *MOE, "-i", shakespeare, "-x", 1, "--out", moe)
+    braidtrain("train", *SMALL, "-d", 256, "-i", shakespeare, "-x", 1, "--out", dense)
+    p = braidtrain("train", *SMALL, "-d", 256, "-i", shakespeare, "-x", 2, "--out", moe, "--resume", "auto", check=False)
+    assert_one_line_error(p, "holds an MoE model", "builds a dense one", "--moe-experts 4")
+    p = braidtrain("train", *MOE, "-i", shakespeare, "-x", 2, "--out", dense, "--resume", "auto", check=False)
+    assert_one_line_error(p, "holds a dense model", "builds an MoE one", "--moe-experts 0")
+    assert_one_line_error(braidtrain("export", moe, "--out", tmp_path / "hf", check=False), "mixture of experts")
