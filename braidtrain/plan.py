@@ -166,7 +166,8 @@ def param_counts(cfg, tp: int = 1) -> dict:
     table = placement.for_config(cfg)
     count = lambda entries: sum(e.local_numel(tp) for e in entries)  # noqa: E731
     return {"rank": count(table), "block": count(table.units[1][1]), "embed": count(table.units[0][1]),
-            "replicated": count(e for e in table if e.replicated), "sharded": count(e for e in table if not e.replicated)}
+            "replicated": count(e for e in table if e.replicated), "sharded": count(e for e in table if not e.replicated),
+            "expert": count(e for e in table if e.expert)}
 
 
 def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> list[tuple[str, int]]:
@@ -264,7 +265,7 @@ class Candidate:
     virtual: int = 1  # chunks a pipeline rank holds (interleaved)
     cp: int = 1  # context parallelism (without a pipeline here)
     cp_impl: str = "ring"  # or "allgather" (parallel/context.py)
-    # ep: one field, one loop in meshes(), one term in estimate()
+    ep: int = 1  # expert parallelism (a mixture of experts; without a pipeline here)
 
     @property
     def gpus(self) -> int:
@@ -273,13 +274,14 @@ class Candidate:
     def name(self) -> str:
         pipe = f" pp={self.pp} {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
         return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
-                + (f" cp={self.cp}" + (" allgather" if self.cp_impl == "allgather" else "") if self.cp > 1 else "") + (" --sp" if self.sp else "")
+                + (f" cp={self.cp}" + (" allgather" if self.cp_impl == "allgather" else "") if self.cp > 1 else "")
+                + (f" ep={self.ep}" if self.ep > 1 else "") + (" --sp" if self.sp else "")
                 + (" --recompute" if self.recompute else ""))
 
     def layout_kw(self) -> dict:
         """make_layout's arguments for this candidate's degrees and features."""
         pipe = dict(schedule=self.schedule, virtual=self.virtual) if self.pp > 1 else {}
-        return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, cp_impl=self.cp_impl, zero=self.zero,
+        return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, zero=self.zero,
                     recompute=self.recompute, **pipe)
 
 
@@ -340,15 +342,18 @@ def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None, cps=
 
 
 def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-            pps=None, schedules=None, cps=None):
+            pps=None, schedules=None, cps=None, eps=None):
+    E = s.cfg.moe_experts
     for dp, tp, sp, pipe, cp in meshes(s, tps, sps, pps, schedules, cps):
-        for zero in zeros if dp * cp > 1 or len(zeros) == 1 else (0,):  # one replica: nothing to shard
-            for b in bs:
-                for rc in recomputes:
-                    for impl in ("ring", "allgather") if cp > 1 else ("ring",):
-                        lay = Candidate(dp, zero, b, rc, tp, sp, *pipe, cp=cp, cp_impl=impl)
-                        if layout_of(s, lay, s.d) is not None:
-                            yield lay
+        experts = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and E % e == 0] if E and pipe[0] == 1 else [1]
+        for ep in [e for e in experts if eps is None or e in eps]:
+            for zero in zeros if dp * cp > 1 or len(zeros) == 1 else (0,):  # one replica: nothing to shard
+                for b in bs:
+                    for rc in recomputes:
+                        for impl in ("ring", "allgather") if cp > 1 else ("ring",):
+                            lay = Candidate(dp, zero, b, rc, tp, sp, *pipe, cp=cp, cp_impl=impl, ep=ep)
+                            if layout_of(s, lay, s.d) is not None:
+                                yield lay
 
 
 def collective_s(s: Setup, kind: str, nbytes: float, n: int, busbw: float | None = None) -> float:
@@ -381,19 +386,25 @@ def estimate(s: Setup, lay: Candidate) -> dict:
         return estimate_pipeline(s, lay)
     cfg, n, tp, cp = s.cfg, lay.dp * lay.cp, lay.tp, lay.cp  # n: the replicas, dp x cp
     counts = param_counts(cfg, tp)
-    P = counts["rank"]  # this tp rank's parameters, then sharded over the replica group by ZeRO
+    P = counts["rank"] - counts["expert"] + counts["expert"] // lay.ep  # this tp rank's, then sharded by ZeRO
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = next(k for kind, k in buckets if kind == "embed")
-    state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), embed)
+    state = model_state_bytes(P - counts["expert"] // lay.ep, n, lay.zero, max(blocks, default=0), embed)
+    if counts["expert"]:  # a rank's experts, sharded over the dp*cp/ep ranks holding the same ones
+        expert = model_state_bytes(counts["expert"] // lay.ep, n // lay.ep, lay.zero, 0, 0)
+        state = {k: state[k] + expert[k] for k in state}
     act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, P, tp, lay.sp)  # a rank's t/cp tokens
+    if cfg.moe_experts:
+        act["moe"] = moe_bytes(s, lay)
+        act["peak"] += act["moe"]
     if cp > 1:
         act = {**act, **ring_bytes(s, lay)}
         act["peak"] += act["ring_out"] + act["ring_scores"]
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
     mem["activations"] = act["peak"]
     allocated = sum(mem.values())
-    communicators = (n > 1) + (tp > 1) + (cp > 1 and lay.dp > 1)  # replica, tp, cp (the replica's own at dp 1)
+    communicators = (n > 1) + (tp > 1) + (cp > 1 and lay.dp > 1) + (lay.ep > 1) * (1 + (lay.ep < n))  # + ep, expert
     mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
     mem["total"] = sum(mem.values())
@@ -409,7 +420,44 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
         owned = counts["replicated"] / (n if lay.zero >= 1 else 1)
         tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
-    return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm, cp_comm=micro * cp_comm_s(s, lay))
+    return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm, cp_comm=micro * cp_comm_s(s, lay),
+                  ep_comm=micro * ep_comm_s(s, lay))
+
+
+def moe_rows(s: Setup, lay: Candidate) -> float:
+    """Rows a rank's experts compute in one MoE layer of a micro-step: k per token, at most the
+    capacity (C k per token) with one; the router balanced (dispatch.py's rows arrive evenly)."""
+    cfg = s.cfg
+    k = cfg.moe_top_k * (min(1.0, cfg.moe_capacity) if cfg.moe_capacity > 0 else 1.0)
+    return k * lay.b * s.t / lay.cp / (lay.tp if lay.sp else 1)
+
+
+def moe_bytes(s: Setup, lay: Candidate) -> float:
+    """What a mixture of experts adds to a rank's activations beyond the dense MLP's (counted in
+    the layers term): per MoE layer its rows in and out (2 x C, bf16), the hidden activation and
+    its GELU (2 x H) less the dense MLP's per token (2 x 4C), and the router's fp32 probabilities
+    (E). One layer under recompute. Not calibrated against measurement yet."""
+    cfg = s.cfg
+    scale = 2 if s.cpu else 1
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layer))
+    tokens = lay.b * s.t / lay.cp / (lay.tp if lay.sp else 1)
+    per = (moe_rows(s, lay) * (2 * cfg.n_embd + 2 * cfg.moe_width) - tokens * 8 * cfg.n_embd) * 2 * scale
+    per = max(0.0, per) + tokens * cfg.moe_experts * 4
+    return per * (1 if lay.recompute else n_moe)
+
+
+def ep_comm_s(s: Setup, lay: Candidate) -> float:
+    """Seconds of the experts' all-to-alls in one micro-step, all exposed (the next layer waits for
+    them): per MoE layer the rows there and back in the forward (bf16; fp32 on the CPU), their
+    gradients back and there in the backward -- 4 all-to-alls of (ep-1)/ep of the rows -- plus the
+    counts' (latency only); the forward's again under recompute."""
+    if lay.ep == 1:
+        return 0.0
+    cfg = s.cfg
+    rows = moe_rows(s, lay) * cfg.n_embd * (4 if s.cpu else 2)
+    one = collective_s(s, "all_to_all", rows, lay.ep) + s.alpha_us * 1e-6
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layer))
+    return n_moe * one * (2 * (2 if lay.recompute else 1) + 2)
 
 
 def ring_bytes(s: Setup, lay: Candidate) -> dict:
@@ -455,11 +503,12 @@ def cp_comm_s(s: Setup, lay: Candidate) -> float:
 
 
 def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, tp_comm, pp_comm=0.0, cp_comm=0.0,
-           **more) -> dict:
-    step = compute + dp_comm + tp_comm + pp_comm + cp_comm
+           ep_comm=0.0, **more) -> dict:
+    comm = dp_comm + tp_comm + pp_comm + cp_comm + ep_comm
+    step = compute + comm
     return {"layout": lay, "micro_steps": micro, "mem": mem, "allocated": allocated, "state": state,
             "activations": act, "compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
-            "cp_comm_s": cp_comm, "comm_s": dp_comm + tp_comm + pp_comm + cp_comm, "step_s": step, "tokens_per_s": s.d / step,
+            "cp_comm_s": cp_comm, "ep_comm_s": ep_comm, "comm_s": comm, "step_s": step, "tokens_per_s": s.d / step,
             "fits": mem["total"] <= s.mem_gb * GB, **more}
 
 
@@ -604,7 +653,7 @@ def rank(rows: list[dict]) -> list[dict]:
                                        e["mem"]["total"]))
 
 
-SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "zero", "b", "recompute")  # what a fix may change (dp follows)
+SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "ep", "zero", "b", "recompute")  # what a fix may change (dp follows)
 
 
 def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
@@ -615,6 +664,7 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
            "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
            "cp": lambda l: f"cp={l.cp}", "cp_impl": lambda l: f"--cp-impl {l.cp_impl}" if l.cp > 1 else "",
+           "ep": lambda l: f"ep={l.ep}",
            "zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
            "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
     opts = []
@@ -645,10 +695,10 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
 
 
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-         pps=None, schedules=None, cps=None) -> dict:
+         pps=None, schedules=None, cps=None, eps=None) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout."""
-    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps)])
+    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)])
     grid = rank([estimate(s, lay) for lay in layouts(s)])
     if not rows or not grid:
         unit = s.t * s.gpus
@@ -688,8 +738,9 @@ def table(result: dict, top: int) -> str:
     has pp > 1; memory is the fullest rank's."""
     shown = result["rows"][:top] if top > 0 else result["rows"]
     tp, pp = any(e["layout"].tp > 1 for e in shown), any(e["layout"].pp > 1 for e in shown)
-    cp = any(e["layout"].cp > 1 for e in shown)
+    cp, ep = any(e["layout"].cp > 1 for e in shown), any(e["layout"].ep > 1 for e in shown)
     head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), *(["cp"] if cp else []),
+            *(["ep"] if ep else []),
             "zero", "b", "micro",
             "recomp", "mem GB", "params", "grads", "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
     lines = [head]
@@ -701,6 +752,7 @@ def table(result: dict, top: int) -> str:
             bubble = f"{max(e['bubble']):.0%}" if lay.pp > 1 else "-"
             mesh += [lay.pp, pipe, bubble]
         mesh += [f"{lay.cp}" + ("ag" if lay.cp_impl == "allgather" else "") if lay.cp > 1 else 1] if cp else []
+        mesh += [lay.ep] if ep else []
         lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])
@@ -760,6 +812,9 @@ def add_parser(sub):
     a("--pp", type=int, help="only this number of pipeline stages (dp = gpus / (tp*pp))")
     a("--pp-schedule", choices=pipeline.SCHEDULES, help="only pipelines of this schedule")
     a("--cp", type=int, help="only this context-parallel degree (each sequence over cp GPUs; without --pp)")
+    a("--ep", type=int, help="only this expert-parallel degree (a mixture of experts; without --pp)")
+    for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int), ("moe-capacity", float)):
+        a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--json", action="store_true")
     a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
@@ -771,7 +826,8 @@ def add_parser(sub):
 
 
 def setup_from(args) -> Setup:
-    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp", "cp"):
+    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp", "cp",
+              "ep"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     if args.alpha_us < 0 or args.top < 0:
@@ -785,19 +841,20 @@ def setup_from(args) -> Setup:
     else:
         from braidtrain.model.gpt import model_config
 
-        cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size)
+        moe = {k: getattr(args, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
+        cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size, **moe)
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw)
-    check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule, args.cp)
+    check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule, args.cp, args.ep)
     return s
 
 
 def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None, schedule: str | None = None,
-               cp: int | None = None) -> None:
+               cp: int | None = None, ep: int | None = None) -> None:
     """One-line UserErrors for a --tp / --sp / --pp / --cp the GPUs or the model cannot take
     (layout.py's), or the planner cannot weigh."""
     make_layout(s.gpus, s.cfg, seq_len=s.t, batch_size=1, tp=tp or 1, sp=bool(sp) and tp is not None,
-                pp=pp or 1, cp=cp or 1, schedule="gpipe", world_name=f"--gpus {s.gpus}")
+                pp=pp or 1, cp=cp or 1, ep=ep or 1, schedule="gpipe", world_name=f"--gpus {s.gpus}")
     if (cp or 1) > 1 and (pp or 1) > 1:
         raise UserError("plan does not weigh context parallelism with a pipeline yet: give --cp or --pp, not both")
     if schedule and pp == 1:
@@ -810,7 +867,7 @@ def check_layout(args) -> Candidate:
     """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp,
     --pp and --pp-schedule (default 1f1b)."""
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
-    mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp)
+    mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp, ep=args.ep or 1)
     if pp > 1:
         mesh.update(schedule=args.pp_schedule or "1f1b", virtual=2 if args.pp_schedule == "interleaved" else 1)
     if not args.check:  # the layout from the flags
@@ -844,6 +901,10 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
     cmd += ["--pp", lay.pp, "--pp-schedule", lay.schedule, "--pp-virtual", lay.virtual] if lay.pp > 1 else []
     cmd += ["--recompute"] if lay.recompute else []
     cmd += ["--cp", lay.cp, "--cp-impl", lay.cp_impl] if lay.cp > 1 else []
+    cmd += ["--ep", lay.ep] if lay.ep > 1 else []
+    if c.moe_experts:
+        cmd += ["--moe-experts", c.moe_experts, "--moe-top-k", c.moe_top_k, "--moe-every", c.moe_every,
+                "--moe-hidden", c.moe_hidden, "--moe-capacity", c.moe_capacity]
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:
@@ -874,7 +935,7 @@ def run(args) -> int:
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
                   None if args.tp is None else (args.tp,), pick(args.sp, (False, True)),
                   None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
-                  None if args.cp is None else (args.cp,))
+                  None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,))
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},

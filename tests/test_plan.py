@@ -359,8 +359,9 @@ def test_bad_pipeline_or_cp_input_is_one_user_error(capsys):
 
 # ----------------------------------------------------------------------------- --check
 
-# (processes, ZeRO, tp, pp, cp); tp 2 with --sp
-CHECKS = [(1, 0, 1, 1, 1), (2, 0, 1, 1, 1), (2, 1, 1, 1, 1), (2, 0, 2, 1, 1), (4, 1, 1, 2, 1), (4, 1, 1, 1, 2)]
+# (processes, ZeRO, tp, pp, cp[, ep: a mixture of experts]); tp 2 with --sp
+CHECKS = [(1, 0, 1, 1, 1), (2, 0, 1, 1, 1), (2, 1, 1, 1, 1), (2, 0, 2, 1, 1), (4, 1, 1, 2, 1), (4, 1, 1, 1, 2),
+          (2, 1, 1, 1, 1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -368,8 +369,13 @@ def checks(tmp_path_factory, monkeypatch_module):
     data = prepare_bytes(tmp_path_factory.mktemp("plan") / "shakespeare")
 
     def one(case):
-        n, zero, tp, pp, cp = case
+        n, zero, tp, pp, cp = case[:5]
         s = plan.Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
+        if case[5:]:  # the experts' state at 1/ep, ZeRO-1's Adam over the dp/ep ranks of the same experts
+            args = parse("--model", "tiny", "--vocab", 256, "--moe-experts", 4, "--moe-hidden", 128, "--gpus", n,
+                         "-t", 64, "-d", 256, "--check", f"{zero},2", "--ep", case[5], "--data", data)
+            assert plan.check_layout(args) == plan.Candidate(n, zero, 2, False, ep=case[5])
+            return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
         if cp > 1:  # ZeRO-1's shard of Adam over the dp x cp = 4 replicas
             args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
                          "--cp", cp, "--data", data)
@@ -402,11 +408,12 @@ def monkeypatch_module():
 
 
 @pytest.mark.parametrize("case", CHECKS, ids=lambda c: f"{c[0]}proc-zero{c[1]}" + (f"-tp{c[2]}-sp" if c[2] > 1 else "")
-                         + (f"-pp{c[3]}" if c[3] > 1 else "") + (f"-cp{c[4]}" if c[4] > 1 else ""))
+                         + (f"-pp{c[3]}" if c[3] > 1 else "") + (f"-cp{c[4]}" if c[4] > 1 else "")
+                         + (f"-ep{c[5]}" if c[5:] else ""))
 def test_check_model_state_matches_a_real_cpu_run(checks, case):
     r = checks[case]
     assert r["device"] == "cpu" and r["layout"]["zero"] == case[1] and r["layout"]["tp"] == case[2]
-    assert r["layout"]["pp"] == case[3] and r["layout"]["cp"] == case[4]
+    assert r["layout"]["pp"] == case[3] and r["layout"]["cp"] == case[4] and r["layout"]["ep"] == (case[5:] or (1,))[0]
     assert abs(r["rel_error"]) < 0.05, r
 
 
@@ -460,3 +467,27 @@ def test_zero_bubble_at_zero_2_holds_every_block_buckets_scratch_at_w():
     grads = {name: [st["grads"] for st in e["stage_state"]] for name, e in est.items()}
     bucket = 4 * plan.bucket_numels(s.cfg, s.bucket_mb)[0][1]
     assert grads["zb"] == [grads["1f1b"][0] + 2 * bucket, grads["1f1b"][1]], grads
+
+
+def test_a_mixture_of_experts_is_planned_over_ep_ranks():
+    """gpt2 with 8 experts (521M parameters): at ep the experts' parameters, gradients and Adam
+    state are 1/ep a rank (the dense ones whole at ZeRO-0); the all-to-alls cost what
+    ep_comm_s's docstring counts; on 8 x 10 GB ZeRO-0 fits only with the experts sharded, and
+    plan proposes ep (without a pipeline: the planner weighs ep at pp 1)."""
+    cfg = model_config("gpt2", 50257, moe_experts=8, moe_top_k=2)
+    experts = plan.param_counts(cfg)["expert"]
+    dense = plan.param_counts(cfg)["rank"] - experts
+    assert experts == 12 * 8 * (2 * 768 * 3072 + 3072 + 768)
+    s = plan.Setup(cfg, gpus=8, mem_gb=80, t=1024, d=8 * 1024 * 4, alpha_us=10.0, busbw=100.0)
+    for ep in (1, 2, 8):
+        e = plan.estimate(s, plan.Candidate(8, 0, 1, False, ep=ep))
+        assert e["state"]["params"] == 4 * (dense + experts // ep)
+        rows = 2 * 1024 * 768 * 2  # k = 2 rows a token, bf16
+        one = 10e-6 + (ep - 1) / ep * rows / 100e9 + 10e-6
+        assert e["ep_comm_s"] == pytest.approx(4 * (12 * 4 * one if ep > 1 else 0), rel=1e-9)  # 4 micro-steps
+    tight = plan.Setup(cfg, gpus=8, mem_gb=10, t=1024, d=8 * 1024 * 4)
+    r = plan.plan(tight, zeros=(0,), pps=(1,))
+    fits = {e["layout"].ep for e in r["rows"] if e["fits"]}
+    assert 1 not in fits and 8 in fits
+    assert r["rows"][0]["layout"].ep > 1 and "ep=" in r["recommendation"]
+    assert "ep" in plan.table(r, 4).splitlines()[0].split()
