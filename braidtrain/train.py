@@ -139,12 +139,13 @@ class Trainer:
         the mean balance loss, the share of assignments dropped at capacity, and the experts'
         load -- tokens kept per expert, summed over layers, as max / mean and each expert's share."""
         layers = [m for part in self.parts for m in part.moe_layers()]
-        rows = [m.stats for m in layers if m.stats.numel()]
+        rows = [torch.cat([torch.tensor(m.counted, dtype=torch.float32, device=self.device), m.stats])
+                for m in layers if m.stats.numel()]
         total = torch.stack(rows).sum(0) if rows else torch.zeros(4 + self.mcfg.moe_experts, device=self.device)
         for m in layers:
-            m.stats = torch.zeros(0)
+            m.stats, m.counted = torch.zeros(0), [0, 0]
         self.comm.all_reduce(total, self.mesh.groups["world"]).wait()  # (tp's copies weigh every part alike)
-        aux, n, dropped, assigned = total[:4].tolist()
+        n, assigned, aux, dropped = total[:4].tolist()
         load = total[4:]
         return {"moe_aux": aux / max(n, 1), "moe_dropped": dropped / max(assigned, 1),
                 "moe_load_max": (load.max() / load.mean().clamp_min(1e-9)).item(),

@@ -63,7 +63,7 @@ def route(logits: torch.Tensor, k: int, capacity: float):
     probs = logits.float().softmax(-1)
     w, idx = probs.topk(k, dim=-1)
     w = w / w.sum(-1, keepdim=True)
-    onehot = F.one_hot(idx.t().reshape(-1), E)  # (k N, E): assignments in priority order, slot-major
+    onehot = (idx.t().reshape(-1, 1) == torch.arange(E, device=idx.device)).long()  # (k N, E): in priority order
     routed = onehot.sum(0)
     keep = torch.ones_like(idx, dtype=torch.bool)
     if capacity > 0:
@@ -104,7 +104,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(cfg.n_embd, cfg.moe_width) for e in experts})
         self.dispatch = dispatch
         self.loss_scale = 0.0
-        self.stats = torch.zeros(0)  # this step's: aux sum, forwards, dropped, assignments, then kept per expert
+        self.stats, self.counted = torch.zeros(0), [0, 0]  # this step's: (aux sum, dropped, kept per expert), (forwards, assignments)
 
     def forward(self, x):
         shape, N = x.shape, x.shape[:-1].numel()
@@ -120,7 +120,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, aux, keep, idx):
-        kept = torch.bincount(idx[keep], minlength=self.E).float()
-        row = torch.cat([torch.stack([aux.detach().float(), torch.ones((), device=aux.device),
-                                      (~keep).sum().float(), torch.tensor(float(keep.numel()), device=aux.device)]), kept])
+        """(On the device, without waiting for it: the step's figures are read once, at its end.)"""
+        kept = torch.zeros(self.E, device=idx.device).scatter_add_(0, idx.reshape(-1), keep.reshape(-1).float())
+        row = torch.cat([aux.detach().float().view(1), (keep.numel() - kept.sum()).view(1), kept])
         self.stats = row if self.stats.numel() == 0 else self.stats + row
+        self.counted = [self.counted[0] + 1, self.counted[1] + keep.numel()]

@@ -52,6 +52,7 @@ class Dispatch:
 
     def __init__(self, group=None, exact: bool = False):
         self.group, self.exact, self.sink = group, exact, None
+        self.grouped = True  # on CUDA in bf16: one grouped GEMM (False: a loop, for benchmarks/moe_gpu.py)
         self.n = group.size if group is not None else 1
 
     def experts_of(self, E: int, r: int) -> range:
@@ -60,12 +61,15 @@ class Dispatch:
     def __call__(self, xs, idx, keep, moe):
         N, k = idx.shape
         expert = idx.reshape(-1)  # assignment a = token * k + slot
-        kept = keep.reshape(-1).nonzero().squeeze(1)
-        order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
+        if moe.capacity > 0:
+            kept = keep.reshape(-1).nonzero().squeeze(1)
+            order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
+        else:  # dropless: every assignment (and no wait for the GPU)
+            order = torch.sort(expert, stable=True).indices
         rows = xs[order // k]
         if torch.is_autocast_enabled(xs.device.type):  # travel and compute in the autocast dtype
             rows = rows.to(torch.get_autocast_dtype(xs.device.type))
-        counts = torch.bincount(expert[order], minlength=moe.E)
+        counts = torch.zeros(moe.E, dtype=torch.long, device=xs.device).scatter_add_(0, expert[order], torch.ones_like(order))
         out = self._run(rows, counts, moe)
         y = out.new_zeros(N * k, out.shape[-1]).index_copy(0, order, out)
         return y.view(N, k, -1)
@@ -73,7 +77,10 @@ class Dispatch:
     def _run(self, rows, counts, moe):
         local = [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
         if self.n == 1:
-            return compute(rows, counts.tolist(), local, [[int(c)] for c in counts.tolist()], self.exact)
+            if self._grouped(rows):  # (the counts stay on the GPU)
+                return grouped(rows, counts, local)
+            c = counts.tolist()
+            return compute(rows, c, local, [[x] for x in c], self.exact)
         n, El = self.n, moe.E // self.n
         got = torch.empty_like(counts)
         self.group.comm.all_to_all(got, counts, self.group).wait()
@@ -88,19 +95,25 @@ class Dispatch:
                 pos += recv[s][e]
         perm = [i for e in range(El) for s in range(n) for i in range(start[s][e], start[s][e] + recv[s][e])]
         perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
-        out = compute(arrived[perm], [sum(recv[s][e] for s in range(n)) for e in range(El)], local,
-                      [[recv[s][e] for s in range(n)] for e in range(El)], self.exact, self.sink)
+        mine = [sum(recv[s][e] for s in range(n)) for e in range(El)]
+        if self._grouped(rows):
+            out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), local)
+        else:
+            out = compute(arrived[perm], mine, local, [[recv[s][e] for s in range(n)] for e in range(El)], self.exact, self.sink)
         back = torch.empty_like(out).index_copy(0, perm, out) if perm.numel() else out
         return _AllToAll.apply(back, send_splits, recv_splits, self.group)
 
 
+    def _grouped(self, rows) -> bool:
+        """On CUDA in bf16, outside exact mode: one grouped GEMM for all experts."""
+        return (self.grouped and not self.exact and rows.is_cuda and rows.dtype == torch.bfloat16
+                and hasattr(torch, "_grouped_mm") and rows.shape[-1] % 16 == 0)
+
+
 def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, sink=None):
-    """The experts over their runs of rows (counts[e] rows each, in order). In exact mode each
-    expert's run in `parts` pieces (one per source rank, empty ones too), each its own call, its
-    parameters' gradients handed to `sink` per source (Tap); on CUDA in half precision otherwise
-    one grouped GEMM for every expert."""
-    if not exact and rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and rows.numel():
-        return _grouped(rows, counts, experts)
+    """The experts over their runs of rows (counts[e] rows each, in order), one call each. In
+    exact mode each expert's run in `parts` pieces (one per source rank, empty ones too), each its
+    own call, its parameters' gradients handed to `sink` per source (Tap)."""
     outs = []
     for ex, piece, sizes in zip(experts, rows.split(counts), parts):
         for s, p in enumerate(piece.split(sizes if exact else [piece.shape[0]])):
@@ -170,15 +183,15 @@ class Sourced:
         self.leaves.clear(), self.pending.clear(), self.done.clear()
 
 
-def _grouped(rows, counts, experts):
-    """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run)."""
-    dt = rows.dtype
-    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-    which = torch.repeat_interleave(torch.arange(len(experts), device=rows.device),
-                                    torch.tensor(counts, device=rows.device))
-    w1 = torch.stack([e.c_fc.weight for e in experts]).to(dt)  # (E, H, C)
-    b1 = torch.stack([e.c_fc.bias for e in experts]).to(dt)
-    w2 = torch.stack([e.c_proj.weight for e in experts]).to(dt)
-    b2 = torch.stack([e.c_proj.bias for e in experts]).to(dt)
-    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + b1[which]
-    return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + b2[which]
+def grouped(rows, counts, experts):
+    """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run of
+    rows; counts a device tensor). Each row's bias is its expert's, picked by a matmul with the
+    rows' one-hot expert matrix, so that its gradient is one too (a gather's would be an
+    index_put that adds with atomics: 20 of 31 ms of a layer's step on the H200, measured)."""
+    dt, E = rows.dtype, len(experts)
+    offs = counts.cumsum(0).to(torch.int32)
+    which = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=rows.shape[0])
+    onehot = (which[:, None] == torch.arange(E, device=rows.device)).to(dt)  # (rows, E)
+    w1, b1, w2, b2 = (torch.stack(ws).to(dt) for ws in zip(*(e.weights() for e in experts)))  # (E, H, C) ...
+    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + onehot @ b1
+    return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + onehot @ b2
