@@ -180,6 +180,9 @@ def find_resume(spec: str, ckpt_dir: Path, warn) -> Path | None:
     otherwise the given folder, which must verify."""
     if spec != "auto":
         path = Path(spec)
+        if not path.exists():
+            raise UserError(f"no checkpoint at {path} (--resume takes a checkpoint folder, e.g. "
+                            f"RUN/checkpoints/step_00000100, or auto)")
         verify(path)
         return path
     for path in reversed(list_checkpoints(ckpt_dir)):

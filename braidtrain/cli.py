@@ -54,6 +54,8 @@ def _train_parser(sub):
     g.add_argument("--out", "-o", help="run directory (default runs/<timestamp>)")
     g.add_argument("--ckpt-every", "-n", type=int)
     g.add_argument("--keep-ckpts", type=int)
+    g.add_argument("--max-skipped", type=int,
+                   help="stop (exit 3) after this many steps in a row whose loss or gradient is not finite (default 3)")
     g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder; "
                    "a group restarted by torchrun resumes by itself")
     g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 folder (braidtrain export writes one)")
@@ -267,7 +269,7 @@ def main(argv=None) -> int:
         return handler(args)
     except UserError as e:
         print(f"braidtrain: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("braidtrain: interrupted", file=sys.stderr)
         return 130

@@ -61,6 +61,7 @@ class Config:
     out: str | None = None  # default: runs/<timestamp>
     ckpt_every: int = 0  # 0: only the final checkpoint
     keep_ckpts: int = 2
+    max_skipped: int = 3  # consecutive non-finite steps (each skipped, no update) before the run stops
     resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
@@ -168,7 +169,7 @@ def validate(cfg: Config) -> None:
     """Checks that need neither the data nor the world size."""
     if cfg.max_steps <= 0 and cfg.max_steps != -1:
         raise UserError(f"max_steps must be positive (or -1 for one epoch), got {cfg.max_steps}")
-    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts"]
+    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts", "max_skipped"]
     positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "total_batch") if getattr(cfg, k) is not None]
     for key in positive:
         if getattr(cfg, key) <= 0:

@@ -3,3 +3,11 @@
 
 class UserError(Exception):
     """Bad input from the user (a flag, a file, a layout). The message says what to change."""
+
+    exit_code = 2
+
+
+class Diverged(UserError):
+    """The run stopped itself: too many steps in a row with a non-finite loss or gradient (exit 3)."""
+
+    exit_code = 3

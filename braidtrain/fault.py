@@ -229,6 +229,10 @@ FAULT_KINDS = {
     "stop": "SIGSTOP (freeze) this rank at the same point",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
+    "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",
+    "nan-on": "make this rank's loss NaN from that step on",
+    "oom": "raise torch's out-of-memory error in the middle of that step",
+    "local-disk": "at the first checkpoint save, leave this rank's marker in a folder of its own (a node-local disk)",
 }
 
 
@@ -263,10 +267,21 @@ class Fault:
         print(f"braidtrain: fault injected: {what} at step {self.step} (t={time.time():.3f})", file=sys.stderr, flush=True)
 
     def mid_step(self, step: int) -> None:
+        if step == self.step and self.kind == "oom":
+            import torch
+
+            self._announce("out of memory")
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by BRAIDTRAIN_FAULT)")
         if step == self.step and self.kind in ("kill", "stop"):
             sig = signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP
             self._announce(f"{sig.name} pid {os.getpid()}")
             os.kill(os.getpid(), sig)
+
+    def poison(self, step: int, loss):
+        """The loss, NaN at the step(s) a "nan" or "nan-on" fault names."""
+        if (self.kind == "nan" and step == self.step) or (self.kind == "nan-on" and step >= self.step):
+            return loss + float("nan")
+        return loss
 
     def mid_save(self, step: int) -> None:
         if step == self.step and self.kind == "save":

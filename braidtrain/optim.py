@@ -63,18 +63,20 @@ class AdamW:
         self._keep.fill_(1 - lr * self.weight_decay)
 
     @torch.no_grad()
-    def update(self, grad_scale: torch.Tensor | None = None) -> None:
-        """The GPU's part: decay, then AdamW, on what this rank owns."""
+    def update(self, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
+        """The GPU's part: decay, then AdamW, on what this rank owns -- none of it where `skip` (a
+        float device tensor, 1 for a step whose gradient norm is not finite: the same on every
+        rank, the norm being global) says so, without the host waiting to know."""
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
         owned = list(self.engine.owned())
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
             decayed = [p[a:e] for (_, p, _), (_, _, decay) in zip(owned, self.groups) for a, e in decay]
             if decayed:
-                torch._foreach_mul_(decayed, self._keep)
+                torch._foreach_mul_(decayed, self._keep if skip is None else torch.where(skip > 0, 1.0, self._keep))
         torch._fused_adamw_([p for _, p, _ in owned], [g for _, _, g in owned], [m for m, _, _ in self.groups],
                             [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=self._lr, beta1=self.beta1,
                             beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False,
-                            grad_scale=grad_scale, found_inf=None)
+                            grad_scale=grad_scale, found_inf=skip)
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

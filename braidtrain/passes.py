@@ -59,6 +59,8 @@ class Passes:
             out = part(x if part.first else inp, y if part.last else None)
         if self.b.fault and micro == 0 and part is self.parts[0]:
             self.b.fault.mid_step(self.comm.step)
+        if self.b.fault and part.last:
+            out = self.b.fault.poison(self.comm.step, out)
         return out
 
     def train_step(self) -> list[torch.Tensor]:

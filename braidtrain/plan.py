@@ -682,6 +682,27 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     return f"{lay.name()} needs {e['mem']['total'] / GB:.1f} GB > {s.mem_gb:g} GB: use " + ", or ".join(opts)
 
 
+def advice(s: Setup, lay: Candidate) -> str:
+    """What the planner says of a layout that ran out of memory: its estimate and, if the
+    estimate is over the memory too, the smallest change that fits (else: the estimate is short)."""
+    e = estimate(s, lay)
+    est = f"the planner estimates {e['mem']['total'] / GB:.1f} GB a rank for {lay.name()} (of {s.mem_gb:.1f} GB)"
+    if e["fits"]:
+        fitting = sorted((f for f in rank([estimate(s, x) for x in layouts(s)]) if f["mem"]["total"] < 0.8 * e["mem"]["total"]),
+                         key=lambda f: f["step_s"])
+        return est + " -- an underestimate here" + (f"; leaner: {fitting[0]['layout'].name()}" if fitting else "")
+    grid = rank([estimate(s, x) for x in layouts(s)])
+    change = fix(s, e, [f for f in grid if f["fits"]])
+    return est + "; " + change[change.index(": use ") + 2:]
+
+
+def candidate_of(lay) -> Candidate:
+    """The planner's Candidate of a run's layout.Layout."""
+    pipe = dict(schedule=lay.schedule, virtual=lay.virtual) if lay.pp > 1 else {}
+    return Candidate(lay.dp, lay.zero, lay.batch.seqs_per_rank // lay.batch.micro_steps, lay.recompute, lay.tp, lay.sp,
+                     lay.pp, cp=lay.cp, cp_impl=lay.cp_impl, ep=lay.ep, **pipe)
+
+
 def nothing_fits(s: Setup, grid: list[dict]) -> str:
     lean = min(grid, key=lambda e: e["mem"]["total"])
     need = lean["mem"]["total"] / GB

@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
+import os
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -42,6 +44,7 @@ from braidtrain import checkpoint
 from braidtrain.build import build
 from braidtrain.config import Config
 from braidtrain.data import get_tokenizer, unigram_entropy
+from braidtrain.errors import Diverged, UserError
 from braidtrain.fault import crash_reason
 from braidtrain.generate import generate
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
@@ -78,6 +81,7 @@ class Trainer:
         self.tokens = torch.zeros((2, self.batch.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)  # x, y
         self.passes = Passes(run, self.autocast, self.tokens)
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
+        self.shared_checked = False  # the checkpoint folder seen by every rank (check_shared, at the first save)
         self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
 
     def autocast(self):
@@ -107,9 +111,9 @@ class Trainer:
         if self.graph is not None:
             self.graph.replay()
             self.comm.replayed(self.graph_handles, self.mesh.groups["world"])
-            losses, norm = self.graph_out
+            losses, norm, skip = self.graph_out
         else:
-            losses, norm = self.work()
+            losses, norm, skip = self.work()
         host_s = time.time() - t0  # the step's work issued; nothing has waited for the GPU yet
         if step + 1 < cfg.max_steps:  # while the GPU works: the next step's tokens
             self.next_tokens = step + 1, self.host_tokens(step + 1)
@@ -124,10 +128,16 @@ class Trainer:
         else:
             mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
         comm_s, bus_bytes = self.comm.step_comm()
-        rec = {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm.item()),
+        norm, skipped = norm.item(), skip.item() > 0
+        if skipped:  # the update was skipped (work()); Adam's step count does not count it
+            self.opt.step_count -= 1
+        rec = {"step": step + 1, "loss": finite(loss), "lr": lr, "grad_norm": finite(norm),
                "tokens_per_s": tps, "mfu": mfu, "mem_gb": mem, "step_s": dt, "host_s": host_s, "comm_s": comm_s,
                "comm_busbw_GBps": bus_bytes / comm_s / 1e9 if bus_bytes and comm_s > 0 else None,
                "exposed_comm_s": engine.exposed_comm_s()}
+        if skipped:
+            rec["skipped"] = True
+            rec["skip_reason"] = f"{'loss' if not math.isfinite(loss) else 'gradient norm'} is {loss if not math.isfinite(loss) else norm}"
         if self.layout.pp > 1:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:
@@ -181,19 +191,82 @@ class Trainer:
         xy = torch.stack(self.built.loader.batch(step, self.mesh.coord("dp") * rows, rows))
         return xy.pin_memory() if self.device.type == "cuda" else xy
 
-    def work(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def work(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The step's device work, from the tokens in self.tokens to updated parameters: the
         same kernels with the same arguments every step (what --cuda-graph captures). Returns
-        the micro-batches' loss sums and the gradient norm, on the device."""
+        the micro-batches' loss sums, the gradient norm and whether the update was skipped, on
+        the device."""
         engine = self.engine
         losses = self.passes.train_step()
         engine.finish_step()
         norm = engine.grad_norm()  # on the device: nothing in the step waits for the GPU
-        self.opt.update(grad_scale=clip_scale(norm, self.cfg.grad_clip))
+        # A step whose loss on any rank, or whose (global) gradient norm, is not finite changes no
+        # weight on any rank: decided together -- the loss's verdict summed over the world, the
+        # norm the same everywhere -- so the replicas never part, and nothing waits to know.
+        bad = torch.zeros((), device=self.device)
+        for s in losses:
+            bad += (~torch.isfinite(s)).float()
+        self.comm.all_reduce(bad, self.mesh.groups["world"]).wait()
+        skip = ((bad > 0) | ~torch.isfinite(norm)).float()
+        self.opt.update(grad_scale=clip_scale(norm, self.cfg.grad_clip), skip=skip)
         engine.gather_params()
-        return losses, norm
+        return losses, norm, skip
 
-    def save(self, step: int) -> float:
+    def check_shared(self, ckpt_dir) -> None:
+        """At the first save: every rank leaves a marker in the checkpoint folder, and rank 0 says
+        in one line if it does not see them all -- the folder is not one folder for every rank
+        (node-local disks), so no checkpoint would be whole and a restart would start over."""
+        marks = ckpt_dir / ".ranks"
+        if self.fault and self.fault.kind == "local-disk":  # (the test hook: this rank's "disk" is its own)
+            marks = ckpt_dir.with_name(f"{ckpt_dir.name}.rank{self.rt.rank}-local") / ".ranks"
+        marks.mkdir(parents=True, exist_ok=True)
+        (marks / str(self.rt.rank)).touch()
+        self.comm.barrier(self.mesh.groups["world"])
+        if self.rt.is_main:
+            seen = {int(p.name) for p in (ckpt_dir / ".ranks").iterdir() if p.name.isdigit()}
+            missing = sorted(set(range(self.rt.world_size)) - seen)
+            if missing:
+                self.rt.log(f"warning: rank 0 does not see the checkpoint files of rank(s) {_ranges(missing)} in "
+                            f"{ckpt_dir}: it is not one folder shared by every rank (node-local disks?), so no "
+                            f"checkpoint will be whole and a restart would begin at step 0; give --out a folder on "
+                            f"storage every node mounts")
+
+    def out_of_memory(self) -> str:
+        """The one line for a step that ran out of device memory: the planner's view of it."""
+        from braidtrain import plan
+
+        lay, cfg = self.layout, self.cfg
+        if self.device.type == "cuda":
+            mem = torch.cuda.get_device_properties(self.device).total_memory / 1e9
+        else:  # (a CPU run: this process's share of the machine)
+            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / self.rt.world_size
+        s = plan.Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
+                       cpu=self.device.type == "cpu")
+        return (f"out of memory on {self.device} (rank {self.rt.rank}) at step {self.comm.step}: "
+                f"{plan.advice(s, plan.candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
+
+    def diverged(self, streak: list[dict]) -> Diverged:
+        """The one line that ends a run whose last --max-skipped steps were all skipped."""
+        good = checkpoint.list_checkpoints(self.out / "checkpoints")
+        where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)" if good else "no checkpoint was saved"
+        return Diverged(f"steps {streak[0]['step']}-{streak[-1]['step']} were skipped, {len(streak)} in a row "
+                        f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; {where}; "
+                        f"try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now {self.cfg.grad_clip:g})")
+
+    def save(self, step: int) -> float | None:
+        """A checkpoint of step `step`, unless a weight or an Adam moment is not finite on some
+        rank (collective): then none, and the newest good one stays the newest."""
+        bad = torch.zeros((), device=self.device)
+        for b, (m, v, _) in zip(self.engine.buckets, self.opt.groups):
+            bad += (~torch.isfinite(b.data)).sum() + (~torch.isfinite(m)).sum() + (~torch.isfinite(v)).sum()
+        self.comm.all_reduce(bad, self.mesh.groups["world"]).wait()
+        if bad.item():
+            self.rt.log(f"step {step}: checkpoint not saved: {int(bad.item())} weights or optimizer moments are not "
+                        f"finite (the newest good checkpoint stays)")
+            return None
+        if not self.shared_checked:
+            self.shared_checked = True
+            self.check_shared(self.out / "checkpoints")
         info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.built.tok_name}
         return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
                                self.cfg.keep_ckpts, midway=self.fault.mid_save if self.fault else None)
@@ -203,6 +276,8 @@ class Trainer:
             summary = self._run()
         except Exception as e:  # the flight log says where this rank was; then the error goes on
             self.guard.dump(crash_reason(e))
+            if isinstance(e, torch.OutOfMemoryError):
+                raise UserError(self.out_of_memory()) from None
             raise
         # Past the last collective: peers may stop watching us (and we them), so that ranks that
         # finish at different times -- or rank 0 taking the store down with it -- are no alarm.
@@ -218,21 +293,26 @@ class Trainer:
                f"x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
         rec, val, bubbles = None, None, []
+        skipped, streak = 0, []
         try:
             with gc_by_hand():
                 for step in range(self.start_step, cfg.max_steps):
                     rec = self.step(step)
+                    skipped += rec.get("skipped", False)
+                    streak = streak + [rec] if rec.get("skipped") else []
                     bubbles += [rec["bubble"]] if "bubble" in rec else []
                     if step == self.start_step and self.load_s is not None:
                         rec["load_s"] = self.load_s
                     last = step + 1 == cfg.max_steps
                     if cfg.val_every and ((step + 1) % cfg.val_every == 0 or last):
                         val = rec["val_loss"] = self.passes.validate(self.device)
-                    if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last:
+                    if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last and not streak:
                         rec["save_s"] = self.save(step + 1)
                     if log:
                         log.write(rec)
                     bar.update(rec)
+                    if len(streak) >= cfg.max_skipped:
+                        raise self.diverged(streak)
         finally:
             bar.close()
             if log:
@@ -242,7 +322,7 @@ class Trainer:
             val = self.passes.validate(self.device)
         save_s = self.save(cfg.max_steps)
         sha = checkpoint.weights_sha256(self.engine)
-        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
+        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val, "skipped_steps": skipped,
                    "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s}
         if self.layout.pp > 1:  # each stage's mean bubble over the run's steps
             summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
@@ -266,6 +346,17 @@ class Trainer:
                                            share=self.passes.share_token))
             rt.log("--- sample ---\n" + text + "\n--------------")
         return summary
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r > start else str(r))
+            start = None
+    return ", ".join(out)
 
 
 def train(cfg: Config) -> dict:

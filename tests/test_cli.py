@@ -168,7 +168,7 @@ TRAIN_CASES = [
     ("cuda-graph-zero-2", lambda p: ["-i", p.data, "-z", 2, "--cuda-graph"], lambda p: ["--cuda-graph", "ZeRO", "-z 0 or 1"]),
     ("cuda-graph-on-cpu", lambda p: ["-i", p.data, "--device", "cpu", "--cuda-graph"], lambda p: ["--cuda-graph", "GPU", "cpu"]),
     # 9. the layout (layout.py's checks: test_layout has every one; here, that each reaches the user so)
-    ("ep-not-yet", lambda p: ["-i", p.data, "--ep", 2], lambda p: ["--ep 2", "not available yet", "--ep 1"]),
+    ("ep-without-experts", lambda p: ["-i", p.data, "--ep", 2], lambda p: ["--ep 2", "mixture of experts", "--ep 1"]),
     ("cp-seq-len", lambda p: ["-i", p.data, "--cp", 2, "-t", 62], lambda p: ["-t 62", "2*cp = 4 chunks", "-t 60 or -t 64"]),
     ("sp-without-tp", lambda p: ["-i", p.data, "--sp"], lambda p: ["--sp", "--tp 2 or more"]),
     ("tp-not-dividing-heads", lambda p: ["-i", p.data, "--tp", 3], lambda p: ["tp=3", "n_head=2", "{1,2}"]),

@@ -1,0 +1,140 @@
+"""A run that goes wrong stops safely (issue #23): non-finite steps are skipped on every rank
+alike and, K in a row, stop the run (exit 3) with its last good checkpoint intact; out of memory
+is one line with the planner's view; checkpoint folders that are not shared are named at the
+first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
+test hook (fault.Fault): "nan", "nan-on", "oom", "local-disk"."""
+
+import subprocess
+import sys
+
+import torch
+
+from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from test_cli import assert_one_line_error
+from braidtrain import plan
+from braidtrain.model.gpt import model_config
+
+BASE = [*SMALL, "-d", 256]
+
+
+def run(*args, fault=None, nproc=1):
+    e = dict(env(), **({"BRAIDTRAIN_FAULT": fault} if fault else {}))
+    pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
+    return subprocess.run([*pre, "-m", "braidtrain", "train", *map(str, args)], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def stopped(p) -> str:
+    """The one error line of a run that stopped itself (exit 3)."""
+    lines = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    assert p.returncode == 3 and len(lines) == 1, (p.returncode, p.stderr[-3000:])
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def test_the_diverging_run_skips_its_steps_and_stops(tmp_path, shakespeare):
+    """The issue's run: lr 1e4 without clipping diverges at step 2; steps 2-4 are skipped (logged
+    with their reason), the run stops after 3 with exit 3 naming the step and what to try; no
+    checkpoint is written from what it did; the flight log is."""
+    out = tmp_path / "run"
+    p = run(*BASE, "-i", shakespeare, "-x", 30, "--lr", "1e4", "--grad-clip", 0, "--ckpt-every", 5, "--out", out)
+    line = stopped(p)
+    for w in ("steps 2-4 were skipped, 3 in a row", "stopped at step 4", "no checkpoint was saved", "--lr", "--grad-clip"):
+        assert w in line, (w, line)
+    rows = metrics(out)
+    assert [r.get("skipped", False) for r in rows] == [False, True, True, True]
+    assert all(r["grad_norm"] is None and "gradient norm" in r["skip_reason"] for r in rows[1:])
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("step_*"))
+    assert (out / "flight" / "rank_00000.jsonl").is_file()
+
+
+def test_nan_from_step_7_keeps_the_step_5_checkpoint_and_resume_loads_it(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    args = [*BASE, "-i", shakespeare, "-x", 12, "--ckpt-every", 5, "--max-skipped", 3, "--out", out]
+    line = stopped(run(*args, fault="nan-on:step=7"))
+    assert "steps 7-9 were skipped" in line and "step_00000005" in line, line
+    assert [c.name for c in (out / "checkpoints").glob("step_*")] == ["step_00000005"]
+    assert [r["step"] for r in metrics(out) if r.get("skipped")] == [7, 8, 9]
+    p = run(*args, "--resume", "auto")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "step_00000005 (step 5)" in p.stdout
+    assert summary(out)["step"] == 12 and summary(out)["skipped_steps"] == 0
+
+
+def test_one_nan_on_one_rank_is_skipped_on_every_rank(tmp_path, shakespeare):
+    """Exact mode: a NaN loss on rank 1 of 2 at step 3 skips step 3 on both (the global norm decides);
+    the run trains on to the single process's weights with the same step skipped -- had rank 0
+    applied it, its weights (the ones hashed) would differ -- and not to a clean run's."""
+    args = [*BASE, "-i", shakespeare, "-x", 5, "--exact"]
+    two, one, clean = tmp_path / "two", tmp_path / "one", tmp_path / "clean"
+    p = run(*args, "--out", two, fault="nan:step=3:rank=1", nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    q = run(*args, "--out", one, fault="nan:step=3")
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert run(*args, "--out", clean).returncode == 0
+    for r in (two, one):
+        assert [m["step"] for m in metrics(r) if m.get("skipped")] == [3] and summary(r)["skipped_steps"] == 1
+        assert "loss is nan" in next(m for m in metrics(r) if m.get("skipped"))["skip_reason"]
+    assert summary(two)["weights_sha256"] == summary(one)["weights_sha256"] != summary(clean)["weights_sha256"]
+    assert [m["loss"] for m in metrics(two)] == [m["loss"] for m in metrics(one)]
+
+
+def test_a_skipped_update_changes_no_weight_or_moment():
+    """AdamW with skip = 1: parameters (decay too), m and v bitwise as they were; skip = 0 moves them."""
+    from types import SimpleNamespace
+
+    from braidtrain.optim import AdamW
+
+    p, g = torch.randn(256), torch.randn(256)
+    bucket = SimpleNamespace(data=p, grad=g, padded=256, params=[("w", p.view(16, 16))], offsets=[0])
+    engine = SimpleNamespace(owned=lambda: iter([(bucket, p, g)]), buckets=[bucket], zero=0,
+                             decay_segments=lambda b: [(0, 256)], owned_range=lambda b: (0, 256), device=torch.device("cpu"))
+    opt = AdamW(engine, weight_decay=0.1)
+    opt.prepare(1e-2)
+    opt.update(skip=torch.zeros(()))
+    before = [t.clone() for t in (p, *opt.groups[0][:2])]
+    opt.prepare(1e-2)
+    opt.update(skip=torch.ones(()))
+    assert all(torch.equal(a, b) for a, b in zip(before, (p, *opt.groups[0][:2])))
+    opt.update(skip=torch.zeros(()))
+    assert not torch.equal(before[0], p)
+
+
+def test_out_of_memory_is_one_line_with_the_planners_view(tmp_path, shakespeare):
+    """(The hook's own line announces the fault; the run's is the one error line, exit 2.)"""
+    out = tmp_path / "run"
+    p = run(*BASE, "-i", shakespeare, "-x", 3, "--out", out, fault="oom:step=2")
+    errors = [l for l in p.stderr.splitlines() if not l.startswith("braidtrain: fault injected")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr
+    for w in ("braidtrain: error: out of memory on cpu (rank 0) at step 2", "the planner estimates", "braidtrain plan"):
+        assert w in errors[0], (w, errors[0])
+    assert (out / "flight" / "rank_00000.jsonl").is_file()
+
+
+def test_the_planners_advice_for_a_layout_that_does_not_fit():
+    """gpt2-xl at b = 16 on one 40 GB GPU: the estimate over 40 GB, and changes that the planner
+    itself says fit."""
+    s = plan.Setup(model_config("gpt2-xl", 50257), 1, 40, 1024, 16384)
+    msg = plan.advice(s, plan.Candidate(1, 0, 16, False))
+    est = plan.estimate(s, plan.Candidate(1, 0, 16, False))["mem"]["total"] / plan.GB
+    assert est > 40 and msg.startswith(f"the planner estimates {est:.1f} GB a rank for ZeRO-0 b=16 (of 40.0 GB); use ")
+    assert "b=2" in msg and plan.estimate(s, plan.Candidate(1, 0, 2, False))["fits"]
+
+
+def test_checkpoint_folders_that_are_not_shared_are_named_at_the_first_save(tmp_path, shakespeare):
+    """Rank 1's marker lands in a folder of its own (the hook standing in for a node-local disk)."""
+    p = run(*BASE, "-i", shakespeare, "-x", 2, "--out", tmp_path / "run", fault="local-disk:step=1:rank=1", nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    warn = [l for l in p.stdout.splitlines() if "does not see the checkpoint files of rank(s) 1" in l]
+    assert len(warn) == 1 and "--out" in warn[0] and "node-local" in warn[0], p.stdout
+    q = run(*BASE, "-i", shakespeare, "-x", 2, "--out", tmp_path / "shared", nproc=2)
+    assert q.returncode == 0 and "does not see" not in q.stdout
+
+
+def test_resume_from_a_path_that_does_not_exist(tmp_path, shakespeare):
+    assert_one_line_error(braidtrain("train", *BASE, "-i", shakespeare, "-x", 1, "--resume", tmp_path / "nope", check=False),
+                          f"no checkpoint at {tmp_path / 'nope'}")
+
+
+def test_max_skipped_must_be_positive(shakespeare):
+    assert_one_line_error(braidtrain("train", *BASE, "-i", shakespeare, "--max-skipped", 0, check=False), "max_skipped")
