@@ -61,7 +61,8 @@ from braidtrain.errors import UserError
 
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
 GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on CUDA
-TORCH = ("ddp", "ddp-compile", "fsdp2")  # the default yardsticks
+TORCH = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile")  # the yardsticks (torchref.py says what each compiles)
+LOSS_TOL = {"cpu": 1e-3, "cuda": 2e-2}  # final losses of variants within this (relative): fp32; bf16
 PIPE = ("pipe-1f1b", "pipe-interleaved")  # torch.distributed.pipelining's (pp = ranks), beside --layout '--pp N'
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
 SMI = ["nvidia-smi", "--query-gpu=utilization.gpu,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "200"]
@@ -102,6 +103,8 @@ def add_parser(sub):
     t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
     t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (with --repeat, in DIR/round1, "
                                                   "DIR/round2, ...; default: a temporary folder)")
+    t.add_argument("--loss-tol", type=float, help="final losses of the variants must agree within this, relative "
+                   f"(default {LOSS_TOL['cpu']:g} on the CPU, fp32; {LOSS_TOL['cuda']:g} on CUDA, bf16); else exit 2")
     t.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run all the variants N times, in turn (figures move between runs): each row is a variant's "
                         "median run, its ratio the median of its rounds' ratios; every run is listed below the table")
@@ -378,7 +381,22 @@ def run_train(args) -> int:
     _print_train(rows, args.baseline if any(r["ratio"] is not None for r in rows) else None)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=1) + "\n")
+    _check_losses(rows, args.loss_tol if args.loss_tol is not None else LOSS_TOL["cuda" if cuda else "cpu"])
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _check_losses(rows: list[dict], tol: float) -> None:
+    """Every variant trained the same model on the same sequences: their final losses agree, or
+    one of them does other work (a one-line UserError, after the table)."""
+    done = [r for r in rows if "error" not in r]
+    if not done:
+        return
+    ref = done[0]
+    for r in done[1:]:
+        if abs(r["loss"] - ref["loss"]) > tol * abs(ref["loss"]):
+            raise UserError(f"final losses disagree: {r['variant']} {r['loss']:.5f} against {ref['variant']} "
+                            f"{ref['loss']:.5f} (more than {tol:g} apart, relative): the variants did not do the same "
+                            f"work (--loss-tol to allow more)")
 
 
 def round_folder(work: Path, r: int, repeat: int) -> Path:

@@ -10,7 +10,13 @@ the token sum over the global token count, as in braidtrain. The optimizer is to
 (weight decay on 2-D weights) with braidtrain's schedule and defaults, gradient clipping at 1.0, bf16 on GPU: autocast under DDP, FSDP2's
 MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under FSDP2, fp32 on CPU. Gradient
 accumulation skips the synchronisation of all but the last micro-step (DDP's no_sync, FSDP2's
-set_requires_gradient_sync). ddp-compile is nanoGPT's recipe: torch.compile the model, then DDP.
+set_requires_gradient_sync). DDP and FSDP2 average the ranks' gradients, so each rank divides its
+loss sum by its own token count: the gradient, its norm and the clipping are braidtrain's.
+What each compiles and fuses: ddp and fsdp2 nothing (eager; torch's fused AdamW, SDPA's flash
+attention); ddp-compile is nanoGPT's recipe, torch.compile of the whole model (head and
+cross-entropy included), then DDP; fsdp2-compile compiles each block (Module.compile), then
+shards it (torchtitan's order), the head and loss eager. braidtrain's own head and loss are
+loss.py's fused kernel in every layout; its --compile compiles each block.
 
 pipe-1f1b and pipe-interleaved run torch.distributed.pipelining's Schedule1F1B and
 ScheduleInterleaved1F1B (2 chunks a rank) over all ranks (pp = world, dp = 1) on braidtrain's own
@@ -43,7 +49,7 @@ from braidtrain.metrics import peak_flops
 from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import lr_at
 
-MODES = ("ddp", "ddp-compile", "fsdp2", "pipe-1f1b", "pipe-interleaved")
+MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "pipe-1f1b", "pipe-interleaved")
 
 
 class TorchLoss(torch.nn.Module):
@@ -62,11 +68,13 @@ class TorchLoss(torch.nn.Module):
 def build(mode, model, device, bf16):
     """The wrapped model and what its micro-steps need: (model, sync_context(last), autocast)."""
     rank = dist.get_rank()
-    if mode == "fsdp2":
+    if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         for block in model.gpt.h:
+            if mode == "fsdp2-compile":  # each block compiled, then sharded (torchtitan's order)
+                block.compile()
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
 
@@ -198,7 +206,9 @@ def main(argv=None) -> None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with sync(micro == plan.micro_steps - 1), autocast():
                 loss = net(x, y)
-                (loss / plan.total_tokens).backward()
+                # DDP and FSDP2 average the ranks' gradients: each rank divides by its own tokens,
+                # so the average is the global sum over the global count -- braidtrain's gradient
+                (loss / (plan.total_tokens // world)).backward()
             total += loss.detach().float()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for group in opt.param_groups:
