@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from braidtrain.errors import UserError
+from braidtrain.errors import SaveFailed, UserError
 from braidtrain.parallel import placement
 
 FORMAT = 3  # 3: meta.json holds the placement table; 2 (read too): the table is the model config's
@@ -112,6 +112,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
         tensors[f"v/{name}/{a}"] = v[base : base + e - a].cpu().clone()
     fname = f"rank_{rt.rank:05d}.safetensors"
     path = tmp / fname
+    digest, failed = None, None
     try:
         save_file(tensors, str(path))
         with open(path, "rb+") as f:
@@ -119,10 +120,13 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
         digest = _sha256(path), path.stat().st_size
         if midway is not None:
             midway(step)
-    except OSError as e:  # a full disk, a quota: nothing was published, the previous checkpoint stands
-        raise UserError(f"rank {rt.rank} could not write checkpoint {final}: {e.strerror or e} "
-                        f"(the previous checkpoint is intact; free space, then --resume auto)") from None
-    sums = engine.comm.all_gather_object((fname, digest), world)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota, a file-size limit: every rank learns of it
+        # below (safetensors reports an I/O error as its own, "... I/O error: No space left on device ...")
+        failed = f"rank {rt.rank} could not write checkpoint {final}: {getattr(e, 'strerror', None) or e}"
+    sums = engine.comm.all_gather_object((fname, digest, failed), world)
+    failed = next((f for _, _, f in sums if f), None)
+    if failed:  # nothing was published: the previous checkpoint stands (its .tmp is never read)
+        raise SaveFailed(failed + " (the previous checkpoint is intact; free space, then --resume auto)")
     if rt.is_main:
         meta = {
             "format": FORMAT,
@@ -131,8 +135,8 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
             **info,
             "placement": placement.for_config(engine.model.cfg).to_json(),  # every parameter's, whatever the stage
             "layout": layout_record(lay, rt.world_size),
-            "files": {f: d[0] for f, d in sums},
-            "sizes": {f: d[1] for f, d in sums},
+            "files": {f: d[0] for f, d, _ in sums},
+            "sizes": {f: d[1] for f, d, _ in sums},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         with open(tmp / "meta.json", "rb+") as f:
@@ -199,7 +203,9 @@ def load(path: Path, engine, opt) -> dict:
     shard) from a checkpoint saved by any layout: any world size, ZeRO stage or tp degree."""
     meta = json.loads((path / "meta.json").read_text())
     want = dataclasses.asdict(engine.model.cfg)
-    saved = saved_model(meta)
+    behaviour = ("moe_top_k", "moe_capacity", "moe_aux")  # the routing's settings: the parameters are the same
+    saved = {k: v for k, v in saved_model(meta).items() if k not in behaviour}
+    want = {k: v for k, v in want.items() if k not in behaviour}
     if saved != want:
         diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
         if saved.get("moe_experts") != want["moe_experts"] and 0 in (saved.get("moe_experts"), want["moe_experts"]):

@@ -54,6 +54,8 @@ def _train_parser(sub):
     g.add_argument("--out", "-o", help="run directory (default runs/<timestamp>)")
     g.add_argument("--ckpt-every", "-n", type=int)
     g.add_argument("--keep-ckpts", type=int)
+    g.add_argument("--on-save-error", choices=["stop", "continue"],
+                   help="a checkpoint save that fails (a full disk): stop the run (default, exit 2) or log it and go on")
     g.add_argument("--max-skipped", type=int,
                    help="stop (exit 3) after this many steps in a row whose loss or gradient is not finite (default 3)")
     g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder; "

@@ -62,6 +62,7 @@ class Config:
     ckpt_every: int = 0  # 0: only the final checkpoint
     keep_ckpts: int = 2
     max_skipped: int = 3  # consecutive non-finite steps (each skipped, no update) before the run stops
+    on_save_error: str = "stop"  # a checkpoint save that fails (full disk): stop (exit 2) | continue
     resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
@@ -181,6 +182,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"lr must be a positive number, got {cfg.lr}")
     if not 0 <= cfg.final_lr_frac <= 1:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
+    if cfg.on_save_error not in ("stop", "continue"):
+        raise UserError(f"on_save_error must be stop or continue, got {cfg.on_save_error!r}")
     if cfg.zero not in (0, 1, 2, 3):
         raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
     if cfg.bucket_mb <= 0:

@@ -7,6 +7,10 @@ class UserError(Exception):
     exit_code = 2
 
 
+class SaveFailed(UserError):
+    """A checkpoint save failed on some rank (a full disk, a quota); the previous one stands."""
+
+
 class Diverged(UserError):
     """The run stopped itself: too many steps in a row with a non-finite loss or gradient (exit 3)."""
 

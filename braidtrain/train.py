@@ -44,7 +44,7 @@ from braidtrain import checkpoint
 from braidtrain.build import build
 from braidtrain.config import Config
 from braidtrain.data import get_tokenizer, unigram_entropy
-from braidtrain.errors import Diverged, UserError
+from braidtrain.errors import Diverged, SaveFailed, UserError
 from braidtrain.fault import crash_reason
 from braidtrain.generate import generate
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
@@ -216,14 +216,14 @@ class Trainer:
         """At the first save: every rank leaves a marker in the checkpoint folder, and rank 0 says
         in one line if it does not see them all -- the folder is not one folder for every rank
         (node-local disks), so no checkpoint would be whole and a restart would start over."""
-        marks = ckpt_dir / ".ranks"
+        marks = ckpt_dir.parent / ".ranks"  # (beside the checkpoints, in the run directory)
         if self.fault and self.fault.kind == "local-disk":  # (the test hook: this rank's "disk" is its own)
-            marks = ckpt_dir.with_name(f"{ckpt_dir.name}.rank{self.rt.rank}-local") / ".ranks"
+            marks = ckpt_dir.parent / f".rank{self.rt.rank}-local" / ".ranks"
         marks.mkdir(parents=True, exist_ok=True)
         (marks / str(self.rt.rank)).touch()
         self.comm.barrier(self.mesh.groups["world"])
         if self.rt.is_main:
-            seen = {int(p.name) for p in (ckpt_dir / ".ranks").iterdir() if p.name.isdigit()}
+            seen = {int(p.name) for p in (ckpt_dir.parent / ".ranks").iterdir() if p.name.isdigit()}
             missing = sorted(set(range(self.rt.world_size)) - seen)
             if missing:
                 self.rt.log(f"warning: rank 0 does not see the checkpoint files of rank(s) {_ranges(missing)} in "
@@ -268,8 +268,14 @@ class Trainer:
             self.shared_checked = True
             self.check_shared(self.out / "checkpoints")
         info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.built.tok_name}
-        return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
-                               self.cfg.keep_ckpts, midway=self.fault.mid_save if self.fault else None)
+        try:
+            return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
+                                   self.cfg.keep_ckpts, midway=self.fault.mid_save if self.fault else None)
+        except SaveFailed as e:
+            if self.cfg.on_save_error == "stop":
+                raise
+            self.rt.log(f"warning: {e}; training goes on (--on-save-error continue), the next save tries again")
+            return None
 
     def run(self) -> dict:
         try:

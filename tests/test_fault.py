@@ -228,7 +228,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, shakespeare, ref):
     ckpts = sorted(d.name for d in (run / "checkpoints").iterdir())
     assert ckpts == ["step_00000002", "step_00000004", "step_00000006.tmp"]
     checkpoint.verify(run / "checkpoints" / "step_00000004")
-    assert headers(run)[0]["reason"].startswith("crash: UserError")
+    assert headers(run)[0]["reason"].startswith("crash: SaveFailed")
     out = braidtrain("train", *COMMON, "-i", shakespeare, "--ckpt-every", 2, "--out", run, "--resume", "auto").stdout
     assert "step_00000004" in out
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]

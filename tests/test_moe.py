@@ -123,3 +123,31 @@ def test_a_checkpoint_of_the_other_kind_is_refused_in_one_line(tmp_path, shakesp
     p = braidtrain("train", *MOE, "-i", shakespeare, "-x", 2, "--out", dense, "--resume", "auto", check=False)
     assert_one_line_error(p, "holds a dense model", "builds an MoE one", "--moe-experts 0")
     assert_one_line_error(braidtrain("export", moe, "--out", tmp_path / "hf", check=False), "mixture of experts")
+
+
+def test_validation_forwards_do_not_count_in_the_step_metrics(tmp_path, shakespeare):
+    """moe_aux and the load are the training forwards': a run that validates every step logs the
+    same figures as one that does not."""
+    runs = [tmp_path / "quiet", tmp_path / "validating"]
+    for run, every in zip(runs, (0, 1)):
+        braidtrain("train", *MOE, "-i", shakespeare, "-x", 2, "--val-every", every, "--moe-capacity", "1.0", "--out", run)
+    a, b = ([{k: r[k] for k in ("loss", "moe_aux", "moe_dropped", "moe_load")} for r in metrics(run) if "moe_aux" in r]
+            for run in runs)
+    assert a == b and len(a) == 2
+
+
+def test_the_grouped_gemm_is_taken_only_where_it_runs():
+    """(On CUDA in bf16: with rows, whole 16-byte rows of both widths, outside exact mode; the
+    loop otherwise -- a grouped GEMM of no rows, or of an odd width, raises on the H200.)"""
+    from types import SimpleNamespace
+
+    from braidtrain.parallel.expert import Dispatch
+
+    rows = lambda n, c=64: SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(n, c))  # noqa: E731
+    d, moe = Dispatch(), SimpleNamespace(width=128)
+    assert d._grouped(rows(5), moe) == hasattr(torch, "_grouped_mm")
+    assert not d._grouped(rows(0), moe) and not d._grouped(rows(5, 100), moe)
+    assert not d._grouped(rows(5), SimpleNamespace(width=100))
+    assert not d._grouped(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16, shape=(5, 64)), moe)
+    d.exact = True
+    assert not d._grouped(rows(5), moe)

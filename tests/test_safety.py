@@ -4,6 +4,8 @@ is one line with the planner's view; checkpoint folders that are not shared are 
 first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
 test hook (fault.Fault): "nan", "nan-on", "oom", "local-disk"."""
 
+import resource
+import signal
 import subprocess
 import sys
 
@@ -17,11 +19,16 @@ from braidtrain.model.gpt import model_config
 BASE = [*SMALL, "-d", 256]
 
 
-def run(*args, fault=None, nproc=1):
+def run(*args, fault=None, nproc=1, fsize=None):
+    """`fsize`: a file-size limit (bytes) on the run, as a full disk would stop its writes."""
     e = dict(env(), **({"BRAIDTRAIN_FAULT": fault} if fault else {}))
     pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
+
+    def limit():  # a write past the limit then fails with EFBIG (SIGXFSZ ignored, not fatal)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     return subprocess.run([*pre, "-m", "braidtrain", "train", *map(str, args)], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, preexec_fn=limit if fsize else None)
 
 
 def stopped(p) -> str:
@@ -98,6 +105,30 @@ def test_a_skipped_update_changes_no_weight_or_moment():
     assert all(torch.equal(a, b) for a, b in zip(before, (p, *opt.groups[0][:2])))
     opt.update(skip=torch.zeros(()))
     assert not torch.equal(before[0], p)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_or_goes_on(tmp_path, shakespeare):
+    """Under a 1 MB file-size limit (the checkpoint's rank file is ~4 MB) the step-4 save fails on
+    the first write: by default one line (exit 2) and the step-2 checkpoint intact; with
+    --on-save-error continue a line, training to the end, the step-2 checkpoint still the newest,
+    and a resume without the limit loads it."""
+    from braidtrain import checkpoint
+
+    out = tmp_path / "run"
+    args = [*BASE, "-i", shakespeare, "--ckpt-every", 2, "--out", out]
+    assert run(*args, "-x", 2).returncode == 0
+    p = run(*args, "-x", 4, "--resume", "auto", fsize=1 << 20)
+    err = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    assert p.returncode == 2 and len(err) == 1 and "could not write checkpoint" in err[0], p.stderr[-3000:]
+    assert "File too large" in err[0] and "previous checkpoint is intact" in err[0]
+    checkpoint.verify(out / "checkpoints" / "step_00000002")
+    p = run(*args, "-x", 6, "--resume", "auto", "--on-save-error", "continue", fsize=1 << 20)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sum("training goes on (--on-save-error continue)" in l for l in p.stdout.splitlines()) == 2  # steps 4, 6
+    assert [m["step"] for m in metrics(out)][-1] == 6
+    assert [c.name for c in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
+    p = run(*args, "-x", 3, "--resume", "auto")
+    assert p.returncode == 0 and "step_00000002 (step 2)" in p.stdout
 
 
 def test_out_of_memory_is_one_line_with_the_planners_view(tmp_path, shakespeare):

@@ -11,7 +11,7 @@ token's first choice, in token order, before any second choice (GShard's). An as
 capacity skips its expert (its term of the sum is zero; the block's residual carries the token
 on). The capacity group is one rank's micro-batch -- the same tokens at any dp or ep -- so which
 tokens are dropped does not depend on the layout (under cp a rank's micro-batch is its t/cp
-tokens: cp changes the groups, as it changes attention's sums).
+tokens, under sp its t/tp rows: they change the groups, as cp changes attention's sums).
 
 Load balance: the Switch/GShard loss E * sum_i f_i * P_i over a rank's micro-batch, f_i the share
 of the k*N assignments routed to expert i (before capacity), P_i the mean router probability of
@@ -101,7 +101,8 @@ class MoE(nn.Module):
         self.E, self.k = cfg.moe_experts, cfg.moe_top_k
         self.capacity, self.aux_coef = cfg.moe_capacity, cfg.moe_aux
         self.router = nn.Linear(cfg.n_embd, self.E, bias=False)
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.n_embd, cfg.moe_width) for e in experts})
+        self.width = cfg.moe_width
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.n_embd, self.width) for e in experts})
         self.dispatch = dispatch
         self.loss_scale = 0.0
         self.stats, self.counted = torch.zeros(0), [0, 0]  # this step's: (aux sum, dropped, kept per expert), (forwards, assignments)
@@ -112,8 +113,8 @@ class MoE(nn.Module):
         w, idx, keep, aux, routed = route(self.router(xs), self.k, self.capacity)
         y = self.dispatch(xs, idx, keep, self)  # (N, k, C): the expert outputs, zero where dropped
         out = (y * (w * keep).unsqueeze(-1).to(y.dtype)).sum(1)
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
-            self._record(aux, keep, idx)
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._record(aux, keep, idx)  # (a training forward: not validation, sampling, a recomputation)
         if torch.is_grad_enabled() and self.aux_coef and self.loss_scale:
             out = AuxLoss.apply(out, self.aux_coef * N * aux, self.loss_scale)
         return out.view(shape)

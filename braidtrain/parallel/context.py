@@ -214,7 +214,7 @@ def _flash(q, exact: bool) -> bool:
     """Whether block pairs run on torch's flash kernels: on CUDA in half precision, outside exact
     mode (flash's backward adds dq in whatever order its blocks finish)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not exact
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def _flash_pair(q, k, v, diag: bool, scale: float):

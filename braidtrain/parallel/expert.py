@@ -77,7 +77,7 @@ class Dispatch:
     def _run(self, rows, counts, moe):
         local = [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
         if self.n == 1:
-            if self._grouped(rows):  # (the counts stay on the GPU)
+            if self._grouped(rows, moe):  # (the counts stay on the GPU)
                 return grouped(rows, counts, local)
             c = counts.tolist()
             return compute(rows, c, local, [[x] for x in c], self.exact)
@@ -96,7 +96,7 @@ class Dispatch:
         perm = [i for e in range(El) for s in range(n) for i in range(start[s][e], start[s][e] + recv[s][e])]
         perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
         mine = [sum(recv[s][e] for s in range(n)) for e in range(El)]
-        if self._grouped(rows):
+        if self._grouped(arrived, moe):
             out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), local)
         else:
             out = compute(arrived[perm], mine, local, [[recv[s][e] for s in range(n)] for e in range(El)], self.exact, self.sink)
@@ -104,10 +104,11 @@ class Dispatch:
         return _AllToAll.apply(back, send_splits, recv_splits, self.group)
 
 
-    def _grouped(self, rows) -> bool:
-        """On CUDA in bf16, outside exact mode: one grouped GEMM for all experts."""
-        return (self.grouped and not self.exact and rows.is_cuda and rows.dtype == torch.bfloat16
-                and hasattr(torch, "_grouped_mm") and rows.shape[-1] % 16 == 0)
+    def _grouped(self, rows, moe) -> bool:
+        """On CUDA in bf16, outside exact mode, with rows to compute (a grouped GEMM of none raises;
+        the loop keeps the experts in the graph), widths of whole 16-byte rows: one grouped GEMM."""
+        return (self.grouped and not self.exact and rows.is_cuda and rows.dtype == torch.bfloat16 and rows.shape[0] > 0
+                and hasattr(torch, "_grouped_mm") and rows.shape[-1] % 8 == 0 and moe.width % 8 == 0)
 
 
 def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, sink=None):
