@@ -15,7 +15,9 @@ So every rank runs a `Guard`:
              loop (a long checkpoint save or validation cannot starve them; they wait with the GIL
              released) and are daemons (they never keep a finished process alive).
   peer lost  the first rank to notice publishes hb/abort so that the others do not each wait out
-             their own timeout, writes its flight log, and leaves with os._exit(EXIT_PEER_LOST):
+             their own timeout, SIGKILLs the silent peer if it runs on its own host (a frozen
+             process ignores torchrun's SIGTERM, which then waits ~30 s to kill it), writes its
+             flight log, and leaves with os._exit(EXIT_PEER_LOST):
              the main thread is stuck in a collective and cannot be unwound. torchrun sees a failed
              worker and restarts the group, which resumes from the newest checkpoint.
   signals    SIGTERM (torchrun stopping the group, a scheduler's preemption) and SIGINT write the
@@ -41,6 +43,7 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -83,12 +86,18 @@ class Guard:
         self.done: set[int] = set()  # peers that finished cleanly
         self.store_ok = now  # when the store last answered
         self.abort = None  # a peer's verdict, read from hb/abort
+        self.where: dict[int, tuple[str, int]] = {}  # watched peers' (host, pid), from hb/pid/<rank>
         self.wake_r = None
         if threading.current_thread() is threading.main_thread():
             self.wake_r, wake_w = os.pipe()
             os.set_blocking(wake_w, False)
             old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
             self.saved_signals = (old_fd, wake_w, {s: signal.signal(s, _noop) for s in (signal.SIGTERM, signal.SIGINT)})
+        if self.heartbeat:  # where this rank runs, for a peer that finds it frozen (_end_frozen): now, at
+            try:  # the start, from the main thread -- a rank may freeze before its first beat
+                self.rt.connect(self.timeout).set(f"hb/pid/{self.rt.rank}", f"{socket.gethostname()}:{os.getpid()}")
+            except Exception:
+                pass
         targets = [self._watch] + ([self._beat] if self.heartbeat else [])
         self.threads = [threading.Thread(target=t, name=f"braidtrain-{t.__name__[1:]}", daemon=True) for t in targets]
         for t in self.threads:
@@ -142,6 +151,9 @@ class Guard:
                 if client is None:
                     client = self.rt.connect(self.timeout)
                 client.set(f"hb/{self.rt.rank}", f"{time.time():.3f}")
+                for p in [p for p in self.watched if p not in self.where and client.check([f"hb/pid/{p}"])]:
+                    host, pid = client.get(f"hb/pid/{p}").decode().rsplit(":", 1)
+                    self.where[p] = host, int(pid)
                 present |= {p for p in self.watched if p not in present and client.check([keys[p]])}
                 watched = [p for p in self.watched if p in present]
                 now = time.monotonic()
@@ -176,6 +188,7 @@ class Guard:
                 verdict = self._verdict()
                 if verdict:
                     self._publish(f"rank {self.rt.rank} saw: {verdict}")
+                    self._end_frozen()
                     self.fatal(f"peer lost: {verdict}", EXIT_PEER_LOST)
 
     def _peer_lost(self) -> str | None:
@@ -202,6 +215,20 @@ class Guard:
         if stale:
             return "; ".join(f"rank {p} sent no heartbeat for {age:.1f} s (dead or frozen)" for p, age in stale)
         return None
+
+    def _end_frozen(self) -> None:
+        """SIGKILL the silent peers that run on this host: a frozen process ignores torchrun's
+        SIGTERM, and its agent waits ~30 s before its own SIGKILL -- this way the group restarts
+        within seconds of the verdict. (A peer on another host is that host's agent's to end.)"""
+        now, host = time.monotonic(), socket.gethostname()
+        for p, t in list(self.seen.items()):
+            if p not in self.done and now - t > self.timeout and self.where.get(p, ("", 0))[0] == host:
+                try:
+                    os.kill(self.where[p][1], signal.SIGKILL)
+                    print(f"braidtrain: rank {self.rt.rank}: ended rank {p} (pid {self.where[p][1]}), silent for "
+                          f"{now - t:.1f} s", file=sys.stderr, flush=True)
+                except OSError:
+                    pass
 
     def _publish(self, msg: str) -> None:
         """hb/abort = msg, so that every rank dumps now. Best effort, from a throwaway thread with

@@ -62,14 +62,13 @@ def layouts(suite: str):
         default = [("dp2-ep1", dict(dp=2)), ("dp2-ep2", dict(dp=2, ep=2)), ("dp4-ep2-z1", dict(dp=4, ep=2, zero=1)),
                    ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("dp8-ep4-z2", dict(dp=8, ep=4, zero=2)),
                    ("tp2-dp2-ep2", dict(tp=2, dp=2, ep=2)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b")),
-                   ("dp2-ep2-dropless", dict(dp=2, ep=2, cfg="dropless")),
                    # cp and sp give a rank a share of each sequence: the routing groups change with it (moe.py),
                    # so they are compared dropless without the balance loss (what depends on the groups)
                    ("cp2-ep2-free", dict(cp=2, ep=2, cfg="free")), ("tp2-sp-dp2-ep2-free", dict(tp=2, sp=True, dp=2, ep=2, cfg="free"))]
         exact = [("dp4-ep1-z0", dict(dp=4)), ("dp4-ep2-z0", dict(dp=4, ep=2)), ("dp4-ep4-z0", dict(dp=4, ep=4)),
                  ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("dp4-ep2-z3", dict(dp=4, ep=2, zero=3)),
                  ("dp8-ep4-z1", dict(dp=8, ep=4, zero=1)), ("dp2-ep2-z2-recompute", dict(dp=2, ep=2, zero=2, recompute=True))]
-        return ([("ref", dict(), 9), ("ref-dropless", dict(cfg="dropless"), 9), ("ref-free", dict(cfg="free"), 9),
+        return ([("ref", dict(), 9), ("ref-free", dict(cfg="free"), 9),
                  ("ref-exact", dict(exact=True), 4)]
                 + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
@@ -263,7 +262,7 @@ def main(out, suite):
                 dist.barrier()
     for name, kw, steps in layouts(suite):
         kw = dict(kw)
-        cfg = {"dropless": replace(MOE, moe_capacity=0.0), "free": replace(MOE, moe_capacity=0.0, moe_aux=0.0),
+        cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0),
                None: MOE if suite == "ep" else CFG}[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:

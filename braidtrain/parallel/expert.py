@@ -103,7 +103,6 @@ class Dispatch:
         back = torch.empty_like(out).index_copy(0, perm, out) if perm.numel() else out
         return _AllToAll.apply(back, send_splits, recv_splits, self.group)
 
-
     def _grouped(self, rows, moe) -> bool:
         """On CUDA in bf16, outside exact mode, with rows to compute (a grouped GEMM of none raises;
         the loop keeps the experts in the graph), widths of whole 16-byte rows: one grouped GEMM."""

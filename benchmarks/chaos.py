@@ -1,0 +1,108 @@
+"""Chaos: does every interrupted run end exactly as one that never failed? (docs/fault-tolerance.md)
+
+Each trial draws, from --seed: a fault (SIGKILL or SIGSTOP of a random rank at a random step), a
+ZeRO stage (0-3), a world size for the run (2 or 4) and another for its restart (1, 2 or 4). The
+run trains `tiny` in exact mode under `torchrun --max-restarts 0` with a checkpoint every 3 steps
+until the fault ends it (a frozen rank: the heartbeat, --heartbeat-timeout 5, and a survivor ends
+it); the restart is a new torchrun on the other world size with `--resume auto`, to the end. The
+trial passes when its final weights_sha256 is the uninterrupted run's (exact mode: the same bits
+on any dp and ZeRO stage). Timed: the fault to the survivors' exit, and to the restart's
+"resumed from" line (which includes starting the new torchrun). One line per trial, then a
+summary; exit 1 if any trial failed.
+
+    python benchmarks/chaos.py --trials 10 [--seed 0] [--data data/shakespeare_bytes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, D = 12, 1024  # -d 1024 = b 2 x t 128 x 4 micro-steps at dp 1: a power of two at dp 1, 2 and 4
+MODEL = ["--model", "tiny", "-b", "2", "-t", "128", "-d", str(D), "-x", str(STEPS), "--exact", "--val-every", "0",
+         "--sample-tokens", "0", "--no-progress", "--ckpt-every", "3", "--heartbeat-timeout", "5"]
+
+
+def torchrun(nproc: int, args: list, env: dict, log: Path) -> tuple[int, dict]:
+    """Run, timing the lines that matter; returns (exit code, {event: seconds since the epoch})."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
+           "-m", "braidtrain", "train", *map(str, args)]
+    events = {}
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout:
+            f.write(line)
+            for key in ("fault injected", "peer lost", "resumed from"):
+                if key in line and key not in events:
+                    events[key] = time.time()
+        p.wait()
+    events["exit"] = time.time()
+    return p.returncode, events
+
+
+def trial(k: int, rnd: random.Random, data: str, work: Path, want: str) -> dict:
+    kind, zero = rnd.choice(["kill", "stop"]), rnd.randrange(4)
+    n1, n2 = rnd.choice([2, 4]), rnd.choice([1, 2, 4])
+    rank, step = rnd.randrange(n1), rnd.randrange(4, STEPS)  # after the first checkpoint (step 3)
+    run = work / f"trial{k}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    args = [*MODEL, "-i", data, "-z", zero, "--out", run]
+    rc1, ev1 = torchrun(n1, args, dict(env, BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}"), work / f"trial{k}-a.log")
+    rc2, ev2 = torchrun(n2, [*args, "--resume", "auto"], env, work / f"trial{k}-b.log")
+    summary = run / "summary.json"
+    got = json.loads(summary.read_text())["weights_sha256"] if summary.is_file() else None
+    t0 = ev1.get("fault injected")
+    return {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": zero, "world": f"{n1} -> {n2}",
+            "first_exit": rc1, "ok": rc1 != 0 and rc2 == 0 and got == want,
+            "to_exit_s": ev1["exit"] - t0 if t0 else None,
+            "to_resumed_s": ev2["resumed from"] - t0 if t0 and "resumed from" in ev2 else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default="data/shakespeare_bytes")
+    ap.add_argument("--json", help="also write the trials here")
+    a = ap.parse_args()
+    rnd = random.Random(a.seed)
+    with tempfile.TemporaryDirectory(prefix="braidtrain-chaos-") as tmp:
+        work = Path(tmp)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        rc, _ = torchrun(2, [*MODEL, "-i", a.data, "--out", work / "ref"], env, work / "ref.log")
+        if rc:
+            print((work / "ref.log").read_text()[-3000:], file=sys.stderr)
+            return 1
+        want = json.loads((work / "ref" / "summary.json").read_text())["weights_sha256"]
+        rows = []
+        for k in range(a.trials):
+            r = trial(k, rnd, a.data, work, want)
+            rows.append(r)
+            fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
+            print(f"trial {k}: {r['fault']}, ZeRO-{r['zero']}, world {r['world']}: "
+                  f"{'bitwise equal' if r['ok'] else 'FAILED'}; fault to exit {fmt(r['to_exit_s'])}, "
+                  f"to resumed {fmt(r['to_resumed_s'])}", flush=True)
+            if not r["ok"]:
+                for part in "ab":
+                    print((work / f"trial{k}-{part}.log").read_text()[-2000:], file=sys.stderr)
+    passed = sum(r["ok"] for r in rows)
+    for kind in ("kill", "stop"):
+        t = sorted(r["to_resumed_s"] for r in rows if r["fault"].startswith(kind) and r["to_resumed_s"] is not None)
+        if t:
+            print(f"{kind}: fault to resumed, median {t[len(t) // 2]:.1f} s, max {t[-1]:.1f} s ({len(t)} trials)")
+    print(f"{passed} of {len(rows)} trials bitwise equal to the uninterrupted run")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
