@@ -189,7 +189,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     if schedule == "interleaved" and m % pp:
         raise UserError(f"--pp-schedule interleaved needs a multiple of pp = {pp} micro-steps per rank, got "
                         f"d/(b*t*dp) = {m}: use -d {m // pp * pp * unit} or -d {(m // pp + 1) * pp * unit}")
-    chunks = pipeline.split(model.n_layer, pp * v, pipeline.flop_cost(model, seq_len, pp * v), split)
+    chunks = pipeline.split(model.n_layer, pp * v, by_hand=split) if split is not None else pipeline.cost_split(model, seq_len, pp * v)
     return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v, tuple(chunks),
                   **ctx)
 

@@ -2,10 +2,15 @@
 
 A candidate is one point of the mesh (dp x tp, with sequence parallelism on or off when tp > 1) x
 ZeRO stage x micro-batch b x recompute; layout.make_layout -- the validator `train` runs -- says
-which can run. Each new axis is one more loop in `meshes` and one more term in `estimate`: pp
-(estimate_pipeline, a simulation of the schedule) and cp so far, ep to come.
+which can run. Each axis is one more loop in `meshes` and one more term in `estimate`: pp
+(estimate_pipeline, a simulation of the schedule), cp and ep, each with the others.
 
-Context parallelism (cp ranks share each sequence, without a pipeline here): the replica group
+Topology (--gpus-per-node): the mesh is pp, dp, cp, tp outer to inner, so each axis group is a
+run of consecutive ranks; a group that fits in a node talks at --busbw (--tp-busbw for tp), one
+that spans nodes at --node-busbw (busbw_of). The ranking then keeps tp, and ep's all-to-all,
+inside a node wherever that is faster, with no rule of its own.
+
+Context parallelism (cp ranks share each sequence): the replica group
 is the n = dp*cp ranks of a tp slot (ZeRO shards over all of them); a rank's activations are
 those of its t/cp tokens (the counts below at t/cp) plus ring_bytes: the ring's fp32 output
 per block and one tile's fp32 scores; compute is the same FLOPs over dp*cp*tp ranks, at
@@ -247,7 +252,9 @@ class Setup:
     alpha_us: float = 10.0
     bucket_mb: float = Config.bucket_mb
     cpu: bool = False  # the --check on a CPU: fp32, gloo, no CUDA context
-    tp_busbw: float | None = None  # GB/s, the tp group's; None: busbw
+    tp_busbw: float | None = None  # GB/s, the tp group's inside a node; None: busbw
+    gpus_per_node: int | None = None  # None: every GPU in one node
+    node_busbw: float = 40.0  # GB/s of a collective whose group spans nodes (InfiniBand, per GPU)
 
 
 @dataclass(frozen=True)
@@ -263,9 +270,9 @@ class Candidate:
     pp: int = 1
     schedule: str = "sequential"  # the pipeline's (parallel/pipeline.py) when pp > 1
     virtual: int = 1  # chunks a pipeline rank holds (interleaved)
-    cp: int = 1  # context parallelism (without a pipeline here)
+    cp: int = 1  # context parallelism
     cp_impl: str = "ring"  # or "allgather" (parallel/context.py)
-    ep: int = 1  # expert parallelism (a mixture of experts; without a pipeline here)
+    ep: int = 1  # expert parallelism (a mixture of experts)
 
     @property
     def gpus(self) -> int:
@@ -326,14 +333,13 @@ def pipelines(s: Setup, tp: int, pps=None, schedules=None):
 def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None, cps=None):
     """(dp, tp, sp, (pp, schedule, virtual), cp) for every mesh of s.gpus; tps, pps, cps: only
     these degrees (None: all), sps: these sp settings (sp needs tp > 1 and t divisible by tp),
-    schedules: these pipeline schedules. cp > 1 without a pipeline only (the planner does not
-    weigh the two together yet)."""
+    schedules: these pipeline schedules."""
     for tp in tp_degrees(s):
         if tps is not None and tp not in tps:
             continue
         for pipe in pipelines(s, tp, pps, schedules):
             rest = s.gpus // (tp * pipe[0])
-            for cp in [c for c in range(1, rest + 1) if rest % c == 0 and (c == 1 or pipe[0] == 1)]:
+            for cp in [c for c in range(1, rest + 1) if rest % c == 0]:
                 if cps is not None and cp not in cps:
                     continue
                 for sp in (False, True) if tp > 1 else (False,):
@@ -345,7 +351,7 @@ def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, T
             pps=None, schedules=None, cps=None, eps=None):
     E = s.cfg.moe_experts
     for dp, tp, sp, pipe, cp in meshes(s, tps, sps, pps, schedules, cps):
-        experts = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and E % e == 0] if E and pipe[0] == 1 else [1]
+        experts = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and E % e == 0] if E else [1]
         for ep in [e for e in experts if eps is None or e in eps]:
             for zero in zeros if dp * cp > 1 or len(zeros) == 1 else (0,):  # one replica: nothing to shard
                 for b in bs:
@@ -354,6 +360,19 @@ def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, T
                             lay = Candidate(dp, zero, b, rc, tp, sp, *pipe, cp=cp, cp_impl=impl, ep=ep)
                             if layout_of(s, lay, s.d) is not None:
                                 yield lay
+
+
+def busbw_of(s: Setup, lay: Candidate, axis: str) -> float:
+    """GB/s of one axis group's collectives: --busbw inside a node (--tp-busbw for tp),
+    --node-busbw once the group spans nodes. The mesh is pp, dp, cp, tp outer to inner (mesh.py),
+    so a group spans a run of consecutive ranks: a tp group tp of them, a cp group cp*tp, the
+    replicas dp*cp*tp, an ep run ep*cp*tp (runs of the replicas in their cp-major tree order);
+    a pipeline's hops are counted as crossing nodes once the world does."""
+    span = {"tp": lay.tp, "cp": lay.cp * lay.tp, "dp": lay.dp * lay.cp * lay.tp, "ep": lay.ep * lay.cp * lay.tp,
+            "pp": lay.gpus}[axis]
+    if span > (s.gpus_per_node or s.gpus):
+        return s.node_busbw
+    return (s.tp_busbw or s.busbw) if axis == "tp" else s.busbw
 
 
 def collective_s(s: Setup, kind: str, nbytes: float, n: int, busbw: float | None = None) -> float:
@@ -376,7 +395,8 @@ def tp_comm_s(s: Setup, lay: Candidate) -> float:
     if lay.tp == 1:
         return 0.0
     m = tp_messages(s.cfg, lay.b, s.t // lay.cp, lay.sp, s.cpu)  # a rank's t/cp tokens under cp
-    t = lambda msgs: sum(collective_s(s, kind, nb, lay.tp, s.tp_busbw) for kind, nb in msgs)
+    bw = busbw_of(s, lay, "tp")
+    t = lambda msgs: sum(collective_s(s, kind, nb, lay.tp, bw) for kind, nb in msgs)  # noqa: E731
     passes = 2 if lay.recompute else 1  # recompute runs each block's forward (and its messages) again
     return s.cfg.n_layer * (passes * t(m["layer_fwd"]) + t(m["layer_bwd"])) + t(m["ends"])
 
@@ -390,10 +410,7 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = next(k for kind, k in buckets if kind == "embed")
-    state = model_state_bytes(P - counts["expert"] // lay.ep, n, lay.zero, max(blocks, default=0), embed)
-    if counts["expert"]:  # a rank's experts, sharded over the dp*cp/ep ranks holding the same ones
-        expert = model_state_bytes(counts["expert"] // lay.ep, n // lay.ep, lay.zero, 0, 0)
-        state = {k: state[k] + expert[k] for k in state}
+    state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
     act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, P, tp, lay.sp)  # a rank's t/cp tokens
     if cfg.moe_experts:
         act["moe"] = moe_bytes(s, lay)
@@ -415,13 +432,23 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     bwd = compute / micro - fwd
     # ZeRO-3 gathers the blocks again for the backward only where it reads the fp32 parameters:
     # fp32 (the CPU), or --recompute; under bf16 autocast it reads the bf16 copies the forward saved
-    comm = dp_comm_s(s, lay.zero, n, buckets, micro, fwd, bwd, again=s.cpu or lay.recompute)
+    comm = dp_comm_s(s, lay.zero, n, buckets, micro, fwd, bwd, s.cpu or lay.recompute, busbw_of(s, lay, "dp"))
     tp_comm = micro * tp_comm_s(s, lay)
     if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
         owned = counts["replicated"] / (n if lay.zero >= 1 else 1)
-        tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
+        tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, busbw_of(s, lay, "tp"))
     return finish(s, lay, micro, mem, allocated, state, act, compute, comm, tp_comm, cp_comm=micro * cp_comm_s(s, lay),
                   ep_comm=micro * ep_comm_s(s, lay))
+
+
+def rank_state(P: int, experts: int, n: int, lay: Candidate, block_params: int, embed_params: int) -> dict:
+    """model_state_bytes of a rank that holds P parameters before ep and ZeRO, `experts` of them
+    an expert's: those 1/ep of them, sharded over the n/ep replicas holding the same experts."""
+    state = model_state_bytes(P - experts, n, lay.zero, block_params, embed_params)
+    if experts:
+        expert = model_state_bytes(experts // lay.ep, n // lay.ep, lay.zero, 0, 0)
+        state = {k: state[k] + expert[k] for k in state}
+    return state
 
 
 def moe_rows(s: Setup, lay: Candidate) -> float:
@@ -432,18 +459,21 @@ def moe_rows(s: Setup, lay: Candidate) -> float:
     return k * lay.b * s.t / lay.cp / (lay.tp if lay.sp else 1)
 
 
-def moe_bytes(s: Setup, lay: Candidate) -> float:
-    """What a mixture of experts adds to a rank's activations beyond the dense MLP's (counted in
-    the layers term): per MoE layer its rows in and out (2 x C, bf16), the hidden activation and
-    its GELU (2 x H) less the dense MLP's per token (2 x 4C), and the router's fp32 probabilities
-    (E). One layer under recompute. Not calibrated against measurement yet."""
+def moe_layer_bytes(s: Setup, lay: Candidate) -> float:
+    """What one MoE layer adds to a rank's activations beyond the dense MLP's (counted in the
+    layers term): its rows in and out (2 x C, bf16), the hidden activation and its GELU (2 x H)
+    less the dense MLP's per token (2 x 4C), and the router's fp32 probabilities (E)."""
     cfg = s.cfg
     scale = 2 if s.cpu else 1
-    n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layer))
     tokens = lay.b * s.t / lay.cp / (lay.tp if lay.sp else 1)
     per = (moe_rows(s, lay) * (2 * cfg.n_embd + 2 * cfg.moe_width) - tokens * 8 * cfg.n_embd) * 2 * scale
-    per = max(0.0, per) + tokens * cfg.moe_experts * 4
-    return per * (1 if lay.recompute else n_moe)
+    return max(0.0, per) + tokens * cfg.moe_experts * 4
+
+
+def moe_bytes(s: Setup, lay: Candidate) -> float:
+    """A micro-batch's MoE layers' extra activations: every MoE layer's, one under recompute."""
+    n_moe = sum(s.cfg.is_moe(i) for i in range(s.cfg.n_layer))
+    return moe_layer_bytes(s, lay) * (1 if lay.recompute else n_moe)
 
 
 def ep_comm_s(s: Setup, lay: Candidate) -> float:
@@ -455,7 +485,7 @@ def ep_comm_s(s: Setup, lay: Candidate) -> float:
         return 0.0
     cfg = s.cfg
     rows = moe_rows(s, lay) * cfg.n_embd * (4 if s.cpu else 2)
-    one = collective_s(s, "all_to_all", rows, lay.ep) + s.alpha_us * 1e-6
+    one = collective_s(s, "all_to_all", rows, lay.ep, busbw_of(s, lay, "ep")) + s.alpha_us * 1e-6
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layer))
     return n_moe * one * (2 * (2 if lay.recompute else 1) + 2)
 
@@ -491,11 +521,11 @@ def cp_comm_s(s: Setup, lay: Candidate) -> float:
     c = s.t / (2 * cp)
     kv = 2 * b * (s.t / cp) * C * (4 if s.cpu else 2)
     dkv = kv * (1 if s.cpu else 2)  # fp32
-    passes = 2 if lay.recompute else 1
+    passes, bw = 2 if lay.recompute else 1, busbw_of(s, lay, "cp")
     if lay.cp_impl == "allgather":
-        gather = collective_s(s, "all_gather", kv * cp, cp)
-        return s.cfg.n_layer * (passes * gather + gather + collective_s(s, "reduce_scatter", dkv * cp, cp))
-    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (s.busbw * 1e9)  # noqa: E731
+        gather = collective_s(s, "all_gather", kv * cp, cp, bw)
+        return s.cfg.n_layer * (passes * gather + gather + collective_s(s, "reduce_scatter", dkv * cp, cp, bw))
+    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (bw * 1e9)  # noqa: E731
     pairs_s = 2 * 4 * b * c * c * C / (s.tflops * 1e12)  # a ring step's attention, forward
     fwd = (cp - 1) * max(0.0, hop(kv) - pairs_s)
     bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(dkv)
@@ -512,13 +542,14 @@ def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, t
             "fits": mem["total"] <= s.mem_gb * GB, **more}
 
 
-def dp_comm_s(s: Setup, zero: int, n: int, buckets: list, micro: int, fwd: float, bwd: float, again: bool) -> float:
+def dp_comm_s(s: Setup, zero: int, n: int, buckets: list, micro: int, fwd: float, bwd: float, again: bool,
+              busbw: float) -> float:
     """Exposed seconds of a rank's data-parallel collectives in a step: its buckets (fp32, in
     launch order) reduced, and gathered, as each ZeRO stage does (the docstring's model); fwd,
     bwd: seconds of a micro-step's forward and backward that they can hide behind; again: ZeRO-3
-    gathers the blocks again for the backward."""
+    gathers the blocks again for the backward; busbw: the replica group's."""
     msg = [4 * k for _, k in buckets]
-    ar, rs, ag = ([collective_s(s, kind, m, n) for m in msg] for kind in ("all_reduce", "reduce_scatter", "all_gather"))
+    ar, rs, ag = ([collective_s(s, kind, m, n, busbw) for m in msg] for kind in ("all_reduce", "reduce_scatter", "all_gather"))
     if zero == 0:  # all-reduce on the last micro-step, overlapped with its backward
         return exposed(ar, bwd)
     if zero == 1:  # reduce-scatter likewise; then the updated parameters are all-gathered, exposed
@@ -537,70 +568,96 @@ SIM_MICRO = 4  # pipeline cycles simulated before the step is extrapolated (esti
 def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     """A pipeline's step and memory from its schedule run in time (pipeline.simulate) with each
     chunk's costs: F a third of the chunk's training FLOPs (its blocks, the head on the last;
-    pipeline.flop_cost) at --tflops, B two thirds (zb: B and W a third each; +F under
-    recompute), a transfer of the fp32 activations (b*t*h*4 bytes, /tp under sp) alpha +
-    bytes/--busbw. Per rank: its chunks' parameters (placement.for_rank: a last stage's copy of
-    wte too) and their ZeRO state over dp; activations = the peak of what the simulation keeps
-    alive (per micro-batch and block the pp = 1 counts; the last chunk's head and logits) + the
-    bf16 weights + one rebuilt block under recompute; dp collectives after the rank's last
-    backward (step = the latest rank's end + its exposed dp time); tp's on the busiest rank's
-    critical path; and the tied embedding's exchange between the first and last stage. The
+    pipeline.flop_cost) at --tflops over tp*cp ranks, B two thirds (zb: B and W a third each; +F
+    under recompute), a transfer of the fp32 activations (b*(t/cp)*h*4 bytes, /tp under sp)
+    alpha + bytes/busbw. Per rank: its chunks' parameters (placement.for_rank: a last stage's
+    copy of wte too; its experts 1/ep) and their ZeRO state over the dp*cp replicas; activations
+    = the peak of what the simulation keeps alive (per micro-batch and block the pp = 1 counts at
+    t/cp tokens, with the ring's output and an MoE layer's extra; the last chunk's head and
+    logits) + the bf16 weights + one rebuilt block under recompute + a ring tile; dp collectives
+    after the rank's last backward (step = the latest rank's end + its exposed dp time); tp's,
+    cp's and ep's on the busiest rank's critical path, in proportion to its blocks (MoE layers);
+    and the tied embedding's exchange between the first and last stage. The
     table's memory is the fullest rank's. Past warm-up the step grows linearly in m: it is
     simulated at two lengths and extrapolated."""
     from braidtrain.parallel import placement
 
-    cfg, n, tp, pp = s.cfg, lay.dp, lay.tp, lay.pp
+    cfg, n, tp, pp, cp = s.cfg, lay.dp * lay.cp, lay.tp, lay.pp, lay.cp  # n: the replicas, dp x cp
     L = layout_of(s, lay, s.d)
     split, m, chunks = L.split, L.batch.micro_steps, len(L.split)
-    terms = activation_bytes(cfg, lay.b, s.t, lay.recompute, s.cpu, 0, tp, lay.sp)  # pp = 1's, per micro-batch
+    t = s.t // cp  # a rank's tokens of each sequence
+    terms = activation_bytes(cfg, lay.b, t, lay.recompute, s.cpu, 0, tp, lay.sp)  # pp = 1's, per micro-batch
     per_block = terms["layers"] / cfg.n_layer
-    size = lambda c: len(split[c]) * per_block + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)  # noqa: E731
+    ring = ring_bytes(s, lay) if cp > 1 else {"ring_out": 0, "ring_scores": 0}
+    one_ring = ring["ring_out"] / (1 if lay.recompute else cfg.n_layer)  # one block's
+    moe = moe_layer_bytes(s, lay) if cfg.moe_experts else 0
+    kept = lambda i: per_block + (0 if lay.recompute else one_ring + moe * cfg.is_moe(i))  # noqa: E731
+    size = lambda c: sum(map(kept, split[c])) + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)  # noqa: E731
     flops = pipeline.flop_cost(cfg, s.t, chunks)
     whole = sum(flops(c, len(r)) for c, r in enumerate(split))
-    micro_s = cfg.flops_per_token(s.t) * lay.b * s.t / (tp * s.tflops * 1e12)  # one micro-batch, the whole model
+    micro_s = cfg.flops_per_token(s.t) * lay.b * s.t / (tp * cp * s.tflops * 1e12)  # one micro-batch, the whole model
     f = [flops(c, len(r)) / whole * micro_s / 3 for c, r in enumerate(split)]
     b = [x * (1 if lay.schedule == "zb" else 2) + (x if lay.recompute else 0) for x in f]
     cost = {"F": f, "B": b, "W": f}
-    hop = s.alpha_us * 1e-6 + 4 * lay.b * s.t * cfg.n_embd / (tp if lay.sp else 1) / (s.busbw * 1e9)
+    hop = s.alpha_us * 1e-6 + 4 * lay.b * t * cfg.n_embd / (tp if lay.sp else 1) / (busbw_of(s, lay, "pp") * 1e9)
     ranks = simulated(lay.schedule, pp, L.virtual, m, tuple(map(tuple, cost.values())), hop,
                       tuple(size(c) for c in range(chunks)))
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layer)) or 1
     rows = []
     for r, sim in enumerate(ranks):
-        table = placement.for_rank(cfg, split, pp, r)
-        P = sum(e.local_numel(tp) for e in table)
-        buckets = bucket_numels(cfg, s.bucket_mb, tp, table)
+        P, experts, replicated, buckets = stage_counts(cfg, split, pp, r, tp, s.bucket_mb)
         blocks = [k for kind, k in buckets if kind == "block"]
-        state = model_state_bytes(P, n, lay.zero, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"))
+        state = rank_state(P, experts, n, lay, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"))
         if lay.schedule == "zb" and lay.zero == 2:  # W opens every block bucket's scratch at once (engine.py)
             extra = 4 * max(0, sum(blocks) - 2 * max(blocks, default=0))
             state = {**state, "grads": state["grads"] + extra, "transient": state["transient"] + extra}
-        act = {"live": sim["peak"], "block_recomputed": terms["block_recomputed"], "weights_bf16": 0 if s.cpu else 2 * P}
+        mine = range(r, chunks, pp)
+        held = [i for c in mine for i in split[c]]
+        rebuilt = terms["block_recomputed"] + (one_ring + moe * any(map(cfg.is_moe, held)) if lay.recompute else 0)
+        act = {"live": sim["peak"], "block_recomputed": rebuilt, "ring_scores": ring["ring_scores"],
+               "weights_bf16": 0 if s.cpu else 2 * (P - experts + experts // lay.ep)}
         act["peak"] = sum(act.values())
         mem = {k: state[k] for k in ("params", "grads", "optimizer")}
         mem["activations"] = act["peak"]
         allocated = sum(mem.values())
         neighbours = 1 if pp == 2 else 2 if 0 < r < pp - 1 or L.virtual > 1 else 1  # (the interleaved ring)
-        communicators = (n > 1) + (tp > 1) + 1 + 2 * neighbours  # dp, tp, pp, each direction to each neighbour
+        communicators = ((n > 1) + (tp > 1) + (cp > 1 and lay.dp > 1) + (lay.ep > 1) * (1 + (lay.ep < n))
+                         + 1 + 2 * neighbours)  # dp, tp, cp, ep and expert, pp, each direction to each neighbour
         mem["comm"] = 0 if s.cpu else NCCL_BYTES * communicators
         mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
         mem["total"] = sum(mem.values())
-        mine = range(r, chunks, pp)
-        dp = dp_comm_s(s, lay.zero, n, buckets, m, sum(f[c] for c in mine), sum(b[c] for c in mine), False)
+        dp = dp_comm_s(s, lay.zero, n, buckets, m, sum(f[c] for c in mine), sum(b[c] for c in mine), False,
+                       busbw_of(s, lay, "dp"))
         rows.append({"mem": mem, "allocated": allocated, "state": state, "act": act, "end": sim["end"] + dp,
-                     "blocks": sum(len(split[c]) for c in mine), "bubble": max(0.0, 1 - sim["busy"] / sim["end"]),
-                     "replicated": sum(e.local_numel(tp) for e in table if e.replicated)})
+                     "blocks": len(held), "moe": sum(map(cfg.is_moe, held)), "bubble": max(0.0, 1 - sim["busy"] / sim["end"]),
+                     "replicated": replicated})
     span = max(sim["end"] for sim in ranks)
     step_end = max(row["end"] for row in rows)
-    tp_comm = m * tp_comm_s(s, lay) * max(row["blocks"] for row in rows) / cfg.n_layer
+    busiest = max(row["blocks"] for row in rows) / cfg.n_layer  # tp's and cp's messages are on its critical path
+    tp_comm = m * tp_comm_s(s, lay) * busiest
     if lay.sp:
         owned = max(row["replicated"] for row in rows) / (n if lay.zero >= 1 else 1)
-        tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, s.tp_busbw)
+        tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, busbw_of(s, lay, "tp"))
     wte = placement.for_config(cfg)["wte.weight"].local_numel(tp) / (n if lay.zero >= 1 else 1)
-    tied = s.alpha_us * 1e-6 + 4 * wte / (s.busbw * 1e9)  # first and last stage swap their reduced shares
+    tied = s.alpha_us * 1e-6 + 4 * wte / (busbw_of(s, lay, "pp") * 1e9)  # first and last stage swap their reduced shares
     full = max(rows, key=lambda row: row["mem"]["total"])
     return finish(s, lay, m, full["mem"], full["allocated"], full["state"], full["act"], span, step_end - span,
-                  tp_comm, tied, bubble=[row["bubble"] for row in rows], stages_gb=[row["mem"]["total"] / GB for row in rows],
+                  tp_comm, tied, cp_comm=m * cp_comm_s(s, lay) * busiest,
+                  ep_comm=m * ep_comm_s(s, lay) * max(row["moe"] for row in rows) / n_moe,
+                  bubble=[row["bubble"] for row in rows], stages_gb=[row["mem"]["total"] / GB for row in rows],
                   stage_state=[row["state"] for row in rows])
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_counts(cfg, split: tuple, pp: int, r: int, tp: int, bucket_mb: float) -> tuple:
+    """Pipeline rank r's parameters (placement.for_rank), its experts', its replicated ones, and
+    its buckets (cached: each (mesh, split) is weighed at many ZeRO stages, b and recompute)."""
+    from braidtrain.parallel import placement
+
+    table = placement.for_rank(cfg, split, pp, r)
+    count = lambda keep: sum(e.local_numel(tp) for e in table if keep(e))  # noqa: E731
+    return (count(lambda e: True), count(lambda e: e.expert), count(lambda e: e.replicated),
+            bucket_numels(cfg, bucket_mb, tp, table))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -656,11 +713,25 @@ def rank(rows: list[dict]) -> list[dict]:
 SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "ep", "zero", "b", "recompute")  # what a fix may change (dp follows)
 
 
+@functools.lru_cache(maxsize=None)
+def settings(lay: Candidate) -> tuple:
+    return tuple(getattr(lay, k) for k in SETTINGS)
+
+
+MESH = ("dp", "tp", "sp", "pp", "schedule", "virtual", "cp", "cp_impl", "ep")  # a row of the table each, by default
+
+
+def best_per_mesh(rows: list[dict]) -> list[dict]:
+    """The first (best-ranked) row of each mesh, in rank order."""
+    seen = set()
+    return [e for e in rows if (key := tuple(getattr(e["layout"], k) for k in MESH)) not in seen and not seen.add(key)]
+
+
 def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
     """The smallest change that makes a layout fit: the fitting layouts that differ from it in
     the fewest settings (the best of each kind of change); failing any, larger or more GPUs."""
-    lay = e["layout"]
-    changed = lambda f: tuple(k for k in SETTINGS if getattr(f["layout"], k) != getattr(lay, k))
+    lay, mine = e["layout"], settings(e["layout"])
+    changed = lambda f: tuple(k for k, a, b in zip(SETTINGS, settings(f["layout"]), mine) if a != b)  # noqa: E731
     say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
            "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
            "cp": lambda l: f"cp={l.cp}", "cp_impl": lambda l: f"--cp-impl {l.cp_impl}" if l.cp > 1 else "",
@@ -716,11 +787,14 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
 
 
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-         pps=None, schedules=None, cps=None, eps=None) -> dict:
+         pps=None, schedules=None, cps=None, eps=None, variants: bool = True) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
-    recommendation look at every layout."""
-    rows = rank([estimate(s, lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)])
-    grid = rank([estimate(s, lay) for lay in layouts(s)])
+    recommendation look at every layout. variants=False: only each mesh's best layout."""
+    seen = {}
+    weigh = lambda lay: seen[lay] if lay in seen else seen.setdefault(lay, estimate(s, lay))  # noqa: E731
+    grid = rank([weigh(lay) for lay in layouts(s)])
+    rows = rank([weigh(lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)])
+    rows = rows if variants else best_per_mesh(rows)
     if not rows or not grid:
         unit = s.t * s.gpus
         raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus}/(tp*pp) for any allowed b, tp "
@@ -816,13 +890,17 @@ def add_parser(sub):
     for k in ("n-layer", "n-head", "n-embd", "block-size"):
         a(f"--{k}", type=int)
     a("--vocab", type=int, default=50257, help="tokenizer vocabulary (default GPT-2's; --data's wins)")
-    a("--gpus", type=int, default=1, help="GPUs (dp x tp)")
+    a("--gpus", type=int, default=1, help="GPUs (pp x dp x cp x tp)")
+    a("--gpus-per-node", type=int, help="GPUs of one node (default: all --gpus); groups that span nodes "
+                                        "talk at --node-busbw")
     a("--gpu-mem", type=float, default=80.0, help="GB per GPU")
     a("--seq-len", "-t", type=int, default=1024)
     a("--total-batch", "-d", type=int, default=524288, help="tokens per optimizer step")
     a("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default: H200, bf16)")
     a("--busbw", type=float, default=300.0, help="collective bus bandwidth of the dp (replica) group, GB/s")
-    a("--tp-busbw", type=float, help="bus bandwidth of the tp group, GB/s (default --busbw: one node's NVLink)")
+    a("--tp-busbw", type=float, help="bus bandwidth of the tp group inside a node, GB/s (default --busbw)")
+    a("--node-busbw", type=float, default=40.0, help="bus bandwidth of a group that spans nodes, GB/s per GPU "
+                                                     "(default 40: 400 Gb/s InfiniBand)")
     a("--alpha-us", type=float, default=10.0, help="collective latency, microseconds")
     a("--bucket-mb", type=float, default=Config.bucket_mb)
     a("--zero", "-z", type=int, choices=[0, 1, 2, 3], help="only this ZeRO stage")
@@ -832,11 +910,12 @@ def add_parser(sub):
     a("--sp", action=argparse.BooleanOptionalAction, help="only layouts with (without) sequence parallelism")
     a("--pp", type=int, help="only this number of pipeline stages (dp = gpus / (tp*pp))")
     a("--pp-schedule", choices=pipeline.SCHEDULES, help="only pipelines of this schedule")
-    a("--cp", type=int, help="only this context-parallel degree (each sequence over cp GPUs; without --pp)")
-    a("--ep", type=int, help="only this expert-parallel degree (a mixture of experts; without --pp)")
+    a("--cp", type=int, help="only this context-parallel degree (each sequence over cp GPUs)")
+    a("--ep", type=int, help="only this expert-parallel degree (a mixture of experts)")
     for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int), ("moe-capacity", float)):
         a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
     a("--top", type=int, default=12, help="rows of the table (0: all)")
+    a("--variants", action="store_true", help="every ZeRO stage, b and recompute of each mesh (default: each mesh's best)")
     a("--json", action="store_true")
     a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
       help="train two steps of this layout (or of -z, -b, --recompute; with --tp, --sp) and compare estimated "
@@ -848,7 +927,7 @@ def add_parser(sub):
 
 def setup_from(args) -> Setup:
     for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp", "cp",
-              "ep"):
+              "ep", "gpus_per_node", "node_busbw"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     if args.alpha_us < 0 or args.top < 0:
@@ -864,8 +943,11 @@ def setup_from(args) -> Setup:
 
         moe = {k: getattr(args, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
         cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size, **moe)
+        if args.block_size is None and cfg.block_size < args.seq_len:  # a longer context than the preset's: train's --block-size
+            cfg = replace(cfg, block_size=args.seq_len)
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
-              args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw)
+              args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw, gpus_per_node=args.gpus_per_node,
+              node_busbw=args.node_busbw)
     check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule, args.cp, args.ep)
     return s
 
@@ -876,8 +958,6 @@ def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None,
     (layout.py's), or the planner cannot weigh."""
     make_layout(s.gpus, s.cfg, seq_len=s.t, batch_size=1, tp=tp or 1, sp=bool(sp) and tp is not None,
                 pp=pp or 1, cp=cp or 1, ep=ep or 1, schedule="gpipe", world_name=f"--gpus {s.gpus}")
-    if (cp or 1) > 1 and (pp or 1) > 1:
-        raise UserError("plan does not weigh context parallelism with a pipeline yet: give --cp or --pp, not both")
     if schedule and pp == 1:
         raise UserError(f"--pp-schedule {schedule} orders a pipeline's stages: give --pp 2 or more (or drop it)")
     if sp and not any(True for _ in meshes(s, None if tp is None else (tp,), (True,))):
@@ -956,13 +1036,17 @@ def run(args) -> int:
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
                   None if args.tp is None else (args.tp,), pick(args.sp, (False, True)),
                   None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
-                  None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,))
+                  None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,),
+                  variants=args.variants or args.json)
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},
                           "layouts": [row_json(e) for e in result["rows"]], "recommendation": result["recommendation"]}))
         return 0
+    node = f" ({s.gpus_per_node} a node)" if s.gpus_per_node and s.gpus_per_node < s.gpus else ""
+    heads = [k for k in range(2, c.n_head + 1) if c.n_head % k == 0]
+    no_tp = f"; no tp: no divisor of n_head {c.n_head} ({heads}) divides {s.gpus}" if s.gpus > 1 and tp_degrees(s) == [1] else ""
     print(f"{c.num_params() / 1e6:,.1f}M parameters (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
-          f"vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB, -t {s.t} -d {s.d}")
+          f"block_size={c.block_size}, vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB{node}, -t {s.t} -d {s.d}{no_tp}")
     print(table(result, args.top))
     return 0

@@ -30,6 +30,8 @@ send was posted -- ends with every rank done: no deadlock.
 
 from __future__ import annotations
 
+import functools
+
 from braidtrain.errors import UserError
 from braidtrain.parallel.schedule import Action
 
@@ -79,6 +81,12 @@ def flop_cost(model, seq_len: int, chunks: int):
     block = 72 * h * h + 12 * seq_len * h
     head = 6 * model.padded_vocab * h
     return lambda c, k: k * block + (head if c == chunks - 1 else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def cost_split(model, seq_len: int, chunks: int) -> tuple:
+    """split() by flop_cost: the layout's default cut (cached: the planner asks for thousands)."""
+    return tuple(split(model.n_layer, chunks, flop_cost(model, seq_len, chunks)))
 
 
 def check_split(n_layer: int, chunks: int, by_hand: list[int] | None) -> None:
