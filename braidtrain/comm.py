@@ -7,7 +7,7 @@ ring buffer -- the flight log a hung or crashed rank leaves behind (fault.py wri
 doctor` reads it) -- and summed per step into `comm_s`. The members of a group issue its
 collectives in the same order, so the group's sequence number k names the same collective on
 each of them, however many collectives other groups ran meanwhile; that is what lets doctor line
-the ranks' logs up, group by group. The exact reduce-scatter of DESIGN.md ("Exact reduction")
+the ranks' logs up, group by group. The exact reduce-scatter (docs/architecture.md, "Exact reduction")
 lives here too.
 
 Streams: on CUDA, torch's NCCL process group already runs every collective on its own internal

@@ -4,7 +4,7 @@ Shards use llm.c's .bin layout so data moves freely between llm.c and us:
 
     [ 256 x int32 header: MAGIC, VERSION, n_tokens, 0 ... ][ n_tokens x uint16 ]
 
-The loader implements DESIGN.md's data-order contract at sequence granularity:
+The loader implements the data-order contract (docs/architecture.md, "Data order"):
 which tokens global sequence j of step s holds depends only on (seed, s, j), never
 on world size, micro-batch size or whether the run was resumed.
 """
@@ -335,7 +335,7 @@ class TokenData:
 
 
 class Loader:
-    """DESIGN.md's data-order contract, at sequence granularity: global sequence j
+    """The data-order contract (docs/architecture.md, "Data order"): global sequence j
     (0 <= j < d/t) of step s is a pure function of (seed, s, j), so any layout /
     micro-batch size / resume sees the same data. A rank takes a contiguous block
     of sequences.

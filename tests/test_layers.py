@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism (model/layers.py) in 2 and 4 real processes, against the dense
 layers and the tp=1 GPT built from the same full weights; the shard specs and bad-input errors in
-this process. fp32 on CPU: relative 1e-5 (DESIGN.md, "Testing")."""
+this process. fp32 on CPU: relative 1e-5 (docs/architecture.md, "Testing")."""
 
 import json
 import subprocess
