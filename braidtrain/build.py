@@ -69,6 +69,14 @@ def build(cfg: Config) -> Run:
         mcfg = hf_model_config(cfg, vocab)
     else:
         mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, **moe_of(cfg))
+    if cfg.layout == "auto":
+        from braidtrain.plan import auto_layout
+
+        per_node = cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
+        chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
+        for k, v in chosen.items():
+            setattr(cfg, k, v)
+        rt.log(f"braidtrain: {said}")
     lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")

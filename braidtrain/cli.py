@@ -71,6 +71,8 @@ def _train_parser(sub):
     g.add_argument("--moe-capacity", type=float, help="capacity factor (tokens over it skip the expert); 0: dropless (default)")
     g.add_argument("--moe-aux", type=float, help="the load-balancing loss's coefficient (default 0.01)")
     g = p.add_argument_group("parallelism")
+    g.add_argument("--layout", choices=["auto"], help="auto: the planner's best layout for these processes and GPUs "
+                                                     "(pp, dp, cp, tp, sp, ep, ZeRO, b, recompute), printed at the start")
     g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters")
     g.add_argument("--tp", type=int, help="tensor-parallel degree (consecutive ranks split each layer)")
     g.add_argument("--pp", type=int, help="pipeline stages (consecutive blocks each; dp = processes / (pp * cp * tp))")
@@ -117,6 +119,13 @@ def train_config(args):
     if ignored:
         print(f"braidtrain: note: llm.c flag(s) {' '.join(ignored)} have no effect here", file=sys.stderr)
     overrides = {k: v for k, v in vars(args).items() if k in FIELD_TYPES}
+    if args.layout == "auto":
+        from braidtrain.config import AUTO_CHOSEN
+
+        given = [k for k in AUTO_CHOSEN if overrides.get(k) is not None] + (["recompute"] if args.llmc_recompute else [])
+        if given:
+            flags = " ".join("--" + k.replace("_", "-") for k in given)
+            raise UserError(f"--layout auto chooses {flags} itself: drop {flags}, or --layout auto")
     if args.llmc_recompute and args.recompute is None:
         overrides["recompute"] = True
     if args.llmc_resume == 1 and not args.resume:

@@ -67,6 +67,7 @@ class Config:
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
     # parallelism (layout.py validates them together)
+    layout: str | None = None  # "auto": the planner picks AUTO_CHOSEN for the processes and GPUs (plan.auto_layout)
     zero: int = 0
     pp: int = 1  # pipeline stages
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb (parallel/pipeline.py)
@@ -157,6 +158,11 @@ def load_toml(path: Path) -> dict:
     return out
 
 
+# What --layout auto chooses (replacing a config file's values for them)
+AUTO_CHOSEN = ("pp", "pp_schedule", "pp_virtual", "pp_split", "cp", "cp_impl", "tp", "sp", "ep", "zero", "batch_size",
+               "recompute")
+
+
 def build_config(config: str | None, overrides: dict) -> Config:
     """Defaults, then the TOML file, then command-line overrides (None means 'not given')."""
     values = load_toml(config_path(config)) if config else {}
@@ -184,6 +190,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
     if cfg.on_save_error not in ("stop", "continue"):
         raise UserError(f"on_save_error must be stop or continue, got {cfg.on_save_error!r}")
+    if cfg.layout not in (None, "auto"):
+        raise UserError(f"layout must be auto (or unset), got {cfg.layout!r}")
     if cfg.zero not in (0, 1, 2, 3):
         raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
     if cfg.bucket_mb <= 0:

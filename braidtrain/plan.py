@@ -812,6 +812,44 @@ def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True
     return {"rows": rows, "recommendation": rec}
 
 
+def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None = None,
+                mem_gb: float | None = None) -> tuple[dict, str]:
+    """--layout auto: the best-ranked layout that fits these processes' memory (each GPU's, or on
+    the CPU the machine's over the processes) and that `train` accepts with the run's other
+    settings (--exact, --compile, --cuda-graph); the Config values it sets (config.AUTO_CHOSEN)
+    and a line saying what it chose. Every rank computes the same plan: nothing to agree on.
+    mem_gb: a process's memory (default: the GPU's, or the CPU's share)."""
+    import os
+
+    import torch
+
+    if not cfg.total_batch:
+        raise UserError("--layout auto keeps the tokens per step fixed and chooses the rest: give -d (--total-batch)")
+    cpu = device != "cuda"
+    if mem_gb is None:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world if cpu else torch.cuda.mem_get_info()[1]
+        mem_gb = mem / GB
+    s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu,
+              gpus_per_node=gpus_per_node)
+    rows = plan(s)["rows"]
+    for e in (e for e in rows if e["fits"]):
+        lay = e["layout"]
+        try:
+            make_layout(world, model, seq_len=s.t, batch_size=lay.b, total_batch=s.d, exact=cfg.exact, compile=cfg.compile,
+                        cuda_graph=cfg.cuda_graph, cp_order=cfg.cp_order, device=device, **lay.layout_kw())
+        except UserError:
+            continue
+        chosen = dict(pp=lay.pp, pp_schedule=lay.schedule if lay.pp > 1 else "1f1b", pp_split=None,
+                      pp_virtual=lay.virtual if lay.pp > 1 and lay.virtual > 1 else None, cp=lay.cp, cp_impl=lay.cp_impl,
+                      tp=lay.tp, sp=lay.sp, ep=lay.ep, zero=lay.zero, batch_size=lay.b, recompute=lay.recompute)
+        speed = "" if cpu else f", {e['tokens_per_s']:,.0f} tokens/s at {s.tflops:g} TFLOP/s"
+        return chosen, f"--layout auto: {lay.name()}, dp {lay.dp} (planned {e['mem']['total'] / GB:.1f} of {s.mem_gb:.1f} GB{speed})"
+    if not any(e["fits"] for e in rows):
+        raise UserError("--layout auto: " + nothing_fits(s, rows))
+    flags = " ".join(f for f, on in (("--exact", cfg.exact), ("--compile", cfg.compile), ("--cuda-graph", cfg.cuda_graph)) if on)
+    raise UserError(f"--layout auto: no layout that fits runs with {flags}: drop {flags}, or choose the layout by hand")
+
+
 # ---------------------------------------------------------------------------------- output
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "comm", "overhead")

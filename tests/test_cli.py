@@ -31,6 +31,9 @@ TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", 
         "-x", "2", "--val-every", "0", "--sample-tokens", "0", "--no-progress"]
 
 
+AUTO = TINY[:TINY.index("-b")] + TINY[TINY.index("-b") + 2:] + ["-d", str(4 * B * T), "--layout", "auto"]  # TINY less -b
+
+
 def cli(*args, cwd, timeout=180) -> subprocess.CompletedProcess:
     """`python -m braidtrain ARGS` in a scratch folder (so nothing lands in the repo)."""
     return subprocess.run([sys.executable, "-m", "braidtrain", *map(str, args)], cwd=cwd, env=ENV,
@@ -173,6 +176,7 @@ TRAIN_CASES = [
     ("sp-without-tp", lambda p: ["-i", p.data, "--sp"], lambda p: ["--sp", "--tp 2 or more"]),
     ("tp-not-dividing-heads", lambda p: ["-i", p.data, "--tp", 3], lambda p: ["tp=3", "n_head=2", "{1,2}"]),
     ("tp-not-dividing-world", lambda p: ["-i", p.data, "--tp", 2], lambda p: ["= 2 does not divide the world size 1"]),
+    ("layout-auto-with-b", lambda p: ["-i", p.data, "--layout", "auto"], lambda p: ["--layout auto", "--batch-size"]),
 ]
 
 
@@ -187,6 +191,8 @@ def jobs(paths):
             "good": pool.submit(good_run, paths),
             "llmc": pool.submit(cli, "train", *TINY, "-i", paths.data, "--out", paths.scratch / "runs" / "llmc",
                                 "-h", "1", "-f", "1", cwd=paths.scratch),
+            "auto": pool.submit(cli, "train", *AUTO, "-i", paths.data, "--out", paths.scratch / "runs" / "auto",
+                                cwd=paths.scratch),
             "sample-empty": pool.submit(cli, "sample", paths.empty, cwd=paths.scratch),
             "plot-empty": pool.submit(cli, "plot", paths.empty, "--out", paths.scratch / "never.png", cwd=paths.scratch),
         }
@@ -346,3 +352,24 @@ def test_llmc_ignored_flags_are_accepted(paths, jobs):
     notes = [l for l in proc.stderr.splitlines() if l.startswith("braidtrain: note:")]
     assert len(notes) == 1 and "-h" in notes[0] and "-f" in notes[0] and "no effect" in notes[0], proc.stderr
     assert (out / "summary.json").is_file()
+
+
+def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
+    """--layout auto on one CPU process: it prints the layout it took, that is the planner's
+    recommendation for the same model, memory and batch, and the run trains with it."""
+    import tomllib
+
+    from braidtrain import plan
+    from braidtrain.model.gpt import model_config
+
+    proc = jobs["auto"].result()
+    assert proc.returncode == 0, proc.stderr
+    said = next(l for l in proc.stdout.splitlines() if "--layout auto:" in l)
+    cfg = tomllib.loads((paths.scratch / "runs" / "auto" / "config.toml").read_text())
+    model = model_config("tiny", json.loads((Path(paths.data) / "tokenizer.json").read_text())["vocab_size"],
+                         n_layer=2, n_embd=64, n_head=2)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / plan.GB
+    best = plan.plan(plan.Setup(model, 1, mem, T, 4 * B * T, cpu=True))["rows"][0]["layout"]
+    assert f"--layout auto: {best.name()}, dp 1" in said, (said, best)
+    assert (cfg["batch_size"], cfg["zero"], cfg.get("recompute", False)) == (best.b, best.zero, best.recompute)
+    assert len([l for l in (paths.scratch / "runs" / "auto" / "metrics.jsonl").read_text().splitlines() if l]) == 2

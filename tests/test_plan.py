@@ -580,3 +580,28 @@ def test_gpt2_xl_on_two_nodes_lists_pp_cp_and_tp_with_memory_that_adds_up(capsys
     for row in data["layouts"]:
         mem = row["mem_gb"]
         assert mem["total"] == pytest.approx(sum(mem[k] for k in plan.COLUMNS))
+
+
+def test_layout_auto_takes_the_best_layout_train_accepts():
+    """auto_layout is the planner's best fitting layout, unless the run's other settings refuse
+    it: on 6 processes exact mode takes no dp of 6 (not a power of two), so it takes the best
+    layout that make_layout accepts with --exact."""
+    from braidtrain.config import AUTO_CHOSEN, Config
+    from braidtrain.layout import make_layout
+
+    model = model_config("gpt2", 50257)
+    cfg = Config(seq_len=1024, total_batch=6 * 1024 * 8)
+    chosen, said = plan.auto_layout(cfg, model, 6, "cpu", mem_gb=80)
+    best = plan.plan(plan.Setup(model, 6, 80, 1024, cfg.total_batch, cpu=True))["rows"][0]["layout"]
+    assert set(chosen) == set(AUTO_CHOSEN) and said.startswith(f"--layout auto: {best.name()}, dp {best.dp} ")
+    assert (chosen["tp"], chosen["pp"], chosen["cp"], chosen["zero"], chosen["batch_size"]) == (
+        best.tp, best.pp, best.cp, best.zero, best.b)
+    exact, _ = plan.auto_layout(plan.replace(cfg, exact=True), model, 6, "cpu", mem_gb=80)
+    kw = {k: v for k, v in exact.items() if k not in ("batch_size", "pp_split", "pp_schedule", "pp_virtual")}
+    lay = make_layout(6, model, seq_len=1024, batch_size=exact["batch_size"], total_batch=cfg.total_batch, exact=True,
+                      device="cpu", schedule=exact["pp_schedule"], virtual=exact["pp_virtual"], **kw)
+    assert best.dp == 6 and lay.dp in (1, 2)
+    with pytest.raises(UserError, match="-d"):
+        plan.auto_layout(Config(), model, 6, "cpu", mem_gb=80)
+    with pytest.raises(UserError, match="nothing fits"):
+        plan.auto_layout(cfg, model_config("gpt2-xl", 50257), 1, "cpu", mem_gb=4)
