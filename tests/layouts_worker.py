@@ -7,11 +7,13 @@ on the same global batches. Writes, per layout, every step's loss and gradient n
 weights_sha256, each rank's most micro-batches alive at once, and whether the pipeline's two
 copies of the tied wte are bitwise equal, to OUT/results.json."""
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
@@ -21,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from braidtrain.build import make_parts
+from braidtrain import checkpoint
 from braidtrain.checkpoint import weights_sha256
 from braidtrain.comm import Comm
 from braidtrain.layout import make_layout
@@ -49,24 +52,24 @@ def layouts(suite: str):
                 + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), 10)]
                 + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), 6) for dp, z in exact])
     if suite == "cp":  # context parallelism: cp 2 and 4, ring and allgather, with dp / ZeRO, tp (sp), pp
+        # (cp with tp, pp and both, with and without exact mode: the "matrix" suite)
         default = [("cp2", dict(cp=2)), ("cp4", dict(cp=4)), ("cp2-contiguous", dict(cp=2, cp_order="contiguous")),
-                   ("cp2-dp2-z1", dict(cp=2, dp=2, zero=1)), ("cp2-tp2", dict(cp=2, tp=2)),
-                   ("cp2-tp2-sp", dict(cp=2, tp=2, sp=True)), ("cp2-pp2", dict(cp=2, pp=2, schedule="1f1b"))]
+                   ("cp2-dp2-z1", dict(cp=2, dp=2, zero=1)), ("cp2-tp2-sp", dict(cp=2, tp=2, sp=True))]
         exact = [("cp2-exact", dict(cp=2)), ("cp2-dp2-z0-exact", dict(cp=2, dp=2)), ("cp2-dp2-z3-exact", dict(cp=2, dp=2, zero=3)),
-                 ("cp2-dp4-z1-exact", dict(cp=2, dp=4, zero=1)), ("cp2-pp2-dp2-exact", dict(cp=2, pp=2, dp=2, zero=1)),
+                 ("cp2-dp4-z1-exact", dict(cp=2, dp=4, zero=1)),
                  ("cp2-allgather-exact", dict(cp=2, cp_impl="allgather")),
                  ("cp2-dp2-z3-allgather-exact", dict(cp=2, dp=2, zero=3, cp_impl="allgather"))]
         return ([("ref", dict(), 4)] + [(n, kw, 4) for n, kw in default]  # 4 steps: the ring's transfers are many
                 + [(n, dict(kw, exact=True), 3) for n, kw in exact])
     if suite == "ep":  # experts over ep ranks of the dp (x cp) replicas, with ZeRO, tp, pp, cp
+        # (dp 4 x ep 4 and pp 2 x dp 2 x ep 2, resumed across layouts: the "matrix" suite)
         default = [("dp2-ep1", dict(dp=2)), ("dp2-ep2", dict(dp=2, ep=2)), ("dp4-ep2-z1", dict(dp=4, ep=2, zero=1)),
-                   ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("dp8-ep4-z2", dict(dp=8, ep=4, zero=2)),
-                   ("tp2-dp2-ep2", dict(tp=2, dp=2, ep=2)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b")),
+                   ("dp8-ep4-z2", dict(dp=8, ep=4, zero=2)), ("tp2-dp2-ep2", dict(tp=2, dp=2, ep=2)),
                    # cp and sp give a rank a share of each sequence: the routing groups change with it (moe.py),
                    # so they are compared dropless without the balance loss (what depends on the groups)
                    ("cp2-ep2-free", dict(cp=2, ep=2, cfg="free")), ("tp2-sp-dp2-ep2-free", dict(tp=2, sp=True, dp=2, ep=2, cfg="free"))]
         exact = [("dp4-ep1-z0", dict(dp=4)), ("dp4-ep2-z0", dict(dp=4, ep=2)), ("dp4-ep4-z0", dict(dp=4, ep=4)),
-                 ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("dp4-ep2-z3", dict(dp=4, ep=2, zero=3)),
+                 ("dp4-ep2-z3", dict(dp=4, ep=2, zero=3)),
                  ("dp8-ep4-z1", dict(dp=8, ep=4, zero=1)), ("dp2-ep2-z2-recompute", dict(dp=2, ep=2, zero=2, recompute=True))]
         return ([("ref", dict(), 9), ("ref-free", dict(cfg="free"), 9),
                  ("ref-exact", dict(exact=True), 4)]
@@ -84,11 +87,68 @@ def layouts(suite: str):
                 if pp * dp <= 8:
                     out.append((f"pp{pp}-dp{dp}-{sched}-exact", dict(pp=pp, dp=dp, schedule=sched, exact=True, zero=1), 4))
     out += [("pp2-dp2-z1", dict(pp=2, dp=2, zero=1), 10), ("pp2-dp2-z2-zb", dict(pp=2, dp=2, zero=2, schedule="zb"), 10),
-            ("pp2-tp2", dict(pp=2, tp=2), 10), ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True), 10),
+            ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True), 10),  # (pp 2 x dp 2 x tp 2: the "matrix" suite)
             ("pp2-recompute", dict(pp=2, recompute=True), 10),
             ("pp2-dp2-z0-exact", dict(pp=2, dp=2, zero=0, exact=True), 4),
             ("pp2-dp2-z2-exact", dict(pp=2, dp=2, zero=2, exact=True, schedule="interleaved"), 4)]
     return out
+
+
+# The composition matrix (test_composition.py): groups of layouts of one model, each group's first
+# (the base) trained straight through and saving a checkpoint midway, every other one trained to
+# midway fresh, saving too, then resumed from the previous member's midway checkpoint to the end:
+# (name, model, base, cells), each layout's keywords; steps and midway per mode.
+MATRIX = [
+    ("dense", "dense", ("ref", dict()), [
+        ("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2, zero=1, schedule="1f1b")),
+        ("pp2-cp2-dp2", dict(pp=2, cp=2, dp=2, zero=1, schedule="interleaved")),
+        ("dp2-cp2-tp2", dict(dp=2, cp=2, tp=2, zero=3)),
+        ("pp2-dp4-z2", dict(pp=2, dp=4, zero=2, schedule="zb")),  # ZeRO-3 is refused with a pipeline
+        ("tp2-cp2-pp2", dict(tp=2, cp=2, pp=2, schedule="gpipe"))]),
+    ("moe", "moe", ("ref", dict()), [
+        ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)),
+        ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
+    # exact mode: bitwise across the dp / pp / ZeRO / ep variants of one tp and cp
+    ("tp1-cp1-exact", "dense", ("ref", dict()), [("pp2-dp4-z2", dict(pp=2, dp=4, zero=2, schedule="zb"))]),
+    ("tp2-exact", "dense", ("tp2", dict(tp=2)), [("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2, zero=1, schedule="1f1b"))]),
+    ("cp2-exact", "dense", ("cp2", dict(cp=2)), [("pp2-cp2-dp2", dict(pp=2, cp=2, dp=2, zero=1, schedule="interleaved"))]),
+    ("tp2-cp2-exact", "dense", ("tp2-cp2", dict(tp=2, cp=2)), [
+        ("dp2-cp2-tp2", dict(dp=2, cp=2, tp=2, zero=3)), ("tp2-cp2-pp2", dict(tp=2, cp=2, pp=2, schedule="gpipe"))]),
+    ("moe-exact", "moe", ("ref", dict()), [
+        ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
+]
+MATRIX_STEPS = {False: (10, 5), True: (6, 3)}  # (steps, midway) in default and exact mode
+
+
+def matrix(rank, out):
+    """Every group of MATRIX: {group: {layout: result}}; each result's losses and norms are the
+    whole run's (a resumed cell's: its fresh steps to midway, then its resumed ones)."""
+    from pathlib import Path
+
+    results = {}
+    halves = []  # (group, name, kw, cfg, its checkpoint, the checkpoint it resumes from)
+    for group, model, base, cells in MATRIX:
+        exact = group.endswith("exact")
+        steps, mid = MATRIX_STEPS[exact]
+        cfg = MOE if model == "moe" else CFG
+        ckpt = lambda name: Path(out) / "ckpt" / group / name  # noqa: E731
+        members = [base] + cells
+        results[group] = {}
+        for i, (name, kw) in enumerate(members):
+            r = run(rank, name, dict(kw, exact=exact), steps, cfg, save=(mid, ckpt(name)), until=None if i == 0 else mid)
+            if rank == 0:
+                results[group][name] = r
+            dist.barrier()
+            if i:
+                halves.append((group, name, dict(kw, exact=exact), cfg, steps, ckpt(members[i - 1][0])))
+    for group, name, kw, cfg, steps, source in halves:
+        r = run(rank, name, kw, steps, cfg, resume=source)
+        if rank == 0:
+            fresh = results[group][name]
+            results[group][name] = {**r, "losses": fresh["losses"] + r["losses"], "norms": fresh["norms"] + r["norms"],
+                                    "resumed_from": source.name}
+        dist.barrier()
+    return results
 
 
 def batch(step, first, count):
@@ -102,7 +162,9 @@ def batch(step, first, count):
     return torch.stack([xy[:, :-1], xy[:, 1:]])
 
 
-def run(rank, name, kw, steps, cfg=CFG):
+def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
+    """`steps` of the learning-rate schedule, trained up to `until` (default: all); save: (step,
+    folder): a checkpoint after that step; resume: a folder whose checkpoint this run starts from."""
     pp, dp, cp, tp = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1)
     n = pp * dp * cp * tp
     lay = make_layout(n, cfg, seq_len=T, batch_size=B, total_batch=SEQS * T, **kw)
@@ -121,8 +183,11 @@ def run(rank, name, kw, steps, cfg=CFG):
     built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=B, seq_len=T), parts=parts,
                             mcfg=cfg, engine=engine, fault=None)
     passes = Passes(built, nullcontext, tokens)
-    losses, norms = [], []
-    for step in range(steps):
+    losses, norms, first = [], [], 0
+    ckpt_rt, t0 = SimpleNamespace(is_main=rank == 0, rank=rank, world_size=n), time.time()
+    if resume is not None:
+        first = checkpoint.load(checkpoint.list_checkpoints(resume)[-1], engine, opt)["step"]
+    for step in range(first, until or steps):
         tokens.copy_(batch(step, mesh.coord("dp") * rows, rows))
         opt.prepare(lr_at(step, lr=3e-3, warmup=2, max_steps=steps, final_frac=0.1))
         sums = passes.train_step()
@@ -132,6 +197,9 @@ def run(rank, name, kw, steps, cfg=CFG):
         engine.gather_params()
         losses.append(reduce_loss(comm, mesh, sums) / (SEQS * T))
         norms.append(norm.item())
+        if save is not None and step + 1 == save[0]:
+            info = {"config": "", "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
+            checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1)
     live = comm.all_gather_object(passes.executor.max_live, mesh.groups["world"])
     wte = [dict(p.named_parameters())["wte.weight"] for p in parts if p.first or p.last]
     with engine.gathered():
@@ -140,7 +208,7 @@ def run(rank, name, kw, steps, cfg=CFG):
     pairs = comm.all_gather_object(parts[0].cp.pairs if parts[0].cp else 0, mesh.groups["world"])
     return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live, "pairs": pairs,
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
-            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1}
+            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0}
 
 
 def attention(rank, cp, impl, order, dtype=torch.float32):
@@ -260,7 +328,9 @@ def main(out, suite):
                 if rank == 0:
                     results[f"dispatch-ep{ep}-capacity{capacity}"] = r
                 dist.barrier()
-    for name, kw, steps in layouts(suite):
+    if suite == "matrix":
+        results = matrix(rank, out)
+    for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
         cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0),
                None: MOE if suite == "ep" else CFG}[kw.pop("cfg", None)]

@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
 def test_every_layout_matches_the_single_process(runs):
     ref = runs["ref"]
     default = [k for k in runs if not k.endswith("exact") and k != "ref"]
-    assert len(default) == 13
+    assert len(default) == 12
     assert_follows(runs, default, ref, 1e-5)
 
 
