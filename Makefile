@@ -16,6 +16,7 @@ install:
 install-test: install
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
 	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0  # its CPU interpreter runs the kernel tests
+	@$(PY) -c "import transformers" 2>/dev/null || $(PY) -m pip install -q transformers==5.24.0  # the export test; pulls no torch
 	@command -v mpirun >/dev/null || (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) \
 		|| echo "note: could not install OpenMPI (not root?); the mpi test will say so"
 	@$(PY) -c "import mpi4py" 2>/dev/null || $(PY) -m pip install -q mpi4py || true

@@ -226,6 +226,9 @@ def run() -> None:
     if _ran_collectives:
         sys.stdout.flush()
         sys.stderr.flush()
+        mpi = sys.modules.get("mpi4py.MPI")  # -pi mpi: os._exit skips mpi4py's MPI_Finalize at exit, and
+        if rc == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()  # mpirun would call the run failed (a rank that never finalized) and exit 1
         os._exit(rc)
     raise SystemExit(rc)
 

@@ -1,8 +1,11 @@
 """Tokenizers, corpus -> token shards, and the distributed loader.
 
-Shards use llm.c's .bin layout so data moves freely between llm.c and us:
+Shards use llm.c's .bin layouts so data moves freely between llm.c and us:
 
-    [ 256 x int32 header: MAGIC, VERSION, n_tokens, 0 ... ][ n_tokens x uint16 ]
+    gpt-2:   [ 256 x int32 header: 20240520, 1, n_tokens, 0 ... ][ n_tokens x uint16 ]
+    llama-3: [ 256 x int32 header: 20240801, 7, n_tokens, 0 ... ][ n_tokens x uint32 ]
+
+Both are read everywhere; write_bin picks llama-3 only for a vocabulary whose ids exceed 65,535.
 
 The loader implements the data-order contract (docs/architecture.md, "Data order"):
 which tokens global sequence j of step s holds depends only on (seed, s, j), never
@@ -24,8 +27,12 @@ import torch
 from braidtrain.errors import UserError
 
 HEADER_INTS = 256
-MAGIC = 20240520
+MAGIC = 20240520  # the gpt-2 layout: uint16 tokens
 VERSION = 1
+LLAMA3_MAGIC = 20240801  # the llama-3 layout: uint32 tokens
+LLAMA3_VERSION = 7
+# magic -> (layout name, version, token dtype)
+LAYOUTS = {MAGIC: ("gpt-2", VERSION, np.dtype("<u2")), LLAMA3_MAGIC: ("llama-3", LLAMA3_VERSION, np.dtype("<u4"))}
 _HEADER_BYTES = HEADER_INTS * 4
 
 # tiktoken's own GPT-2 split pattern (tiktoken_ext.openai_public.r50k_pat_str),
@@ -50,7 +57,8 @@ class Tokenizer:
         return self._decode([int(t) for t in tokens])
 
     def encode_array(self, text: str) -> np.ndarray:
-        """encode() as a uint16 array; the bytes tokenizer skips a 5M-element Python list."""
+        """encode() as a uint16 array (uint32 above 65,536 tokens); the bytes tokenizer skips a
+        5M-element Python list."""
         return self._encode_array(text)
 
 
@@ -91,29 +99,38 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 # ----------------------------------------------------------------------------- .bin files
 
-def write_bin(path, tokens: np.ndarray) -> None:
-    """Write one llm.c shard atomically: a reader never sees a half-written file."""
+def write_bin(path, tokens: np.ndarray, vocab_size: int | None = None) -> None:
+    """Write one llm.c shard atomically: a reader never sees a half-written file. The gpt-2 layout
+    (uint16) unless the vocabulary (vocab_size, else the largest token + 1) has ids above 65,535,
+    then the llama-3 layout (uint32)."""
     path = Path(path)
     tokens = np.asarray(tokens)
-    if tokens.dtype != np.uint16:
-        if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
-            raise UserError(f"{path}: tokens must fit in uint16 (0..65535)")
-        tokens = tokens.astype(np.uint16)
+    if vocab_size is None:  # uint16 input needs no pass over the tokens
+        wide = tokens.dtype != np.uint16 and tokens.size > 0 and int(tokens.max()) > 65535
+    else:
+        wide = vocab_size > 65536
+    magic = LLAMA3_MAGIC if wide else MAGIC
+    name, version, dtype = LAYOUTS[magic]
+    if tokens.dtype != dtype:
+        limit = np.iinfo(dtype).max
+        if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
+            raise UserError(f"{path}: tokens must fit in {dtype.name} (0..{limit}) for the {name} layout")
+        tokens = tokens.astype(dtype)
     if tokens.size >= 2**31:
         raise UserError(f"{path}: {tokens.size} tokens do not fit the int32 header count")
     header = np.zeros(HEADER_INTS, np.int32)
-    header[:3] = MAGIC, VERSION, tokens.size
+    header[:3] = magic, version, tokens.size
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype("<u2", copy=False).tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def read_bin(path) -> np.ndarray:
-    """Memory-map a shard's tokens (uint16) after checking every header field."""
+    """Memory-map a shard's tokens (uint16 or uint32, by its layout) after checking every header field."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -125,17 +142,20 @@ def read_bin(path) -> np.ndarray:
         raise UserError(f"{path} is truncated: {size} bytes, shorter than the "
                         f"{_HEADER_BYTES}-byte llm.c header")
     magic, version, count = (int(v) for v in header[:3])
-    if magic != MAGIC:
-        raise UserError(f"{path} is not a llm.c token file (magic {magic}, expected {MAGIC})")
-    if version != VERSION:
-        raise UserError(f"{path} has llm.c format version {version}, expected {VERSION} "
-                        "(uint16 GPT-2 tokens)")
-    if count < 0 or size != _HEADER_BYTES + 2 * count:
+    if magic not in LAYOUTS:
+        known = " or ".join(f"{m} ({n}, {d.name})" for m, (n, _, d) in LAYOUTS.items())
+        raise UserError(f"{path} is not a llm.c token file (magic {magic}, expected {known})")
+    name, expected, dtype = LAYOUTS[magic]
+    if version != expected:
+        raise UserError(f"{path} has llm.c format version {version}, expected {expected} "
+                        f"for the {name} layout (magic {magic}, {dtype.name} tokens)")
+    width = dtype.itemsize
+    if count < 0 or size != _HEADER_BYTES + width * count:
         raise UserError(f"{path}: header says {count} tokens but the file holds "
-                        f"{(size - _HEADER_BYTES) / 2:g} (truncated or corrupt)")
+                        f"{(size - _HEADER_BYTES) / width:g} (truncated or corrupt)")
     if count == 0:
-        return np.zeros(0, np.uint16)  # np.memmap refuses zero-length maps
-    return np.memmap(path, dtype="<u2", mode="r", offset=_HEADER_BYTES, shape=(count,))
+        return np.zeros(0, dtype)  # np.memmap refuses zero-length maps
+    return np.memmap(path, dtype=dtype, mode="r", offset=_HEADER_BYTES, shape=(count,))
 
 
 def resolve_files(spec: str, split: str) -> list[Path]:
@@ -203,8 +223,8 @@ def _documents(corpus: str) -> tuple[str, list[Path]]:
 class _ShardWriter:
     """Streams tokens into <name>_<split>_NNNNNN.bin shards of at most shard_tokens."""
 
-    def __init__(self, out: Path, name: str, split: str, shard_tokens: int):
-        self.out, self.stem, self.limit = out, f"{name}_{split}", shard_tokens
+    def __init__(self, out: Path, name: str, split: str, shard_tokens: int, vocab_size: int):
+        self.out, self.stem, self.limit, self.vocab_size = out, f"{name}_{split}", shard_tokens, vocab_size
         self.pending, self.n_pending, self.total, self.files = [], 0, 0, []
 
     def add(self, tokens: np.ndarray):
@@ -219,7 +239,7 @@ class _ShardWriter:
     def flush(self):
         if self.n_pending:
             path = self.out / f"{self.stem}_{len(self.files):06d}.bin"
-            write_bin(path, np.concatenate(self.pending))
+            write_bin(path, np.concatenate(self.pending), self.vocab_size)
             self.files.append(path)
             self.total += self.n_pending
             self.pending, self.n_pending = [], 0
@@ -253,9 +273,9 @@ def prepare(corpus: str, tokenizer: str, out, *, val_fraction: float = 0.05,
         raise UserError(f"corpus '{corpus}' holds no documents (looked for *.txt and *.md)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    eot = np.array([tok.eot], np.uint16)
-    train = _ShardWriter(out, name, "train", shard_tokens)
-    val = _ShardWriter(out, name, "val", shard_tokens)
+    eot = np.array([tok.eot], np.uint32 if tok.vocab_size > 65536 else np.uint16)
+    train = _ShardWriter(out, name, "train", shard_tokens, tok.vocab_size)
+    val = _ShardWriter(out, name, "val", shard_tokens, tok.vocab_size)
     for doc in tqdm(docs, desc=f"tokenizing ({tokenizer})", unit="doc", disable=not progress):
         try:
             text = doc.read_bytes().decode("utf-8")  # bytes, not read_text: keep \r\n as is

@@ -1,7 +1,10 @@
-"""Tokenizers, llm.c shard files, corpus preparation, the loader's data order, entropy."""
+"""Tokenizers, llm.c shard files (both layouts), corpus preparation, the loader's data order, entropy."""
+import hashlib
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,7 @@ import torch
 
 from braidtrain import data as D
 from braidtrain.errors import UserError
+from helpers import ROOT, SMALL, env, metrics, summary
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -56,6 +60,91 @@ def test_bin_round_trip_and_llmc_header(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["x.bin"]  # no temp left behind
 
 
+def _by_hand(magic, version, tokens, dtype, count=None) -> bytes:
+    """llm.c's layout spelled out: 256 little-endian int32 (magic, version, count, zeros), then the tokens."""
+    header = [magic, version, len(tokens) if count is None else count] + [0] * 253
+    return np.array(header, "<i4").tobytes() + np.array(tokens, dtype).tobytes()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_gpt2_layout_bytes_unchanged(tmp_path):
+    toks = [0, 1, 50256, 65535, 7]
+    p = tmp_path / "x.bin"
+    for given, vocab in ((np.array(toks, np.uint16), None), (np.array(toks, np.int64), None),
+                         (np.array(toks, np.uint32), 65536)):  # ids up to 65,535 still fit uint16
+        D.write_bin(p, given, vocab)
+        assert _sha(p.read_bytes()) == _sha(_by_hand(20240520, 1, toks, "<u2"))
+
+
+def test_llama3_layout_written_for_wide_vocabularies(tmp_path):
+    p = tmp_path / "x.bin"
+    wide = [0, 65536, 128255, 7, 2**32 - 1]
+    D.write_bin(p, np.array(wide, np.int64))  # chosen by the tokens: one is above 65,535
+    assert _sha(p.read_bytes()) == _sha(_by_hand(20240801, 7, wide, "<u4"))
+    D.write_bin(p, np.array([1, 2, 3], np.uint16), vocab_size=128256)  # chosen by the vocabulary
+    assert _sha(p.read_bytes()) == _sha(_by_hand(20240801, 7, [1, 2, 3], "<u4"))
+    with pytest.raises(UserError, match="uint16 .*gpt-2"):
+        D.write_bin(p, np.array([70000]), vocab_size=50257)
+    with pytest.raises(UserError, match="uint32 .*llama-3"):
+        D.write_bin(p, np.array([2**32]))
+
+
+def test_both_layouts_read_memory_mapped(tmp_path):
+    toks = [5, 0, 65535, 3, 65534]
+    for name, magic, version, dtype, extra in (("g.bin", 20240520, 1, "<u2", []),
+                                               ("l.bin", 20240801, 7, "<u4", [65536, 128255])):
+        p = tmp_path / name
+        p.write_bytes(_by_hand(magic, version, toks + extra, dtype))
+        got = D.read_bin(p)
+        assert isinstance(got, np.memmap) and got.dtype == np.dtype(dtype)
+        assert got.tolist() == toks + extra
+        assert D.TokenData([p], 128256).window(1, len(toks) + len(extra) - 1).tolist() == (toks + extra)[1:]
+    empty = tmp_path / "e.bin"
+    empty.write_bytes(_by_hand(20240801, 7, [], "<u4"))
+    assert D.read_bin(empty).dtype == np.uint32 and D.read_bin(empty).size == 0
+
+
+def test_prepare_writes_llama3_for_a_wide_tokenizer(tmp_path, monkeypatch):
+    """Our tokenizers have fewer than 65,536 tokens: a synthetic one with 100,000 (byte b -> 70000 + b)."""
+    wide = D.Tokenizer("wide", 100_000, 99_999, None, None,
+                       lambda s: np.frombuffer(s.encode(), np.uint8).astype(np.uint32) + 70_000)
+    monkeypatch.setattr(D, "get_tokenizer", lambda name: wide)
+    (tmp_path / "a.txt").write_text("hello, wide world")
+    s = D.prepare(str(tmp_path / "a.txt"), "wide", tmp_path / "out", val_fraction=0.25, progress=False)
+    train, val = (D.resolve_files(str(tmp_path / "out"), split)[0] for split in ("train", "val"))
+    text = [70_000 + b for b in b"hello, wide world"]
+    n_val = round(len(text) * 0.25)
+    assert np.fromfile(train, "<i4", 2).tolist() == [20240801, 7]
+    assert D.read_bin(train).tolist() == text[:-n_val] + [99_999]
+    assert D.read_bin(val).tolist() == text[-n_val:] + [99_999]
+    assert s["vocab_size"] == 100_000
+
+
+def test_llama3_shard_trains_like_the_gpt2_one(tmp_path, shakespeare):
+    """The same tokens in both layouts, each hand-written: two runs, the same losses at every step."""
+    tokens = {split: D.read_bin(D.resolve_files(str(shakespeare), split)[0])[:20_000].tolist()
+              for split in ("train", "val")}
+    procs = {}
+    for layout, magic, version, dtype in (("gpt2", 20240520, 1, "<u2"), ("llama3", 20240801, 7, "<u4")):
+        d = tmp_path / layout
+        d.mkdir()
+        for split, toks in tokens.items():
+            (d / f"s_{split}_000000.bin").write_bytes(_by_hand(magic, version, toks, dtype))
+        (d / "tokenizer.json").write_text(json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
+        cmd = [sys.executable, "-m", "braidtrain", "train", *SMALL, "-i", d, "-x", 2, "-d", 256,
+               "--out", tmp_path / f"run_{layout}"]
+        procs[layout] = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True,
+                                         stdout=subprocess.DEVNULL)
+    for p in procs.values():
+        assert p.wait(timeout=300) == 0, p.stderr.read()[-3000:]
+    losses = {k: [m["loss"] for m in metrics(tmp_path / f"run_{k}") if "loss" in m] for k in procs}
+    assert len(losses["llama3"]) == 2 and losses["llama3"] == losses["gpt2"]
+    assert len({summary(tmp_path / f"run_{k}")["weights_sha256"] for k in procs}) == 1
+
+
 def _corrupt(tmp_path, kind):
     p = tmp_path / f"{kind}.bin"
     D.write_bin(p, np.arange(10))
@@ -67,6 +156,8 @@ def _corrupt(tmp_path, kind):
         hdr[1] = 7
     elif kind == "count":
         hdr[2] = 11
+    elif kind.startswith("llama3"):  # 10 uint16 tokens read as uint32: 5 of them
+        hdr[:3] = 20240801, 1 if kind == "llama3-version" else 7, 6
     raw[:1024] = hdr.tobytes()
     if kind == "truncated":
         raw = raw[:500]
@@ -78,8 +169,10 @@ def _corrupt(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind,words", [
-    ("magic", "not a llm.c token file (magic 123, expected 20240520)"),
-    ("version", "version 7"),
+    ("magic", "not a llm.c token file (magic 123, expected 20240520 (gpt-2, uint16) or 20240801 (llama-3, uint32))"),
+    ("version", "version 7, expected 1 for the gpt-2 layout"),
+    ("llama3-version", "version 1, expected 7 for the llama-3 layout"),
+    ("llama3-count", "header says 6 tokens but the file holds 5"),
     ("count", "header says 11 tokens"),
     ("truncated", "truncated"),
     ("missing", "cannot read"),
