@@ -112,8 +112,8 @@ MATRIX = [
     ("tp1-cp1-exact", "dense", ("ref", dict()), [("pp2-dp4-z2", dict(pp=2, dp=4, zero=2, schedule="zb"))]),
     ("tp2-exact", "dense", ("tp2", dict(tp=2)), [("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2, zero=1, schedule="1f1b"))]),
     ("cp2-exact", "dense", ("cp2", dict(cp=2)), [("pp2-cp2-dp2", dict(pp=2, cp=2, dp=2, zero=1, schedule="interleaved"))]),
-    ("tp2-cp2-exact", "dense", ("tp2-cp2", dict(tp=2, cp=2)), [
-        ("dp2-cp2-tp2", dict(dp=2, cp=2, tp=2, zero=3)), ("tp2-cp2-pp2", dict(tp=2, cp=2, pp=2, schedule="gpipe"))]),
+    ("tp2-cp2-exact", "dense", ("dp2-cp2-tp2", dict(dp=2, cp=2, tp=2, zero=3)), [  # tp x cp costs most: its base a cell
+        ("tp2-cp2-pp2", dict(tp=2, cp=2, pp=2, schedule="gpipe"))]),
     ("moe-exact", "moe", ("ref", dict()), [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
 ]
