@@ -51,6 +51,8 @@ def _train_parser(sub):
     g.add_argument("--val-every", "-v", type=int)
     g.add_argument("--val-steps", "-m", type=int)
     g.add_argument("--sample-tokens", "-g", type=int)
+    g.add_argument("--eval-data", metavar="FILE", help="llm.c multiple-choice eval file (HellaSwag; data prepare-eval writes one)")
+    g.add_argument("--eval-every", type=int, help="steps between evaluations on it (default: --val-every; 0: only at the end)")
     g.add_argument("--out", "-o", help="run directory (default runs/<timestamp>)")
     g.add_argument("--ckpt-every", "-n", type=int)
     g.add_argument("--keep-ckpts", type=int)
@@ -116,8 +118,11 @@ def train_config(args):
     from braidtrain.config import FIELD_TYPES, build_config
 
     ignored = [f"-{k[8:]}" for k, v in vars(args).items() if k.startswith("ignored_") and v is not None]
+    if args.ignored_h == "1" and args.eval_data:  # llm.c's -h 1 (HellaSwag): --eval-data's evaluation
+        ignored.remove("-h")
     if ignored:
-        print(f"braidtrain: note: llm.c flag(s) {' '.join(ignored)} have no effect here", file=sys.stderr)
+        hint = " (-h 1 evaluates with --eval-data FILE)" if "-h" in ignored else ""
+        print(f"braidtrain: note: llm.c flag(s) {' '.join(ignored)} have no effect here{hint}", file=sys.stderr)
     overrides = {k: v for k, v in vars(args).items() if k in FIELD_TYPES}
     if args.layout == "auto":
         from braidtrain.config import AUTO_CHOSEN
@@ -143,6 +148,12 @@ def cmd_train(args) -> int:
 
 def cmd_data(args) -> int:
     from braidtrain.data import prepare
+
+    if args.action == "prepare-eval":
+        from braidtrain import evaluate
+
+        print(json.dumps(evaluate.prepare(args.jsonl, args.out, args.tokenizer)))
+        return 0
 
     summary = prepare(args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, name=args.name)
     print(json.dumps({k: summary[k] for k in ("train_tokens", "val_tokens", "tokenizer", "vocab_size")}))
@@ -178,6 +189,12 @@ def cmd_export(args) -> int:
     ckpt = export(args.run, args.out, args.format)
     print(f"wrote {args.out} (HuggingFace GPT-2) from {ckpt}")
     return 0
+
+
+def cmd_eval(args) -> int:
+    from braidtrain import evaluate
+
+    return evaluate.run(args)
 
 
 def cmd_bench(args) -> int:
@@ -250,6 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--name", help="shard name prefix (default: the corpus name)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     parsers["data"] = p
+    p = dsub.add_parser("prepare-eval", help="write an llm.c multiple-choice eval file from JSON lines")
+    p.add_argument("--jsonl", required=True, help='lines of {"context": str, "endings": [str, ...], "label": int}')
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, or a data folder (its tokenizer.json)")
     p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's timeline; --experts: MoE load")
     p.add_argument("runs", nargs="*")
     p.add_argument("--schedule", metavar="RUN", help="draw each rank's forwards and backwards in the last step of RUN")
@@ -263,6 +284,12 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device")
+    p = parsers["eval"] = sub.add_parser("eval", help="multiple-choice accuracy of a run's newest checkpoint (torchrun: over ranks)")
+    p.add_argument("run", help="a run directory, or one checkpoint folder")
+    p.add_argument("--eval-data", required=True, metavar="FILE", help="llm.c multiple-choice eval file")
+    p.add_argument("--out", help="results JSON (default RUN/eval.json)")
+    p.add_argument("--device")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     p = parsers["doctor"] = sub.add_parser("doctor", help="read a run's flight logs: which rank stopped where")
     p.add_argument("run")
     p = parsers["export"] = sub.add_parser("export", help="write a run's newest checkpoint as a HuggingFace GPT-2 folder")
@@ -276,9 +303,9 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, not the top level's
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
-    _ran_collectives = args.cmd in ("train", "bench")
+    _ran_collectives = args.cmd in ("train", "bench", "eval")
     handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample, "doctor": cmd_doctor,
-               "export": cmd_export, "plan": cmd_plan, "bench": cmd_bench}[args.cmd]
+               "export": cmd_export, "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval}[args.cmd]
     try:
         return handler(args)
     except UserError as e:

@@ -58,6 +58,8 @@ class Config:
     val_every: int = 50
     val_steps: int = 8
     sample_tokens: int = 200
+    eval_data: str | None = None  # an llm.c multiple-choice eval file (HellaSwag-style; evaluate.py)
+    eval_every: int | None = None  # steps between its evaluations (default: val_every; 0: only at the end)
     out: str | None = None  # default: runs/<timestamp>
     ckpt_every: int = 0  # 0: only the final checkpoint
     keep_ckpts: int = 2
@@ -188,6 +190,9 @@ def validate(cfg: Config) -> None:
         raise UserError(f"lr must be a positive number, got {cfg.lr}")
     if not 0 <= cfg.final_lr_frac <= 1:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
+    if cfg.eval_every is not None and (cfg.eval_every < 0 or not cfg.eval_data):
+        raise UserError(f"eval_every must be >= 0 (0: only at the end), got {cfg.eval_every}" if cfg.eval_data else
+                        "--eval-every needs --eval-data FILE (an llm.c multiple-choice eval file)")
     if cfg.on_save_error not in ("stop", "continue"):
         raise UserError(f"on_save_error must be stop or continue, got {cfg.on_save_error!r}")
     if cfg.layout not in (None, "auto"):

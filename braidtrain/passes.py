@@ -100,8 +100,9 @@ class Passes:
 
     @torch.no_grad()
     def next_logits(self, ctx):
-        """The logits of token ids ctx (1, T) on the rank holding the head, else None: a
-        forward-only pass of one micro-batch through the pipeline (generate.generate's logits_of)."""
+        """The logits of token ids ctx (B, T) on the rank holding the head, else None: a
+        forward-only pass of one micro-batch through the pipeline (generate.generate's logits_of;
+        the multiple-choice evaluation's, evaluate.py)."""
         def forward(stage, _micro, inp):
             part = self.stage[stage]
             with self.autocast():
@@ -110,7 +111,8 @@ class Passes:
         if self.cp is not None:  # whole sequences: every cp rank runs the same pass, attention local
             self.cp.active = False
         try:
-            logits = self.executor_of(forward, seq_len=ctx.shape[1], rows=1).run(self.forward_only(1), 1, train=False)[0]
+            ex = self.executor_of(forward, seq_len=ctx.shape[1], rows=ctx.shape[0])
+            logits = ex.run(self.forward_only(1), 1, train=False)[0]
         finally:
             if self.cp is not None:
                 self.cp.active = True

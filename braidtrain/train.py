@@ -40,7 +40,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from braidtrain import checkpoint
+from braidtrain import checkpoint, evaluate
 from braidtrain.build import build
 from braidtrain.config import Config
 from braidtrain.data import get_tokenizer, unigram_entropy
@@ -72,6 +72,7 @@ def gc_by_hand():
 
 class Trainer:
     def __init__(self, cfg: Config):
+        self.mc = evaluate.read_evalfile(cfg.eval_data) if cfg.eval_data else None  # (a bad file fails first)
         run = self.built = build(cfg)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
         self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
@@ -298,7 +299,8 @@ class Trainer:
                f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} micro-steps "
                f"x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
-        rec, val, bubbles = None, None, []
+        rec, val, bubbles, ev = None, None, [], None
+        eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every
         skipped, streak = 0, []
         try:
             with gc_by_hand():
@@ -312,6 +314,9 @@ class Trainer:
                     last = step + 1 == cfg.max_steps
                     if cfg.val_every and ((step + 1) % cfg.val_every == 0 or last):
                         val = rec["val_loss"] = self.passes.validate(self.device)
+                    if self.mc and ((eval_every and (step + 1) % eval_every == 0) or last):
+                        ev = evaluate.in_training(self)
+                        rec.update(ev)
                     if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last and not streak:
                         rec["save_s"] = self.save(step + 1)
                     if log:
@@ -326,10 +331,12 @@ class Trainer:
         self.drop_graph()
         if val is None or rec is None:
             val = self.passes.validate(self.device)
+        if self.mc and ev is None:  # (a run resumed at its last step)
+            ev = evaluate.in_training(self)
         save_s = self.save(cfg.max_steps)
         sha = checkpoint.weights_sha256(self.engine)
         summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val, "skipped_steps": skipped,
-                   "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s}
+                   "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s, **(ev or {})}
         if self.layout.pp > 1:  # each stage's mean bubble over the run's steps
             summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
             self.passes.write_schedule(self.out / "schedule.json", rec["bubble"] if rec else None)
