@@ -28,4 +28,4 @@ run: data
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m braidtrain train --config tiny --out runs/tiny
 
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15

@@ -87,7 +87,8 @@ def layouts(suite: str):
                 if pp * dp <= 8:
                     out.append((f"pp{pp}-dp{dp}-{sched}-exact", dict(pp=pp, dp=dp, schedule=sched, exact=True, zero=1), 4))
     out += [("pp2-dp2-z1", dict(pp=2, dp=2, zero=1), 10), ("pp2-dp2-z2-zb", dict(pp=2, dp=2, zero=2, schedule="zb"), 10),
-            ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True), 10),  # (pp 2 x dp 2 x tp 2: the "matrix" suite)
+            # b = 2: under sp a rank's rows of a micro-batch are a slice, sent contiguous
+            ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True, b=2), 10),  # (pp 2 x dp 2 x tp 2: the "matrix" suite)
             ("pp2-recompute", dict(pp=2, recompute=True), 10),
             ("pp2-dp2-z0-exact", dict(pp=2, dp=2, zero=0, exact=True), 4),
             ("pp2-dp2-z2-exact", dict(pp=2, dp=2, zero=2, exact=True, schedule="interleaved"), 4)]
@@ -165,9 +166,9 @@ def batch(step, first, count):
 def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     """`steps` of the learning-rate schedule, trained up to `until` (default: all); save: (step,
     folder): a checkpoint after that step; resume: a folder whose checkpoint this run starts from."""
-    pp, dp, cp, tp = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1)
+    pp, dp, cp, tp, b = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1), kw.pop("b", B)
     n = pp * dp * cp * tp
-    lay = make_layout(n, cfg, seq_len=T, batch_size=B, total_batch=SEQS * T, **kw)
+    lay = make_layout(n, cfg, seq_len=T, batch_size=b, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
     mesh = build_mesh(rank, n, comm, pp=pp, cp=cp, tp=tp, ep=lay.ep, ring=lay.virtual > 1, members=range(n))
     if mesh is None:
@@ -180,7 +181,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     opt = AdamW(engine)
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
-    built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=B, seq_len=T), parts=parts,
+    built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=b, seq_len=T), parts=parts,
                             mcfg=cfg, engine=engine, fault=None)
     passes = Passes(built, nullcontext, tokens)
     losses, norms, first = [], [], 0
