@@ -87,8 +87,11 @@ def build(cfg: Config) -> Run:
     rt.join(nccl_protocol="Simple" if lay.data_parallel_only else None)
     if cfg.exact:
         # same kernels, same reduction orders on every rank and every layout
+        ours = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+        if ours and device.type == "cuda":
+            _cublas_checked(device)
         # ... but not torch's NaN-filling of every new buffer (a pass over all memory it hands
         # out): nothing here reads memory it has not written (bucket padding is zeroed)
         torch.utils.deterministic.fill_uninitialized_memory = False
@@ -136,6 +139,21 @@ def build(cfg: Config) -> Run:
         guard.close(clean=False)
         raise
     return run
+
+
+def _cublas_checked(device) -> None:
+    """torch runs cuBLAS under deterministic algorithms only with CUBLAS_WORKSPACE_CONFIG :4096:8 or
+    :16:8 -- checked once, remembered -- but while the variable is set, torch 2.11's cuBLAS calls
+    cost the H200 machine's host ~55 us more a matmul and ~165 us more one with a bias (deterministic
+    algorithms on or off): ~105 ms a gpt2 exact step of 8 micro-steps (issue #25). On compute
+    capability 9.0 torch's own workspace, which it hands cuBLAS with every call, is that size (32 MiB)
+    without the variable: there, one matmul passes the check and the variable this run set goes.
+    Elsewhere it stays: without it the workspace, and so perhaps the bits, would differ."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return
+    a = torch.ones(16, 16, device=device)
+    torch.addmm(a[0], a, a)
+    del os.environ["CUBLAS_WORKSPACE_CONFIG"]
 
 
 def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[GPT]:

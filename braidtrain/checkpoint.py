@@ -104,7 +104,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
     tensors = {}
     for i, name, a, e, pos in pieces(engine):
         b = engine.buckets[i]
-        data = pos - (b.lo if engine.zero == 3 else 0)  # ZeRO-3 holds only the shard
+        data = pos - (b.lo if b.zero == 3 else 0)  # ZeRO-3 holds only the shard
         tensors[f"param/{name}/{a}"] = b.data[data : data + e - a].detach().cpu().clone()
         m, v, _ = opt.groups[i]
         base = pos - engine.owned_range(b)[0]
@@ -219,7 +219,7 @@ def load(path: Path, engine, opt) -> dict:
         for i, b in enumerate(engine.buckets):
             m, v, _ = opt.groups[i]
             lo, hi = engine.owned_range(b)
-            plo = b.lo if engine.zero == 3 else 0  # where b.data starts in the bucket
+            plo = b.lo if b.zero == 3 else 0  # where b.data starts in the bucket
             for (name, p), off in zip(b.params, b.offsets):
                 a, e = max(off, plo), min(off + p.numel(), plo + b.data.numel())
                 if a < e:

@@ -37,9 +37,10 @@ def test_resume_matches_uninterrupted_run(tmp_path, shakespeare):
 
 def test_exact_resume_on_another_layout(tmp_path, shakespeare):
     """Saved by 2 ranks with ZeRO-1, resumed by 4 ranks with ZeRO-3 and, in the format before the
-    placement table, by 1 rank with ZeRO-0: the same bits as 1 rank throughout."""
+    placement table, by 1 rank with ZeRO-0; saved by 1 rank with ZeRO-3 (which runs ZeRO-0's
+    mechanics: nothing to shard), resumed by 2 with ZeRO-3: the same bits as 1 rank throughout."""
     ref = tmp_path / "ref"
-    run(shakespeare, ref, "--exact")
+    run(shakespeare, ref, "--exact", "-z", 3)
     two = tmp_path / "two"
     run(shakespeare, two, "--exact", "-z", 1, nproc=2)
     assert summary(two)["weights_sha256"] == summary(ref)["weights_sha256"]
@@ -59,6 +60,10 @@ def test_exact_resume_on_another_layout(tmp_path, shakespeare):
     meta_path.write_text(json.dumps(meta))
     run(shakespeare, old, "--exact", "--resume", "auto")
     assert summary(old)["weights_sha256"] == summary(ref)["weights_sha256"]
+    from_one = tmp_path / "from_one"
+    interrupt(ref, from_one)
+    run(shakespeare, from_one, "--exact", "-z", 3, "--resume", "auto", nproc=2)
+    assert summary(from_one)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
 def test_damaged_checkpoint_is_skipped(tmp_path, shakespeare):

@@ -14,6 +14,7 @@ from braidtrain.comm import Comm, Group
 from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.optim import AdamW
+from braidtrain.parallel import buckets
 from braidtrain.parallel.buckets import Q
 from braidtrain.parallel.engine import Engine
 
@@ -27,6 +28,13 @@ def solo_engine(model, zero, exact=False):
     """The engine of one CPU process (no process group: every group is this rank alone)."""
     cpu, comm = torch.device("cpu"), Comm(torch.device("cpu"))
     return Engine(model, build_mesh(0, 1, comm), comm, zero=zero, exact=exact, bucket_mb=0.02, device=cpu)
+
+
+@pytest.fixture
+def as_if_sharded(monkeypatch):
+    """ZeRO-2/3's hooks and buffers on one process: a reduce group of one rank would run ZeRO-0's
+    (buckets.zero_stage)."""
+    monkeypatch.setattr(buckets, "zero_stage", lambda zero, group: zero)
 
 
 def run_worker(nproc, zero, out, *extra):
@@ -99,6 +107,7 @@ def test_zero3_gathers_again_only_what_the_backward_reads(tmp_path, mode):
         assert abs(r["norm"] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], r
 
 
+@pytest.mark.usefixtures("as_if_sharded")
 def test_zero3_forward_that_raises_leaves_no_saved_tensor_hook():
     """ZeRO-3 watches a block's forward with a saved-tensor hook; a forward that raises must not
     leave it on autograd's stack, where it would see every later autograd computation."""
@@ -121,6 +130,7 @@ def test_zero3_forward_that_raises_leaves_no_saved_tensor_hook():
     assert torch.isfinite(engine.grad_norm()) and engine.grad_norm() > 0
 
 
+@pytest.mark.usefixtures("as_if_sharded")
 def test_zero3_release_of_a_gather_in_flight_leaves_no_stale_parameters():
     """A bucket released while its gather is still in flight must not come back, at the next
     gather, with what that earlier gather carried: the optimizer may have changed the shard since."""
@@ -136,6 +146,7 @@ def test_zero3_release_of_a_gather_in_flight_leaves_no_stale_parameters():
     assert b.full.untyped_storage().nbytes() == 0
 
 
+@pytest.mark.usefixtures("as_if_sharded")
 @pytest.mark.parametrize("failed_before", [False, True], ids=["", "after-a-failed-step"])
 @pytest.mark.parametrize("mode", ["plain", "exact", "recompute"])
 @pytest.mark.parametrize("zero", [2, 3])
@@ -190,6 +201,7 @@ def test_zero2_3_gradients_accumulate_in_place_into_the_bucket(zero, mode, faile
             torch.testing.assert_close(view, want[name].grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.usefixtures("as_if_sharded")
 def test_zero2_gradient_into_an_unopened_bucket_is_an_error_not_a_loss():
     """ZeRO-2/3 drop autograd's .grad once it is in the bucket's buffer: a gradient that arrives
     before its buffer was opened (here: the block hooks skipped, as they are inside a backward)
@@ -202,6 +214,43 @@ def test_zero2_gradient_into_an_unopened_bucket_is_an_error_not_a_loss():
     loss = model(x, x)
     with pytest.raises(RuntimeError, match="before its buffer was opened"):
         engine.backward(0, loss, last=True)
+
+
+def test_one_rank_has_nothing_to_shard_so_every_stage_runs_zero0s():
+    """On one rank every ZeRO stage runs ZeRO-0's mechanics: its buffers (no shard copies, no
+    gathered buffer, no gradient scratch), its collectives, its optimizer state and -- in exact mode
+    -- its bits; the stage asked for is still the run's. (Peak memory on a GPU: issue #25.)"""
+    cfg = model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=32)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 256, (2, 32), generator=gen) for _ in range(4)]
+    seen = {}
+    for zero in (0, 1, 2, 3):
+        for exact in (False, True):
+            model = GPT(cfg)
+            init_weights(model, seed=7)
+            engine = solo_engine(model, zero, exact)
+            opt = AdamW(engine)
+            for step in range(2):
+                engine.begin_step(2)
+                for micro in range(2):
+                    x = xs[2 * step + micro]
+                    with engine.forward(micro):
+                        loss = model(x, x)
+                    engine.backward(micro, loss, last=micro == 1)
+                engine.finish_step()
+                opt.step(1e-2, grad_scale=engine.grad_norm().float())
+                engine.gather_params()
+            assert engine.zero == zero and engine.zero_hooks is None
+            assert all(b.zero == 0 and b.full is b.data and b.shard_grad is None for b in engine.buckets)
+            with engine.gathered():
+                weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            seen[zero, exact] = ([r.op for r in engine.comm.records], engine.model_state_bytes(), opt.state_numel(),
+                                 weights)
+    for (zero, exact), (ops, state, optim, weights) in seen.items():
+        want = seen[0, exact]
+        assert ops == want[0] and state == want[1] and optim == want[2], (zero, exact)
+        if exact:
+            assert torch.equal(weights, want[3]), zero
 
 
 class _Shards:

@@ -314,3 +314,19 @@ def test_duplicate_rank():
     for t in threads:
         t.join(20)
     assert len(errors) == 3 and all("started as rank 1" in e for e in errors), errors
+
+
+def test_exact_cublas_variable_goes_once_checked_on_compute_capability_9_0(monkeypatch):
+    """Exact mode sets CUBLAS_WORKSPACE_CONFIG for torch's one check of it. While it is set every
+    cuBLAS call costs the host more (issue #25), so on compute capability 9.0, where torch's own
+    workspace is that size without it, one matmul passes the check and the variable goes; on
+    another GPU it stays (the workspace would differ)."""
+    import torch
+
+    from braidtrain import build
+
+    for capability, stays in (((9, 0), False), ((8, 0), True)):
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device, c=capability: c)
+        build._cublas_checked(torch.device("cpu"))
+        assert ("CUBLAS_WORKSPACE_CONFIG" in os.environ) == stays, capability

@@ -75,8 +75,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     `o.sum().backward()`) are made contiguous first. The output (and
     each gradient) is laid out like its input: (B, T, H, D) storage when the input's head
     stride is below its time stride, so `y.transpose(1, 2).reshape(B, T, C)` is free.
-    A torch custom operator (braidtrain::causal_attention): torch.compile keeps it whole in
-    its graph, as it does torch's own attention.
+    A torch operator (braidtrain::causal_attention) defined by torch.library.triton_op:
+    torch.compile sees its kernels (wrap_triton) and launches them from its own code, as it does
+    its generated kernels -- not through the operator's Python and Triton's launcher, which cost
+    the H200 machine's host ~0.2 ms a forward and ~0.45 ms a backward, ~60 ms a gpt2 exact step
+    of 8 micro-steps (issue #25).
     """
     _check(q, k, v)
     return torch.ops.braidtrain.causal_attention(q, k, v, list(_config(q.shape[-1], q.dtype)))[0]
@@ -144,7 +147,18 @@ def _s(x):  # the (batch, head, time) strides; the last one is 1
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-@torch.library.custom_op("braidtrain::causal_attention", mutates_args=())
+def _launch(kernel, grid, *args, **kwargs):
+    """Run a kernel of this module: through wrap_triton on CUDA, so that torch.compile (and a fake
+    tensor's trace) sees the launch; under the CPU interpreter, which wrap_triton cannot trace,
+    directly -- and not at all on a trace's tensors (fake, functional: opcheck's), which need only
+    the outputs' shapes and strides, made by the code around the launches."""
+    if args[0].device.type == "cuda":
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    elif type(args[0]) is torch.Tensor:
+        kernel[grid](*args, **kwargs)
+
+
+@torch.library.triton_op("braidtrain::causal_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: O = softmax(Q Kᵀ/√D, causal) V, and L (row log2-sum-exp2, fp32), saved for backward."""
     if not available(q.device):
@@ -158,19 +172,12 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: lis
     assert cfg.fwd_m % cfg.fwd_n == 0 and cfg.kv_n % cfg.kv_m == 0 and cfg.q_m % cfg.q_n == 0, cfg
     with _on(q.device):
         grid = (triton.cdiv(T, cfg.fwd_m) * B * H,)
-        _fwd_kernel[grid](q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o), H, T, sm_scale * _LOG2E,
-                          D=D, BM=cfg.fwd_m, BN=cfg.fwd_n, PREC=_prec(q.dtype),
-                          num_warps=cfg.fwd_warps, num_stages=cfg.stages)
+        _launch(_fwd_kernel, grid, q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o), H, T, sm_scale * _LOG2E,
+                D=D, BM=cfg.fwd_m, BN=cfg.fwd_n, PREC=_prec(q.dtype), num_warps=cfg.fwd_warps, num_stages=cfg.stages)
     return o, lse
 
 
-@_attention_op.register_fake
-def _(q, k, v, config):
-    B, H, T, _ = q.shape
-    return _empty_like_layout(_unit_last(q)), q.new_empty(B * H, T, dtype=torch.float32)
-
-
-@torch.library.custom_op("braidtrain::causal_attention_backward", mutates_args=())
+@torch.library.triton_op("braidtrain::causal_attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                            do: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: Δ = rowsum(dO ∘ O); dK, dV per key block; dQ per query block — no atomics."""
@@ -182,20 +189,15 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     delta = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
     common = dict(D=D, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
     with _on(q.device):
-        _delta_kernel[(triton.cdiv(T, cfg.fwd_m) * B * H,)](
-            o, do, delta, *_s(o), *_s(do), H, T, BM=cfg.fwd_m, **common)
-        _dkdv_kernel[(triton.cdiv(T, cfg.kv_n) * B * H,)](
-            q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
-            H, T, sm_scale * _LOG2E, sm_scale, BM=cfg.kv_m, BN=cfg.kv_n, PREC=_prec(q.dtype), **common)
-        _dq_kernel[(triton.cdiv(T, cfg.q_m) * B * H,)](
-            q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
-            H, T, sm_scale * _LOG2E, sm_scale, BM=cfg.q_m, BN=cfg.q_n, PREC=_prec(q.dtype), **common)
+        _launch(_delta_kernel, (triton.cdiv(T, cfg.fwd_m) * B * H,),
+                o, do, delta, *_s(o), *_s(do), H, T, BM=cfg.fwd_m, **common)
+        _launch(_dkdv_kernel, (triton.cdiv(T, cfg.kv_n) * B * H,),
+                q, k, v, do, lse, delta, dk, dv, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dk), *_s(dv),
+                H, T, sm_scale * _LOG2E, sm_scale, BM=cfg.kv_m, BN=cfg.kv_n, PREC=_prec(q.dtype), **common)
+        _launch(_dq_kernel, (triton.cdiv(T, cfg.q_m) * B * H,),
+                q, k, v, do, lse, delta, dq, *_s(q), *_s(k), *_s(v), *_s(do), *_s(dq),
+                H, T, sm_scale * _LOG2E, sm_scale, BM=cfg.q_m, BN=cfg.q_n, PREC=_prec(q.dtype), **common)
     return dq, dk, dv
-
-
-@_attention_backward_op.register_fake
-def _(q, k, v, o, lse, do, config):
-    return tuple(_empty_like_layout(_unit_last(x)) for x in (q, k, v))
 
 
 def _save(ctx, inputs, output):
@@ -218,8 +220,10 @@ def _prec(dtype) -> str:
 
 
 def _on(device):
-    # Triton launches on the current CUDA device; make it q's.
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    # Triton launches on the current CUDA device; make it q's (if it is not already).
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+        return nullcontext()
+    return torch.cuda.device(device)
 
 
 # ---- kernels -------------------------------------------------------------------------------
@@ -230,6 +234,7 @@ def _on(device):
 
 def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                 H, T, qk_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # (fp32 from Triton's launcher; fp64 from torch.compile's)
     n_blk = tl.cdiv(T, BM)
     pid = tl.program_id(0)
     bh = pid // n_blk
@@ -302,6 +307,7 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                  sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, skb2, skh2, skt2, svb2, svh2, svt2,
                  H, T, qk_scale, sm_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # (as in _fwd_kernel)
     n_blk = tl.cdiv(T, BN)
     pid = tl.program_id(0)
     bh = pid // n_blk
@@ -356,6 +362,7 @@ def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sqb2, sqh2, sqt2,
                H, T, qk_scale, sm_scale,
                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # (as in _fwd_kernel)
     n_blk = tl.cdiv(T, BM)
     pid = tl.program_id(0)
     bh = pid // n_blk

@@ -19,6 +19,12 @@ place in it whatever the layout (exact mode's gradient norm sums such chunks, pa
   ZeRO-2                 full          its shard               its shard
   ZeRO-3                 its shard     its shard               its shard
                          (+ gathered buckets in use)
+
+A reduce group of one rank has nothing to shard: its buckets run stage 0's mechanics whatever
+stage the run asked for (`zero_stage`): no gathers, no shard copies, no gradient scratch, so ZeRO-2/3
+on one rank hold and move what ZeRO-0 does. Shard and bucket are then the same elements, so what
+the optimizer updates and a checkpoint saves is the same too (the run still reports, and records,
+the stage asked for).
 """
 
 from __future__ import annotations
@@ -40,10 +46,16 @@ def place(numels: list[int]) -> tuple[list[int], int]:
     return offsets, (offsets[-1] + numels[-1] if numels else 0)
 
 
+def zero_stage(zero: int, group) -> int:
+    """The ZeRO stage whose mechanics a bucket reduced over `group` runs: 0 on a group of one rank."""
+    return zero if group.size > 1 else 0
+
+
 class Bucket:
     def __init__(self, index, params, modules, group, device, zero, stage=0):
         self.index, self.params, self.modules, self.group = index, params, modules, group  # params: [(name, param)]
         self.stage = stage  # the pipeline chunk whose parameters it holds
+        self.zero = zero = zero_stage(zero, group)  # the mechanics this bucket runs
         n = group.size
         self.offsets, self.numel = place([p.numel() for _, p in params])
         self.padded = math.ceil(self.numel / (n * Q)) * n * Q

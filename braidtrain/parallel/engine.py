@@ -24,6 +24,9 @@ count, once. In exact mode each backward's gradient is a leaf of exact.py's tree
 number: the order the backwards ran in does not change a bit.
 
 ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
+
+The stage asked for (`zero`) is the run's; each bucket runs the mechanics of its own, `b.zero`
+(buckets.zero_stage): a reduce group of one rank has nothing to shard, so its buckets run stage 0's.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class Engine:
         self.backward_phase = False  # inside backward(): forward hooks then see a recomputation
         self.input_only = False  # inside input_phase()
         self.tied = Tied(self)  # the tied embedding's two uses, kept apart (exact mode, pipelines)
-        self.zero_hooks = Zero(self) if zero >= 2 else None
+        self.zero_hooks = Zero(self) if any(b.zero >= 2 for b in self.buckets) else None
         self.exact_norm = exact_sums.ExactNorm(self) if exact else None
         self.sourced = expert.Sourced(self) if exact and self.ep.size > 1 else None  # experts' leaves by source
         for part in self.parts:
@@ -88,16 +91,16 @@ class Engine:
         """(bucket, param shard, grad shard) this rank updates: whole buckets for ZeRO-0, its own
         shard of each bucket otherwise."""
         for b in self.buckets:
-            if self.zero == 0:
+            if b.zero == 0:
                 yield b, b.data, b.grad
-            elif self.zero == 1:
+            elif b.zero == 1:
                 yield b, b.data[b.lo : b.hi], b.grad[b.lo : b.hi]
             else:
-                yield b, b.data if self.zero == 3 else b.data[b.lo : b.hi], b.shard_grad
+                yield b, b.data if b.zero == 3 else b.data[b.lo : b.hi], b.shard_grad
 
     def owned_range(self, b) -> tuple[int, int]:
         """The bucket positions [lo, hi) whose optimizer state this rank holds."""
-        return (0, b.padded) if self.zero == 0 else (b.lo, b.hi)
+        return (0, b.padded) if b.zero == 0 else (b.lo, b.hi)
 
     def segments(self, b, keep) -> list[tuple[int, int]]:
         """Ranges, relative to what this rank owns of bucket b, of the parameters keep(placed) selects."""
@@ -128,7 +131,7 @@ class Engine:
                 if b.grad is not None:  # last step's gradient goes back to the pool
                     self._recycle(b.grad)
                     b.grad = None
-            elif self.zero <= 1:  # ZeRO-0/1 accumulate the step's micro-batches in place
+            elif b.zero <= 1:  # ZeRO-0/1 accumulate the step's micro-batches in place
                 self._open_grad(b, b.grad)
 
     @contextmanager
@@ -149,7 +152,7 @@ class Engine:
     def backward_weight(self, micro: int, weights, last: bool = False, stage: int = 0) -> None:
         """zb's W: the weight gradients of a backward whose input gradient input_phase() took
         (parallel/zb.py); otherwise as backward()."""
-        self._backward(micro, last, stage, lambda: zb.backward_weight(weights), open_blocks=self.zero >= 2)
+        self._backward(micro, last, stage, lambda: zb.backward_weight(weights), open_blocks=True)
 
     @contextmanager
     def input_phase(self):
@@ -171,7 +174,7 @@ class Engine:
             b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
             if b.sourced:  # (its gradients come by expert.Sourced)
                 continue
-            if (self.exact and self.zero <= 1) or (open_blocks and b.modules):  # a fresh buffer for this backward
+            if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):  # a fresh buffer for this backward
                 self._open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
         self.backward_phase = True
         try:
@@ -206,9 +209,9 @@ class Engine:
         if b.sourced:  # (autograd runs the hook with no gradient: expert.Tap gave it to Sourced)
             p.grad = None
             return
-        if self.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
+        if b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
-                raise RuntimeError(f"ZeRO-{self.zero}: a gradient of bucket {b.index} arrived before its buffer was "
+                raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
                                    "opened (the hook that opens it did not run first)")
             p.grad = None
         b.pending -= 1
@@ -223,7 +226,7 @@ class Engine:
                 b.grad = self.trees[b].total(self.n_micro)
                 b.handle = self._exact_reduce(b, b.grad, *self.owned_grad(b), self.scratch.get(b))
                 self.tied.reduced(b)
-        elif self.zero <= 1:
+        elif b.zero <= 1:
             if self.last:
                 self._launch(b)
         else:
@@ -234,12 +237,12 @@ class Engine:
     def owned_grad(self, b):
         """(where a reduction of bucket b leaves this rank's part, and whether that is the full
         bucket, rebuilt from its shards: ZeRO-0)."""
-        if self.zero == 0:
+        if b.zero == 0:
             return b.grad, True
-        return (b.grad[b.lo : b.hi] if self.zero == 1 else b.shard_grad), False
+        return (b.grad[b.lo : b.hi] if b.zero == 1 else b.shard_grad), False
 
     def _launch(self, b):
-        if self.zero == 0:
+        if b.zero == 0:
             b.handle = self.comm.all_reduce(b.grad, b.group)
         else:  # in place: this rank's shard of b.grad receives the sum
             b.handle = self.comm.reduce_scatter(b.grad[b.lo : b.hi], b.grad, b.group)
@@ -327,7 +330,7 @@ class Engine:
     @contextmanager
     def gathered(self):
         """Every parameter present in full (ZeRO-3): for evaluation, sampling, hashing, export."""
-        if self.zero != 3:
+        if self.zero_hooks is None:
             yield
             return
         with self.zero_hooks.gathered():
@@ -369,9 +372,7 @@ class Engine:
     def gather_params(self):
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
         ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass."""
-        if self.zero in (0, 3):
-            return
-        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.group.size > 1]
+        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
         for h in handles:
             h.wait()
 
@@ -379,8 +380,8 @@ class Engine:
         """Bytes of parameters and gradients held in this rank's flat buffers (now)."""
         n = 0
         for b in self.buckets:
-            n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if self.zero == 3 else 0)
-            n += (b.grad.numel() if b.grad is not None else 0) + (b.shard_grad.numel() if self.zero >= 2 else 0)
+            n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if b.zero == 3 else 0)
+            n += (b.grad.numel() if b.grad is not None else 0) + (b.shard_grad.numel() if b.zero >= 2 else 0)
         return 4 * n
 
 

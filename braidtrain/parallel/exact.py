@@ -109,10 +109,10 @@ class ExactNorm:
         for group in dict.fromkeys(b.group for b in e.buckets):  # each reduce group's shards, gathered
             mine = [b for b in e.buckets if b.group is group]
             local = torch.cat([chunks[b] for b in mine])
-            gathered = e.comm.gather_rows(local, group) if e.zero >= 1 else local[None]
+            gathered = e.comm.gather_rows(local, group) if mine[0].zero >= 1 else local[None]
             col = 0
             for b in mine:
-                k = (b.shard_size if e.zero >= 1 else b.padded) // Q
+                k = (b.shard_size if b.zero >= 1 else b.padded) // Q
                 whole = torch.cat([gathered[:, col : col + k].reshape(-1), gathered.new_zeros(1)])  # the bucket's chunks
                 index, slots = self.rows[b]
                 per_param[slots] = pairwise_sum(whole[index].T)

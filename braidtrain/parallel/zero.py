@@ -43,21 +43,21 @@ import torch
 class Zero:
     def __init__(self, engine):
         self.e = engine
-        self.zero3 = engine.zero == 3
+        mine = [b for b in engine.buckets if b.zero >= 2]  # (a reduce group of one rank runs ZeRO-0's: buckets.py)
+        self.zero3 = [b for b in mine if b.zero == 3]
         # block buckets in backward order (last block first), a chain per reduce group (a block of
         # experts is in two: its dense and its expert parameters), each its own prefetch order
-        self.chains = [[b for b in engine.buckets if b.modules and b.group is g]
-                       for g in dict.fromkeys(b.group for b in engine.buckets if b.modules)]
-        self.embed = [b for b in engine.buckets if not b.modules]
-        self.kept = (self.embed + [c[-1] for c in self.chains]) if self.zero3 else []
+        self.chains = [[b for b in mine if b.modules and b.group is g]
+                       for g in dict.fromkeys(b.group for b in mine if b.modules)]
+        self.embed = [b for b in mine if not b.modules]
+        self.kept = [b for b in self.embed + [c[-1] for c in self.chains] if b.zero == 3]
         self.keep_gathered = False  # inside gathered(): nothing is released
         self._watch = None  # the saved-tensor hooks of the block running forward
         self._watched: list = []  # its buckets (a block of experts has two: dense and expert parameters)
-        if self.zero3:
-            with torch.no_grad():
-                for b in engine.buckets:
-                    b.data.copy_(b.full[b.lo : b.hi])
-                    self._release(b)
+        with torch.no_grad():
+            for b in self.zero3:
+                b.data.copy_(b.full[b.lo : b.hi])
+                self._release(b)
         self._install()
         for b in self.embed:  # buckets of no block: opened by the first of their gradients
             for _, p in b.params:
@@ -65,27 +65,28 @@ class Zero:
 
     # -- what the engine calls -----------------------------------------------------------------
     def before_forward(self):
-        if self.zero3:
-            for b in self.embed:  # needed first and last
+        for b in self.embed:  # needed first and last
+            if b.zero == 3:
                 self._gather(b)
-            for chain in self.chains:
+        for chain in self.chains:
+            if chain[-1].zero == 3:
                 self._gather(chain[-1], wait=False)  # prefetch the first block
 
     def gradients_done(self, b):
         """A backward's gradients of bucket b are all in (and their reduction launched)."""
-        if self.zero3 and (self.e.last or b not in self.kept):
+        if b.zero == 3 and (self.e.last or b not in self.kept):
             self._release(b)
 
     @contextmanager
     def gathered(self):
-        for b in self.e.buckets:
+        for b in self.zero3:
             self._gather(b)
         self.keep_gathered = True
         try:
             yield
         finally:
             self.keep_gathered = False
-            for b in self.e.buckets:
+            for b in self.zero3:
                 self._release(b)
 
     # -- gathering -------------------------------------------------------------------------------
@@ -148,13 +149,13 @@ class Zero:
                 self._stop_watching()
             if out is None:  # the forward raised (always_call)
                 return
-            if self.zero3 and not (last_block and b.needs_full):  # else the backward needs it again at once
+            if b.zero == 3 and not (last_block and b.needs_full):  # else the backward needs it again at once
                 self._release(b)
 
             def reached(grad, b=b, prev=prev):
                 if e.input_only:  # zb's B: the weights' gradients come at W, which opens the bucket
                     return grad
-                if self.zero3:
+                if b.zero == 3:
                     if b.needs_full:
                         self._gather(b)
                     # the bucket before b (in forward order) is gathered as b's backward starts if
@@ -168,7 +169,7 @@ class Zero:
             if out.requires_grad:
                 out.register_hook(reached)
 
-        if self.zero3:
+        if b.zero == 3:
             b.modules[0].register_forward_pre_hook(pre)
         b.modules[-1].register_forward_hook(post, always_call=True)
 
