@@ -150,7 +150,8 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
     largest block bucket; embed_params: elements of wte + wpe + ln_f (all three this tp rank's).
     `transient` is the part of params + grads that exists only during the forward/backward pass
     (scratch S, working set W): a rank at rest, as measured between steps on the CPU, holds the
-    rest."""
+    rest. A group of one rank runs stage 0's mechanics, whatever the stage (buckets.zero_stage)."""
+    zero = zero if n > 1 else 0
     scratch = 4 * (embed_params + 2 * block_params) if zero >= 2 else 0  # S
     working = 4 * (2 * block_params + embed_params) if zero == 3 else 0
     return {
