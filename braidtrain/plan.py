@@ -728,11 +728,26 @@ def best_per_mesh(rows: list[dict]) -> list[dict]:
     return [e for e in rows if (key := tuple(getattr(e["layout"], k) for k in MESH)) not in seen and not seen.add(key)]
 
 
-def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
+def settings_grid(rows: list[dict]):
+    import numpy as np
+
+    grid = np.empty((len(rows), len(SETTINGS)), dtype=object)
+    for i, row in enumerate(rows):
+        grid[i] = settings(row["layout"])
+    return grid
+
+
+def fix(s: Setup, e: dict, fitting: list[dict], grid=None) -> str:
     """The smallest change that makes a layout fit: the fitting layouts that differ from it in
-    the fewest settings (the best of each kind of change); failing any, larger or more GPUs."""
-    lay, mine = e["layout"], settings(e["layout"])
-    changed = lambda f: tuple(k for k, a, b in zip(SETTINGS, settings(f["layout"]), mine) if a != b)  # noqa: E731
+    the fewest settings (the best of each kind of change); failing any, larger or more GPUs.
+    grid: the fitting layouts' settings as an array (settings_grid), when many rows ask."""
+    import numpy as np
+
+    lay = e["layout"]
+    grid = settings_grid(fitting) if grid is None else grid
+    differs = grid != np.array(settings(lay), dtype=object)  # fitting x SETTINGS
+    counts = differs.sum(axis=1)
+    changed = lambda i: tuple(k for k, d in zip(SETTINGS, differs[i]) if d)  # noqa: E731
     say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
            "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
            "cp": lambda l: f"cp={l.cp}", "cp_impl": lambda l: f"--cp-impl {l.cp_impl}" if l.cp > 1 else "",
@@ -741,11 +756,10 @@ def fix(s: Setup, e: dict, fitting: list[dict]) -> str:
            "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
     opts = []
     if fitting:
-        fewest = min(len(changed(f)) for f in fitting)
-        for f in fitting:  # best first: the first of each kind of change is its best
-            ks = changed(f)
-            if len(ks) == fewest and not any(ks == o[0] for o in opts):
-                opts.append((ks, " ".join(filter(None, (say[k](f["layout"]) for k in ks)))))
+        for i in np.flatnonzero(counts == counts.min()):  # best first: the first of each kind of change is its best
+            ks = changed(i)
+            if not any(ks == o[0] for o in opts):
+                opts.append((ks, " ".join(filter(None, (say[k](fitting[i]["layout"]) for k in ks)))))
         opts = [o[1] for o in opts]
     else:
         opts.append(f"GPUs with >= {math.ceil(e['mem']['total'] / GB)} GB")
@@ -801,8 +815,9 @@ def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True
         raise UserError(f"-d {s.d} is not a multiple of b*t*dp = b*{s.t}*{s.gpus}/(tp*pp) for any allowed b, tp "
                         f"and pp: use -d {max(1, s.d // unit) * unit}")
     fitting = [e for e in grid if e["fits"]]
+    grid_of_fits = settings_grid(fitting)
     for e in rows:
-        e["fix"] = None if e["fits"] else fix(s, e, fitting)
+        e["fix"] = None if e["fits"] else fix(s, e, fitting, grid_of_fits)
     best = rows[0] if rows[0]["fits"] else fitting[0] if fitting else None
     if best is None:
         rec = nothing_fits(s, grid)
