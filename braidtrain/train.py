@@ -346,9 +346,10 @@ class Trainer:
         if cfg.sample_tokens:  # every rank takes part: under ZeRO-3 gathering is collective
             tok = get_tokenizer(self.built.tok_name)
             prompt = sample_prompt(tok, self.built.val_loader.data)  # e.g. a speaker's name line
+            context = min(self.mcfg.block_size, cfg.seq_len)  # the positions it was trained on
             with self.engine.gathered():
                 text = tok.decode(generate(self.passes.next_logits, prompt or [tok.eot], cfg.sample_tokens,
-                                           block_size=self.mcfg.block_size, device=self.device,
+                                           block_size=context, device=self.device,
                                            mult=self.layout.tp if self.layout.sp else 1, seed=cfg.seed,
                                            share=self.passes.share_token))
             start = f"the prompt {tok.decode(prompt)!r}, from the validation text" if prompt else "no prompt"
