@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -30,3 +32,12 @@ def generate(logits_of, prompt: list[int], n: int, *, block_size: int, device, m
             nxt = share(nxt)
         idx = torch.cat([idx, nxt.to(device)], dim=1)
     return idx[0, len(prompt) :].tolist()
+
+
+def sample_prompt(tok, data, look: int = 4096, most: int = 64) -> list[int]:
+    """The end-of-run sample's prompt, from the validation text (never trained on): the first
+    line of its first paragraph of two or more lines -- in a play, a speaker's name, whose speech
+    the model then writes. [] when the text has no such paragraph (the caller starts from eot)."""
+    text = tok.decode(data.window(0, min(look, data.n_tokens)).tolist())
+    m = re.search(r"\n[ \t]*\n([^\n]*\S[^\n]*\n)[^\n]*\S", text)
+    return tok.encode(m.group(1))[:most] if m else []

@@ -46,7 +46,7 @@ from braidtrain.config import Config
 from braidtrain.data import get_tokenizer, unigram_entropy
 from braidtrain.errors import Diverged, SaveFailed, UserError
 from braidtrain.fault import crash_reason
-from braidtrain.generate import generate
+from braidtrain.generate import generate, sample_prompt
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
 from braidtrain.optim import clip_scale, lr_at
 from braidtrain.passes import Passes, reduce_loss
@@ -352,12 +352,16 @@ class Trainer:
             rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
         if cfg.sample_tokens:  # every rank takes part: under ZeRO-3 gathering is collective
             tok = get_tokenizer(self.built.tok_name)
+            prompt = sample_prompt(tok, self.built.val_loader.data)  # e.g. a speaker's name line
+            context = min(self.mcfg.block_size, cfg.seq_len)  # the positions it was trained on
             with self.engine.gathered():
-                text = tok.decode(generate(self.passes.next_logits, [tok.eot], cfg.sample_tokens,
-                                           block_size=self.mcfg.block_size, device=self.device,
+                text = tok.decode(generate(self.passes.next_logits, prompt or [tok.eot], cfg.sample_tokens,
+                                           block_size=context, device=self.device,
                                            mult=self.layout.tp if self.layout.sp else 1, seed=cfg.seed,
                                            share=self.passes.share_token))
-            rt.log("--- sample ---\n" + text + "\n--------------")
+            start = f"the prompt {tok.decode(prompt)!r}, from the validation text" if prompt else "no prompt"
+            rt.log(f"--- sample ---\n[{start}, then {cfg.sample_tokens} sampled tokens]\n"
+                   + tok.decode(prompt) + text + "\n--------------")
         return summary
 
 
