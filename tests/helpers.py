@@ -62,13 +62,14 @@ def run_interpreted(script: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def layouts(out: Path, suite: str) -> dict:
-    """tests/layouts_worker.py's `suite` of layouts, run in one 8-rank process group: its results."""
+def layouts(out: Path, suites: list[str]) -> dict:
+    """tests/layouts_worker.py's suites of layouts, run one after another in one 8-rank process
+    group (conftest.py's `layout_suites`): suite -> its results."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(ROOT / "tests" / "layouts_worker.py"), str(out), suite]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+           str(ROOT / "tests" / "layouts_worker.py"), str(out), ",".join(suites)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((Path(out) / "results.json").read_text())
+    return {s: json.loads((Path(out) / f"results_{s}.json").read_text()) for s in suites}
 
 
 def assert_follows(runs: dict, names, ref: dict, rel: float, learns: float = 0.01) -> None:

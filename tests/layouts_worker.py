@@ -1,11 +1,12 @@
-"""Run under torchrun (8 ranks, gloo) by test_parity.py, test_tp.py, test_pipeline.py and
-test_context.py and test_moe.py (argv: OUT, then "dp", "tp", "pipeline", "cp" or "ep"): many layouts of one small GPT
-(a mixture of experts for "ep") in one process group -- each on the first
+"""Run under torchrun (8 ranks, gloo) once a test session (conftest.py's `layout_suites`) for
+test_parity.py, test_tp.py, test_pipeline.py, test_context.py, test_moe.py and test_composition.py
+(argv: OUT, then the suites, comma-separated, of "dp", "tp", "pipeline", "cp", "ep", "matrix"):
+many layouts of one small GPT (a mixture of experts for "ep") in one process group -- each on the first
 pp*dp*tp ranks, the others waiting -- trained a few steps with
 the engine, the schedule's executor and AdamW as the trainer drives them (train.Trainer.work),
 on the same global batches. Writes, per layout, every step's loss and gradient norm, the final
 weights_sha256, each rank's most micro-batches alive at once, and whether the pipeline's two
-copies of the tied wte are bitwise equal, to OUT/results.json."""
+copies of the tied wte are bitwise equal, to OUT/results_<suite>.json."""
 
 import dataclasses
 import hashlib
@@ -118,7 +119,7 @@ MATRIX = [
     ("moe-exact", "moe", ("ref", dict()), [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
 ]
-MATRIX_STEPS = {False: (10, 5), True: (6, 3)}  # (steps, midway) in default and exact mode
+MATRIX_STEPS = {False: (10, 5), True: (4, 2)}  # (steps, midway) in default and exact mode
 
 
 def matrix(rank, out):
@@ -304,11 +305,23 @@ def dispatch(rank, ep, capacity):
     return {"err": max(r[0] for r in rows), "dropped_ok": all(r[1] for r in rows), "dropped": sum(r[2] for r in rows)}
 
 
-def main(out, suite):
+def main(out, suites):
+    """Each suite of the comma-separated list in turn, in one process group (its startup paid
+    once); rank 0 writes OUT/results_<suite>.json."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    for suite in suites.split(","):
+        results = run_suite(rank, out, suite)
+        if rank == 0:
+            with open(f"{out}/results_{suite}.json", "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_suite(rank, out, suite):
     results = {}
     if suite == "cp":
         for cp in (2, 4):
@@ -339,10 +352,7 @@ def main(out, suite):
         if rank == 0:
             results[name] = r
         dist.barrier()
-    if rank == 0:
-        with open(f"{out}/results.json", "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ that validates, samples and saves, resumed at cp 1; and bad input."""
 
 import pytest
 
-from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, layouts, metrics
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics
 from braidtrain.parallel import context
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return layouts(tmp_path_factory.mktemp("cp"), "cp")
+def runs(layout_suites):
+    return layout_suites["cp"]
 
 
 def test_ring_and_allgather_attention_match_torchs_on_the_whole_sequence(runs):

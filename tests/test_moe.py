@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, layouts, metrics, summary
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
 from braidtrain.model.moe import capacity_of, route
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return layouts(tmp_path_factory.mktemp("ep"), "ep")
+def runs(layout_suites):
+    return layout_suites["ep"]
 
 
 def test_the_balance_loss_is_switchs_formula():

@@ -11,7 +11,7 @@ loop, the summary -- a few layouts, and exact mode's pinned bits.
 
 import pytest
 
-from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, layouts, metrics, summary
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 
 D = 1024  # 8 sequences of 64: 8, 4, 2, 1 micro-steps per rank at N = 1, 2, 4, 8
 
@@ -23,8 +23,8 @@ def train(tmp_path, data, nproc, *extra, steps=10):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return layouts(tmp_path_factory.mktemp("dp"), "dp")
+def runs(layout_suites):
+    return layout_suites["dp"]
 
 
 def test_every_zero_stage_and_size_matches_the_single_process(runs):

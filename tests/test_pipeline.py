@@ -13,14 +13,14 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, assert_bitwise, assert_follows, braidtrain, env, layouts, metrics, summary
+from helpers import ROOT, SMALL, assert_bitwise, assert_follows, braidtrain, env, metrics, summary
 from braidtrain.parallel import pipeline
 from braidtrain.parallel.schedule import Action
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return layouts(tmp_path_factory.mktemp("pipeline"), "pipeline")
+def runs(layout_suites):
+    return layout_suites["pipeline"]
 
 
 def test_every_layout_matches_the_single_process(runs):

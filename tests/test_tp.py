@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from helpers import SMALL, assert_follows, braidtrain, layouts, metrics, summary
+from helpers import SMALL, assert_follows, braidtrain, metrics, summary
 
 TP_MODEL = [*SMALL, "--n-head", "4", "--bucket-mb", "0.05"]  # 4 heads: tp up to 4
 D = 1024
@@ -18,10 +18,10 @@ def train(out, data, nproc, *extra, steps=10):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(layout_suites):
     """Nine tp layouts (tp 2 and 4; sp; dp 1, 2, 4; ZeRO 0-2) and the single process, in one
     8-rank process group (tests/layouts_worker.py): every step's loss and gradient norm."""
-    return layouts(tmp_path_factory.mktemp("tp"), "tp")
+    return layout_suites["tp"]
 
 
 def test_tp_matches_single_process(runs):
