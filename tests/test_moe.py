@@ -128,12 +128,15 @@ def test_bad_moe_input_is_one_line(refused, case):
 
 def test_a_checkpoint_of_the_other_kind_is_refused_in_one_line(tmp_path, shakespeare):
     moe, dense = tmp_path / "moe", tmp_path / "dense"
-    braidtrain("train", *MOE, "-i", shakespeare, "-x", 1, "--out", moe)
-    braidtrain("train", *SMALL, "-d", 256, "-i", shakespeare, "-x", 1, "--out", dense)
-    p = braidtrain("train", *SMALL, "-d", 256, "-i", shakespeare, "-x", 2, "--out", moe, "--resume", "auto", check=False)
-    assert_one_line_error(p, "holds an MoE model", "builds a dense one", "--moe-experts 4")
-    p = braidtrain("train", *MOE, "-i", shakespeare, "-x", 2, "--out", dense, "--resume", "auto", check=False)
-    assert_one_line_error(p, "holds a dense model", "builds an MoE one", "--moe-experts 0")
+    kinds = ((MOE, moe), ([*SMALL, "-d", 256], dense))
+    with ThreadPoolExecutor(2) as pool:  # two runs at a time: each mostly imports
+        list(pool.map(lambda k: braidtrain("train", *k[0], "-i", shakespeare, "-x", 1, "--out", k[1]), kinds))
+        into = [(kinds[1][0], moe), (kinds[0][0], dense)]  # each kind resumed from the other's checkpoint
+        moe_into_dense, dense_into_moe = pool.map(
+            lambda k: braidtrain("train", *k[0], "-i", shakespeare, "-x", 2, "--out", k[1], "--resume", "auto",
+                                 check=False), into)
+    assert_one_line_error(moe_into_dense, "holds an MoE model", "builds a dense one", "--moe-experts 4")
+    assert_one_line_error(dense_into_moe, "holds a dense model", "builds an MoE one", "--moe-experts 0")
     assert_one_line_error(braidtrain("export", moe, "--out", tmp_path / "hf", check=False), "mixture of experts")
 
 
@@ -141,8 +144,9 @@ def test_validation_forwards_do_not_count_in_the_step_metrics(tmp_path, shakespe
     """moe_aux and the load are the training forwards': a run that validates every step logs the
     same figures as one that does not."""
     runs = [tmp_path / "quiet", tmp_path / "validating"]
-    for run, every in zip(runs, (0, 1)):
-        braidtrain("train", *MOE, "-i", shakespeare, "-x", 2, "--val-every", every, "--moe-capacity", "1.0", "--out", run)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda r: braidtrain("train", *MOE, "-i", shakespeare, "-x", 2, "--val-every", r[1],
+                                           "--moe-capacity", "1.0", "--out", r[0]), zip(runs, (0, 1))))
     a, b = ([{k: r[k] for k in ("loss", "moe_aux", "moe_dropped", "moe_load")} for r in metrics(run) if "moe_aux" in r]
             for run in runs)
     assert a == b and len(a) == 2

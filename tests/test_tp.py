@@ -19,21 +19,21 @@ def train(out, data, nproc, *extra, steps=10):
 
 @pytest.fixture(scope="module")
 def runs(layout_suites):
-    """Nine tp layouts (tp 2 and 4; sp; dp 1, 2, 4; ZeRO 0-2) and the single process, in one
+    """Eight tp layouts (tp 2 and 4; sp; dp 1, 2, 4; ZeRO 0-2) and the single process, in one
     8-rank process group (tests/layouts_worker.py): every step's loss and gradient norm."""
     return layout_suites["tp"]
 
 
 def test_tp_matches_single_process(runs):
     ref = runs.pop("ref")
-    assert len(runs) == 9 and {name.split("-")[0] for name in runs} == {"tp2", "tp4"}
+    assert len(runs) == 8 and {name.split("-")[0] for name in runs} == {"tp2", "tp4"}
     assert_follows(runs, list(runs), ref, 1e-5)
 
 
 def test_checkpoint_moves_between_tp_degrees(tmp_path, shakespeare):
-    """Saved at tp=2 (ZeRO-1, sp), loaded at tp=1: the loaded weights hash to the saved ones (the
-    hash is of the unsharded tensors). That tp=1 checkpoint, loaded at dp2 x tp2 with ZeRO-3, trains
-    on as the single process does from it (every step's loss and gradient norm)."""
+    """Saved at tp=2 (ZeRO-1, sp), loaded at tp=1 through the command line: the loaded weights hash
+    to the saved ones (the hash is of the unsharded tensors). (Checkpoints resumed across tp, with
+    dp, cp, pp and ZeRO-3, training on as the single process does: test_composition.py.)"""
     a = tmp_path / "a"
     train(a, shakespeare, 2, "--tp", 2, "--sp", "-z", 1, steps=3)
     b = tmp_path / "b"
@@ -41,16 +41,6 @@ def test_checkpoint_moves_between_tp_degrees(tmp_path, shakespeare):
     p = braidtrain("train", *TP_MODEL, "-i", shakespeare, "-d", D, "-x", 3, "--out", b, "--resume", "auto")
     assert "tp 2 -> 1" in p.stdout
     assert summary(b)["weights_sha256"] == summary(a)["weights_sha256"]
-    d1, d4 = tmp_path / "d1", tmp_path / "d4"
-    shutil.copytree(b, d1)
-    shutil.copytree(b, d4)
-    after = lambda rows: [r for r in rows if r.get("step", 0) > 3 and "grad_norm" in r]  # noqa: E731
-    r1 = after(train(d1, shakespeare, 1, "--resume", "auto", steps=5))
-    r4 = after(train(d4, shakespeare, 4, "--resume", "auto", "--tp", 2, "-z", 3, steps=5))
-    assert [r["step"] for r in r4] == [4, 5]
-    for got, want in zip(r4, r1):
-        for key in ("loss", "grad_norm"):
-            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, r4, r1)
 
 
 # An exact run at dp 1 x tp 2 with sp (6 steps): its final weights, pinned (on 4 ranks, at dp 2, they
