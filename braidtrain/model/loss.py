@@ -207,8 +207,8 @@ def _load_triton() -> None:
     import triton as _triton
     import triton.language as _tl
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        from braidtrain.model.attention import _fix_interpreter_index
-        _fix_interpreter_index()
+        from braidtrain.model.attention_kernels import fix_interpreter_index
+        fix_interpreter_index()
     tl = _tl
     _ce_kernel = _triton.jit(_ce_kernel)
     triton = _triton  # last: marks the kernel ready
