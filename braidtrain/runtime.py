@@ -334,6 +334,7 @@ def _check_in(store, rank, world, deadline, timeout_s):
         raise UserError(verdict)
 
     store.set(f"np/{rank}", str(world))
+    store.add("arrived", 1)  # (duplicates included: rank 0 waits for all of them to read a failure)
     if store.add(f"seen/{rank}", 1) > 1:
         fail(f"two processes were started as rank {rank}: give each process its own -pr")
     if rank != 0:
@@ -346,7 +347,10 @@ def _check_in(store, rank, world, deadline, timeout_s):
             verdict = store.get("verdict").decode()
         except RuntimeError:
             raise UserError(f"rank 0 did not confirm that all {world} processes arrived within {timeout_s:g} s") from None
-        store.add("verdict_read", 1)
+        try:
+            store.add("verdict_read", 1)
+        except RuntimeError:  # rank 0 stopped waiting (and its store went with it): the verdict is read
+            pass
         if verdict != _OK:
             raise UserError(verdict)
         return
@@ -364,7 +368,7 @@ def _check_in(store, rank, world, deadline, timeout_s):
     if verdict != _OK:
         # The store dies with this process: give the others a moment to read why before we exit.
         stop = time.monotonic() + 3.0
-        while store.add("verdict_read", 0) < world - 1 - len(pending) and time.monotonic() < stop:
+        while store.add("verdict_read", 0) < store.add("arrived", 0) - 1 and time.monotonic() < stop:
             time.sleep(_POLL_S)
         raise UserError(verdict)
 

@@ -1,10 +1,44 @@
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
-from helpers import layouts, prepare_bytes
+from helpers import Layouts, prepare_bytes
 
 # The test modules whose `runs` fixture is a suite of tests/layouts_worker.py
 LAYOUT_SUITES = {"test_parity": "dp", "test_tp": "tp", "test_pipeline": "pipeline", "test_context": "cp",
                  "test_moe": "ep", "test_composition": "matrix"}
+QUIET = {"test_fault"}  # timing checks (heartbeats, detection within seconds): run once the launch is over
+LAUNCH = pytest.StashKey[Layouts]()
+
+
+def suite_of(item):
+    suite = LAYOUT_SUITES.get(item.module.__name__)
+    return suite if suite and "runs" in item.fixturenames else None
+
+
+@pytest.hookimpl(trylast=True)  # (after -k and the like have deselected)
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read the layouts launch run after the others, so that the launch (one
+    8-rank process group, ~4 minutes of the 2-core machine) works beside them; the QUIET modules
+    last, alone. Otherwise in collection order."""
+    items.sort(key=lambda it: 2 if it.module.__name__ in QUIET else 1 if suite_of(it) else 0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Start the layouts launch for every suite this session's tests ask for, before the first test."""
+    wanted = list(dict.fromkeys(s for s in map(suite_of, session.items) if s))
+    if wanted and not session.config.option.collectonly:
+        session.config.stash[LAUNCH] = Layouts(Path(tempfile.mkdtemp(prefix="braidtrain-layouts-")), wanted)
+
+
+def pytest_sessionfinish(session):
+    launch = session.config.stash.get(LAUNCH, None)
+    if launch is not None:
+        launch.stop()
+        shutil.rmtree(launch.out, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -14,10 +48,8 @@ def shakespeare(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def layout_suites(request, tmp_path_factory):
-    """Every layouts_worker suite this session's tests ask for (through their module's `runs`), in
-    one 8-rank launch: the group's startup, ~9 s of the 2-core machine, is paid once, not once a
-    module. suite -> results."""
-    wanted = [suite for module, suite in LAYOUT_SUITES.items()
-              if any(item.module.__name__ == module and "runs" in item.fixturenames for item in request.session.items)]
-    return layouts(tmp_path_factory.mktemp("layouts"), wanted)
+def layout_suites(request):
+    """Every layouts_worker suite this session's tests ask for (through their module's `runs`):
+    suite -> results. One 8-rank launch, started before the first test (pytest_runtestloop): the
+    group's startup is paid once, and its training works beside the tests that do not need it."""
+    return request.config.stash[LAUNCH].results()

@@ -62,14 +62,32 @@ def run_interpreted(script: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def layouts(out: Path, suites: list[str]) -> dict:
+class Layouts:
     """tests/layouts_worker.py's suites of layouts, run one after another in one 8-rank process
-    group (conftest.py's `layout_suites`): suite -> its results."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(ROOT / "tests" / "layouts_worker.py"), str(out), ",".join(suites)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return {s: json.loads((Path(out) / f"results_{s}.json").read_text()) for s in suites}
+    group, started in the background (conftest.py starts it before the first test); `results()`
+    waits for it: suite -> its results."""
+
+    def __init__(self, out: Path, suites: list[str]):
+        self.out, self.suites = Path(out), suites
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+               str(ROOT / "tests" / "layouts_worker.py"), str(out), ",".join(suites)]
+        self.log = open(self.out / "log.txt", "w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def results(self, timeout: float = 1800) -> dict:
+        rc = self.proc.wait(timeout)
+        self.log.seek(0)
+        assert rc == 0, self.log.read()[-4000:]
+        return {s: json.loads((self.out / f"results_{s}.json").read_text()) for s in self.suites}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # (torchrun ends its workers on SIGTERM)
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
 
 
 def assert_follows(runs: dict, names, ref: dict, rel: float, learns: float = 0.01) -> None:

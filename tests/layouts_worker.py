@@ -54,8 +54,9 @@ def layouts(suite: str):
                 + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), 6) for dp, z in exact])
     if suite == "cp":  # context parallelism: cp 2 and 4, ring and allgather, with dp / ZeRO, tp (sp), pp
         # (cp with tp, pp and both, with and without exact mode: the "matrix" suite)
-        default = [("cp2", dict(cp=2)), ("cp4", dict(cp=4)), ("cp2-contiguous", dict(cp=2, cp_order="contiguous")),
-                   ("cp2-dp2-z1", dict(cp=2, dp=2, zero=1)), ("cp2-tp2-sp", dict(cp=2, tp=2, sp=True))]
+        # b = 2 in default mode: half the micro-steps, a batch dim the ring must keep apart
+        default = [("cp2", dict(cp=2, b=2)), ("cp4", dict(cp=4, b=2)), ("cp2-contiguous", dict(cp=2, cp_order="contiguous")),
+                   ("cp2-dp2-z1", dict(cp=2, dp=2, zero=1, b=2)), ("cp2-tp2-sp", dict(cp=2, tp=2, sp=True, b=2))]
         exact = [("cp2-exact", dict(cp=2)), ("cp2-dp2-z0-exact", dict(cp=2, dp=2)), ("cp2-dp2-z3-exact", dict(cp=2, dp=2, zero=3)),
                  ("cp2-dp4-z1-exact", dict(cp=2, dp=4, zero=1)),
                  ("cp2-allgather-exact", dict(cp=2, cp_impl="allgather")),
@@ -67,8 +68,10 @@ def layouts(suite: str):
         default = [("dp2-ep1", dict(dp=2)), ("dp2-ep2", dict(dp=2, ep=2)), ("dp4-ep2-z1", dict(dp=4, ep=2, zero=1)),
                    ("dp8-ep4-z2", dict(dp=8, ep=4, zero=2)), ("tp2-dp2-ep2", dict(tp=2, dp=2, ep=2)),
                    # cp and sp give a rank a share of each sequence: the routing groups change with it (moe.py),
-                   # so they are compared dropless without the balance loss (what depends on the groups)
-                   ("cp2-ep2-free", dict(cp=2, ep=2, cfg="free")), ("tp2-sp-dp2-ep2-free", dict(tp=2, sp=True, dp=2, ep=2, cfg="free"))]
+                   # so they are compared dropless without the balance loss (what depends on the groups), and
+                   # then at b = 2 (a routing group of two sequences)
+                   ("cp2-ep2-free", dict(cp=2, ep=2, cfg="free", b=2)),
+                   ("tp2-sp-dp2-ep2-free", dict(tp=2, sp=True, dp=2, ep=2, cfg="free", b=2))]
         exact = [("dp4-ep1-z0", dict(dp=4)), ("dp4-ep2-z0", dict(dp=4, ep=2)), ("dp4-ep4-z0", dict(dp=4, ep=4)),
                  ("dp4-ep2-z3", dict(dp=4, ep=2, zero=3)),
                  ("dp8-ep4-z1", dict(dp=8, ep=4, zero=1)), ("dp2-ep2-z2-recompute", dict(dp=2, ep=2, zero=2, recompute=True))]
@@ -76,8 +79,8 @@ def layouts(suite: str):
                  ("ref-exact", dict(exact=True), 4)]
                 + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
-        return [("ref", dict(), 4)] + [  # 4 steps: gloo's tp collectives are many, and each costs
-            (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z), 4)
+        return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
+            (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
             for tp, dp, sp, z in ((2, 1, False, 0), (2, 1, True, 1), (4, 1, False, 0), (4, 1, True, 0),
                                   (2, 2, False, 1), (2, 2, True, 0), (2, 4, True, 1), (4, 2, True, 2))]
     out = [("ref", dict(), 10), ("ref-exact", dict(exact=True), 4)]
@@ -104,9 +107,9 @@ MATRIX = [
     ("dense", "dense", ("ref", dict()), [
         ("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2, zero=1, schedule="1f1b")),
         ("pp2-cp2-dp2", dict(pp=2, cp=2, dp=2, zero=1, schedule="interleaved")),
-        ("dp2-cp2-tp2", dict(dp=2, cp=2, tp=2, zero=3)),
+        ("dp2-cp2-tp2", dict(dp=2, cp=2, tp=2, zero=3, b=2)),  # (b = 2: half the micro-steps of tp x cp)
         ("pp2-dp4-z2", dict(pp=2, dp=4, zero=2, schedule="zb")),  # ZeRO-3 is refused with a pipeline
-        ("tp2-cp2-pp2", dict(tp=2, cp=2, pp=2, schedule="gpipe"))]),
+        ("tp2-cp2-pp2", dict(tp=2, cp=2, pp=2, schedule="gpipe", b=2))]),
     ("moe", "moe", ("ref", dict()), [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)),
         ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
@@ -120,7 +123,7 @@ MATRIX = [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
 ]
 MATRIX_STEPS = {False: (10, 5), True: (4, 2)}  # (steps, midway) in default and exact mode
-MATRIX_CFG = replace(CFG, n_layer=4)  # 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp x cp's messages are per block
+SHALLOW = replace(CFG, n_layer=4)  # 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp's and cp's messages are per block
 
 
 def matrix(rank, out):
@@ -133,7 +136,7 @@ def matrix(rank, out):
     for group, model, base, cells in MATRIX:
         exact = group.endswith("exact")
         steps, mid = MATRIX_STEPS[exact]
-        cfg = MOE if model == "moe" else MATRIX_CFG
+        cfg = MOE if model == "moe" else SHALLOW
         ckpt = lambda name: Path(out) / "ckpt" / group / name  # noqa: E731
         members = [base] + cells
         results[group] = {}
@@ -348,7 +351,7 @@ def run_suite(rank, out, suite):
     for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
         cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0),
-               None: MOE if suite == "ep" else CFG}[kw.pop("cfg", None)]
+               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW}.get(suite, CFG)}[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:
             results[name] = r
