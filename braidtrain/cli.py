@@ -204,9 +204,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from braidtrain import plan
+    from braidtrain import plan_cli
 
-    return plan.run(args)
+    return plan_cli.run(args)
 
 
 def cmd_sample(args) -> int:
@@ -296,9 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("run", help="a run directory, or one checkpoint folder")
     p.add_argument("--format", default="hf", choices=["hf"])
     p.add_argument("--out", required=True)
-    from braidtrain import bench, plan  # light: torch loads only inside run()
+    from braidtrain import bench, plan_cli  # light: torch loads only inside run()
 
-    parsers["plan"] = plan.add_parser(sub)
+    parsers["plan"] = plan_cli.add_parser(sub)
     parsers["bench"] = bench.add_parser(sub)
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, not the top level's

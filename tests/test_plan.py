@@ -2,7 +2,7 @@
 engine's buckets against the engine, the table and its fixes, and `--check` against real CPU
 training runs (estimated model state within 5% of the run's mem_gb).
 
-The command is driven through plan.add_parser on the CLI's own Parser class, in process, so the
+The command is driven through plan_cli.add_parser on the CLI's own Parser class, in process, so the
 test does not depend on cli.py's wiring (one test checks that wiring, and skips until it exists).
 The --check runs are real subprocesses (`braidtrain train`, under torchrun for 2 ranks), started
 together by a module fixture so their torch imports overlap.
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from braidtrain import plan
+from braidtrain import plan, plan_cli
 from braidtrain.cli import Parser
 from braidtrain.comm import Comm
 from braidtrain.errors import UserError
@@ -28,12 +28,12 @@ from helpers import ROOT, braidtrain, prepare_bytes
 
 def parse(*argv):
     parser = Parser(prog="braidtrain")
-    plan.add_parser(parser.add_subparsers(dest="cmd", required=True, parser_class=Parser))
+    plan_cli.add_parser(parser.add_subparsers(dest="cmd", required=True, parser_class=Parser))
     return parser.parse_args(["plan", *map(str, argv)])
 
 
 def run_plan(*argv, capsys) -> str:
-    assert plan.run(parse(*argv)) == 0
+    assert plan_cli.run(parse(*argv)) == 0
     return capsys.readouterr().out
 
 
@@ -385,25 +385,25 @@ def checks(tmp_path_factory, monkeypatch_module):
         if case[5:]:  # the experts' state at 1/ep, ZeRO-1's Adam over the dp/ep ranks of the same experts
             args = parse("--model", "tiny", "--vocab", 256, "--moe-experts", 4, "--moe-hidden", 128, "--gpus", n,
                          "-t", 64, "-d", 256, "--check", f"{zero},2", "--ep", case[5], "--data", data)
-            assert plan.check_layout(args) == plan.Candidate(n, zero, 2, False, ep=case[5])
-            return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
+            assert plan_cli.check_layout(args) == plan.Candidate(n, zero, 2, False, ep=case[5])
+            return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
         if cp > 1:  # ZeRO-1's shard of Adam over the dp x cp = 4 replicas
             args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
                          "--cp", cp, "--data", data)
-            assert plan.check_layout(args) == plan.Candidate(n // cp, zero, 2, False, cp=cp)
-            return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
+            assert plan_cli.check_layout(args) == plan.Candidate(n // cp, zero, 2, False, cp=cp)
+            return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
         if pp > 1:  # rank 0's model state: the first stage's, its ZeRO-1 shard of Adam over dp = 2
             args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 512, "--check", f"{zero},2",
                          "--pp", pp, "--pp-schedule", "zb", "--data", data)
-            assert plan.check_layout(args) == plan.Candidate(n // pp, zero, 2, False, pp=pp, schedule="zb")
-            return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
+            assert plan_cli.check_layout(args) == plan.Candidate(n // pp, zero, 2, False, pp=pp, schedule="zb")
+            return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
         if tp == 1:
-            return plan.check(s, plan.Candidate(n, zero, 2, False), str(data), None)
+            return plan_cli.check(s, plan.Candidate(n, zero, 2, False), str(data), None)
         # from the command line, as a user asks for it: the mesh comes from --tp and --sp
         args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
                      "--tp", tp, "--sp", "--data", data)
-        assert plan.check_layout(args) == plan.Candidate(n // tp, zero, 2, False, tp, True)
-        return plan.check(plan.setup_from(args), plan.check_layout(args), str(data), None)
+        assert plan_cli.check_layout(args) == plan.Candidate(n // tp, zero, 2, False, tp, True)
+        return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
 
     with ThreadPoolExecutor(len(CHECKS)) as pool:
         return dict(zip(CHECKS, pool.map(one, CHECKS)))
@@ -442,7 +442,7 @@ def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
     assert two["activations"]["layers"] == pytest.approx(one["activations"]["layers"] / 2)
     assert two["cp_comm_s"] > 0 and one["cp_comm_s"] == 0
     assert r["rows"][0]["layout"].cp == 2 and "cp=2" in r["recommendation"]
-    assert "cp" in plan.table(r, 4).splitlines()[0].split()
+    assert "cp" in plan_cli.table(r, 4).splitlines()[0].split()
 
 
 def test_the_planner_says_when_the_ring_or_the_all_gather_wins():
@@ -501,7 +501,7 @@ def test_a_mixture_of_experts_is_planned_over_ep_ranks():
     fits = {e["layout"].ep for e in r["rows"] if e["fits"]}
     assert 1 not in fits and 8 in fits
     assert r["rows"][0]["layout"].ep > 1 and "ep=" in r["recommendation"]
-    assert "ep" in plan.table(r, 4).splitlines()[0].split()
+    assert "ep" in plan_cli.table(r, 4).splitlines()[0].split()
 
 
 # ----------------------------------------------------------------------------- five axes together
@@ -581,7 +581,7 @@ def test_gpt2_xl_on_two_nodes_lists_pp_cp_and_tp_with_memory_that_adds_up(capsys
     assert any(r["pp"] > 1 and r["cp"] > 1 and r["tp"] > 1 for r in data["layouts"])
     for row in data["layouts"]:
         mem = row["mem_gb"]
-        assert mem["total"] == pytest.approx(sum(mem[k] for k in plan.COLUMNS))
+        assert mem["total"] == pytest.approx(sum(mem[k] for k in plan_cli.COLUMNS))
 
 
 def test_layout_auto_takes_the_best_layout_train_accepts():
