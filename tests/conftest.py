@@ -9,7 +9,10 @@ from helpers import Layouts, prepare_bytes
 # The test modules whose `runs` fixture is a suite of tests/layouts_worker.py
 LAYOUT_SUITES = {"test_parity": "dp", "test_tp": "tp", "test_pipeline": "pipeline", "test_context": "cp",
                  "test_moe": "ep", "test_composition": "matrix"}
-QUIET = {"test_fault"}  # timing checks (heartbeats, detection within seconds): run once the launch is over
+# Run once the launch is over: the fault tests time heartbeats and detection in seconds, and bench's
+# torchrun jobs trade many small gloo messages, each waiting for its peer to be scheduled (beside
+# the launch's 8 ranks on 2 cores, 2-4x slower: measured)
+QUIET = {"test_fault", "test_bench"}
 LAUNCH = pytest.StashKey[Layouts]()
 
 
@@ -22,7 +25,7 @@ def suite_of(item):
 def pytest_collection_modifyitems(session, config, items):
     """The tests that read the layouts launch run after the others, so that the launch (one
     8-rank process group, ~4 minutes of the 2-core machine) works beside them; the QUIET modules
-    last, alone. Otherwise in collection order."""
+    last, without it. Otherwise in collection order."""
     items.sort(key=lambda it: 2 if it.module.__name__ in QUIET else 1 if suite_of(it) else 0)
 
 
