@@ -404,6 +404,11 @@ def round_folder(work: Path, r: int, repeat: int) -> Path:
     return work if repeat == 1 else work / f"round{r + 1}"
 
 
+def run_job(cmd: list, env: dict) -> subprocess.CompletedProcess:
+    """One variant's command, its output captured (the tests fork it instead: tests/helpers.forked)."""
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
 def _run_variants(args, variants, d: int, n: int, cuda: bool, label: str) -> list[dict]:
     """One run of every variant, in order, each row with its ratio to this round's baseline run."""
     rows = []
@@ -411,7 +416,7 @@ def _run_variants(args, variants, d: int, n: int, cuda: bool, label: str) -> lis
     for k, (name, cmd, read) in enumerate(variants, 1):
         t0 = time.time()
         sampler = subprocess.Popen(SMI, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) if smi else None
-        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        p = run_job(cmd, dict(os.environ, PYTHONUNBUFFERED="1"))
         row = {"variant": name, "ranks": n, "tokens_per_step": d}
         if sampler is not None:
             sampler.terminate()

@@ -45,7 +45,7 @@ def table(result: dict, top: int) -> str:
     head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), *(["cp"] if cp else []),
             *(["ep"] if ep else []),
             "zero", "b", "micro",
-            "recomp", "mem plan.GB", "params", "grads", "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
+            "recomp", "mem GB", "params", "grads", "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
     lines = [head]
     for e in shown:
         lay, m = e["layout"], e["mem"]
@@ -105,9 +105,9 @@ def add_parser(sub):
     a("--seq-len", "-t", type=int, default=1024)
     a("--total-batch", "-d", type=int, default=524288, help="tokens per optimizer step")
     a("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default: H200, bf16)")
-    a("--busbw", type=float, default=300.0, help="collective bus bandwidth of the dp (replica) group, plan.GB/s")
-    a("--tp-busbw", type=float, help="bus bandwidth of the tp group inside a node, plan.GB/s (default --busbw)")
-    a("--node-busbw", type=float, default=40.0, help="bus bandwidth of a group that spans nodes, plan.GB/s per GPU "
+    a("--busbw", type=float, default=300.0, help="collective bus bandwidth of the dp (replica) group, GB/s")
+    a("--tp-busbw", type=float, help="bus bandwidth of the tp group inside a node, GB/s (default --busbw)")
+    a("--node-busbw", type=float, default=40.0, help="bus bandwidth of a group that spans nodes, GB/s per GPU "
                                                      "(default 40: 400 Gb/s InfiniBand)")
     a("--alpha-us", type=float, default=10.0, help="collective latency, microseconds")
     a("--bucket-mb", type=float, default=Config.bucket_mb)
@@ -218,7 +218,7 @@ def check(s: plan.Setup, lay: plan.Candidate, data: str, out: str | None) -> dic
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(out or tmp)
-        p = subprocess.run([sys.executable, *map(str, cmd), "--out", str(run_dir)], capture_output=True, text=True)
+        p = run_job([sys.executable, *map(str, cmd), "--out", str(run_dir)])
         if p.returncode:
             lines = [l for l in p.stderr.splitlines() if "error" in l.lower()] or p.stderr.splitlines() or ["no output"]
             raise UserError(f"the --check run failed (exit {p.returncode}): {lines[-1].strip()}")
@@ -230,6 +230,11 @@ def check(s: plan.Setup, lay: plan.Candidate, data: str, out: str | None) -> dic
             "compared": "model state between steps" if s.cpu else "peak allocated (model state + activations)"}
 
 
+def run_job(cmd: list) -> subprocess.CompletedProcess:
+    """The check's run, its output captured (the tests fork it instead: tests/helpers.forked)."""
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 def run(args) -> int:
     s = setup_from(args)
     if args.check is not None:
@@ -238,7 +243,7 @@ def run(args) -> int:
         r = check(s, check_layout(args), args.data, args.out)
         print(json.dumps(r) if args.json else
               f"check {plan.Candidate(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
-              f"estimated {r['estimated_gb']:.4f} plan.GB, measured {r['measured_gb']:.4f} plan.GB, error {100 * r['rel_error']:+.1f}%")
+              f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error {100 * r['rel_error']:+.1f}%")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
     result = plan.plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, plan.MICRO_BATCHES), pick(args.recompute, (False, True)),
@@ -255,6 +260,6 @@ def run(args) -> int:
     heads = [k for k in range(2, c.n_head + 1) if c.n_head % k == 0]
     no_tp = f"; no tp: no divisor of n_head {c.n_head} ({heads}) divides {s.gpus}" if s.gpus > 1 and plan.tp_degrees(s) == [1] else ""
     print(f"{c.num_params() / 1e6:,.1f}M parameters (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
-          f"block_size={c.block_size}, vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} plan.GB{node}, -t {s.t} -d {s.d}{no_tp}")
+          f"block_size={c.block_size}, vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB{node}, -t {s.t} -d {s.d}{no_tp}")
     print(table(result, args.top))
     return 0

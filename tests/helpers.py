@@ -1,11 +1,25 @@
-"""Run the real command line, in one process or under torchrun, and read what a run wrote."""
+"""Run the real command line, in one process or as a process group, and read what a run wrote.
+
+`launch` has each process forked by tests/forkserver.py, which imported torch and braidtrain once:
+a fresh interpreter spends ~1.5 s of CPU importing torch, and the suite starts some 200 processes
+on a 2-core machine. A forked process runs the module or script as `python -m` / `python` would,
+with its own argv, environment, folder and stdout and stderr. N ranks get what torchrun gives its
+workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), and as under torchrun, the first rank
+to fail has the others stopped. Tests of torchrun itself (its restarts, its agent's store) and of
+a process's signals run the real thing: test_runtime, test_fault, the layouts launch."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,15 +35,108 @@ def env():
     return e
 
 
-def braidtrain(*args, nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "braidtrain", *map(str, args)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "braidtrain", *map(str, args)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+_server: tuple | None = None  # (its process, its socket's path)
+_lock = threading.Lock()  # (test_cli starts its commands from a few threads)
+
+
+def _server_path() -> str:
+    """The fork server's socket, the server started on first use (with OMP_NUM_THREADS=1: OpenMP
+    reads it once, as torch loads)."""
+    global _server
+    with _lock:
+        if _server is None:
+            path = os.path.join(tempfile.mkdtemp(prefix="braidtrain-forks-"), "socket")
+            proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), path], env=env(),
+                                    stdout=subprocess.PIPE, text=True)
+            assert proc.stdout.readline().strip() == "ready", "tests/forkserver.py did not start"
+            atexit.register(proc.kill)
+            _server = proc, path
+    return _server[1]
+
+
+def _start(req: dict) -> tuple[socket.socket, int]:
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(_server_path())
+    conn.sendall((json.dumps(req) + "\n").encode())
+    f = conn.makefile("r")
+    return conn, f, int(f.readline())
+
+
+def _signal(pid: int, sig) -> None:
+    try:
+        os.killpg(pid, sig)  # the process and what it started (forkserver.child: a session of its own)
+    except ProcessLookupError:
+        pass
+
+
+def launch(*target, nproc: int = 1, cwd=ROOT, environ: dict | None = None, timeout: float = 300,
+           fsize: int | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` (target: "-m", MODULE, *ARGS) or `python SCRIPT ARGS` as nproc
+    ranks; stdout and stderr: all ranks', one stream each. The return code: 0, or the first
+    failed rank's. fsize: a file-size limit (bytes) on each rank, as a full disk would stop its
+    writes. Past `timeout`, every rank is killed (subprocess.TimeoutExpired)."""
+    target = [str(a) for a in target]
+    base = dict(env() if environ is None else environ)
+    if nproc > 1:
+        with socket.socket() as s:  # a free port for rank 0's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with tempfile.TemporaryDirectory(prefix="braidtrain-launch-") as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        open(out, "w").close(), open(err, "w").close()
+        ranks = [_start(dict(target=target, cwd=str(cwd), out=out, err=err, fsize=fsize,
+                             env=dict(base, **({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc > 1 else {}))))
+                 for r in range(nproc)]
+        codes: list[int | None] = [None] * nproc
+        first, deadline = None, time.monotonic() + timeout
+        try:
+            import selectors
+            sel = selectors.DefaultSelector()
+            for r, (conn, _, _) in enumerate(ranks):
+                sel.register(conn, selectors.EVENT_READ, r)
+            while None in codes:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(target, timeout)
+                for key, _ in sel.select(timeout=0.5):
+                    r = key.data
+                    codes[r] = int(ranks[r][1].readline() or -9)
+                    sel.unregister(key.fileobj)
+                    if codes[r] != 0 and first is None:  # as torchrun: a failed rank ends the group
+                        first = codes[r]
+                        for (_, _, pid), c in zip(ranks, codes):
+                            if c is None:
+                                _signal(pid, signal.SIGTERM)
+                        deadline = min(deadline, time.monotonic() + 30)
+        finally:
+            for (conn, f, pid), c in zip(ranks, codes):
+                if c is None:
+                    _signal(pid, signal.SIGKILL)
+                f.close()
+                conn.close()
+        read = lambda path: Path(path).read_text(encoding="utf-8", errors="replace")  # noqa: E731
+        return subprocess.CompletedProcess(target, first or 0, read(out), read(err))
+
+
+def forked(cmd: list, env: dict | None = None) -> subprocess.CompletedProcess:
+    """What subprocess.run(cmd) would return for `python [-m torch.distributed.run --standalone
+    --nproc-per-node=N] ARGS`, the command forked instead (launch): a stand-in for the `run_job`
+    of bench.py and plan_cli.py, which start such commands."""
+    cmd = [str(a) for a in cmd]
+    assert cmd[0] == sys.executable, cmd
+    cmd, nproc = cmd[1:], 1
+    if cmd[:3] == ["-m", "torch.distributed.run", "--standalone"]:
+        nproc, cmd = int(cmd[3].removeprefix("--nproc-per-node=")), cmd[4:]
+    return launch(*cmd, nproc=nproc, environ=dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+
+
+def braidtrain(*args, nproc: int = 1, timeout: float = 300, check: bool = True, cwd=ROOT, environ=None,
+               fsize=None) -> subprocess.CompletedProcess:
+    """`python -m braidtrain ARGS` as nproc ranks (launch); check: fail the test on a non-zero exit."""
+    p = launch("-m", "braidtrain", *args, nproc=nproc, timeout=timeout, cwd=cwd, environ=environ, fsize=fsize)
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+        raise AssertionError(f"braidtrain {' '.join(map(str, args))} ({nproc} ranks) exited {p.returncode}\n"
+                             f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
 
 

@@ -157,6 +157,26 @@ def matrix(rank, out):
     return results
 
 
+_made = {}  # (its ranks, axis, which such call of the mesh) -> process group
+
+
+def lines():
+    """build_mesh's new_group for one mesh, each line's group made once a launch and reused by
+    every later mesh with that line: a gloo group keeps ~3 threads a rank until the end, and the
+    launch builds some 150 meshes (without it, 700-1000 threads a rank by the end). Every rank
+    builds the same meshes, so every rank makes the same groups. The call's count within the
+    mesh keeps apart what build_mesh keeps apart (a pp line and its two directions' pairs)."""
+    seen = {}
+
+    def new_group(ranks, axis):
+        key = (tuple(ranks), axis)
+        seen[key] = seen.get(key, 0) + 1
+        if key + (seen[key],) not in _made:
+            _made[key + (seen[key],)] = dist.new_group(sorted(ranks))
+        return _made[key + (seen[key],)]
+    return new_group
+
+
 def batch(step, first, count):
     """Global sequences first .. first + count - 1 of a step, each a function of (step, its number):
     counting from a random start in steps of 1, 2 or 3 (mod 256) -- something to learn."""
@@ -175,7 +195,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     n = pp * dp * cp * tp
     lay = make_layout(n, cfg, seq_len=T, batch_size=b, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
-    mesh = build_mesh(rank, n, comm, pp=pp, cp=cp, tp=tp, ep=lay.ep, ring=lay.virtual > 1, members=range(n))
+    mesh = build_mesh(rank, n, comm, pp=pp, cp=cp, tp=tp, ep=lay.ep, ring=lay.virtual > 1, members=range(n),
+                      new_group=lines())
     if mesh is None:
         return None
     parts = make_parts(cfg, mesh, lay, lay.sp)
@@ -223,7 +244,7 @@ def attention(rank, cp, impl, order, dtype=torch.float32):
     any rank, each rank's block pairs, and whether each ring transfer was launched before the
     attention of its step was done (comm's flight records against the host clock)."""
     comm = Comm(torch.device("cpu"))
-    mesh = build_mesh(rank, cp, comm, cp=cp, members=range(cp))
+    mesh = build_mesh(rank, cp, comm, cp=cp, members=range(cp), new_group=lines())
     if mesh is None:
         return None
     cx = Context(mesh.groups["cp"], impl, order)
@@ -254,7 +275,7 @@ def dispatch(rank, ep, capacity):
     the output, the input's and the router's gradients and each held expert's, and whether the
     dropped assignments are the reference's."""
     comm = Comm(torch.device("cpu"))
-    mesh = build_mesh(rank, ep, comm, ep=ep, members=range(ep))
+    mesh = build_mesh(rank, ep, comm, ep=ep, members=range(ep), new_group=lines())
     if mesh is None:
         return None
     cfg = replace(MOE, moe_experts=8, moe_capacity=capacity)

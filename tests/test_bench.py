@@ -4,21 +4,28 @@ model on the same data, so in fp32 their losses agree -- the benchmark compares 
 
 import json
 from pathlib import Path
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
-from helpers import ROOT, braidtrain, env
+from helpers import braidtrain, forked
+from braidtrain import bench, cli
 from braidtrain.bench import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
+
+
+def bench_train(*args, monkeypatch, capsys) -> SimpleNamespace:
+    """`braidtrain bench train ARGS` in this process, each variant's torchrun job forked
+    (helpers.forked): returncode, stdout, stderr."""
+    monkeypatch.setattr(bench, "run_job", forked)
+    code = cli.main(["bench", "train", *map(str, args)])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def test_bench_comm_two_ranks(tmp_path):
     out = tmp_path / "comm.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "braidtrain",
-           "bench", "comm", "--min-bytes", "1K", "--max-bytes", "64K", "--iters", "3", "--warmup", "1", "--json", str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = braidtrain("bench", "comm", "--min-bytes", "1K", "--max-bytes", "64K", "--iters", "3", "--warmup", "1",
+                   "--json", out, nproc=2, timeout=180)
     rows = json.loads(out.read_text())
     assert [(r["op"], r["bytes"]) for r in rows] == [(op, s) for op in OPS for s in sizes(1024, 65536)]
     for r in rows:
@@ -35,12 +42,13 @@ def test_bus_factors_follow_nccl_tests():
     assert sizes(1024, 1 << 30)[-1] == 1 << 30 and len(sizes(1024, 1 << 30)) == 11
 
 
-def test_bench_train_against_torch(tmp_path, shakespeare):
+def test_bench_train_against_torch(tmp_path, shakespeare, monkeypatch, capsys):
     out = tmp_path / "train.json"
-    p = braidtrain("bench", "train", "--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
-                   "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "4", "--warmup", "1", "--nproc", "2",
-                   "--layout", "-z 3", "--torch", "ddp", "--baseline", "ddp", "--json", out, "--repeat", "2",
-                   "--keep", tmp_path / "keep")
+    p = bench_train("--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
+                    "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "4", "--warmup", "1", "--nproc", "2",
+                    "--layout", "-z 3", "--torch", "ddp", "--baseline", "ddp", "--json", out, "--repeat", "2",
+                    "--keep", tmp_path / "keep", monkeypatch=monkeypatch, capsys=capsys)
+    assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
     assert list(rows) == ["braidtrain -z 3", "torch ddp"]
     ref = rows["torch ddp"]
@@ -83,8 +91,6 @@ def test_rounds_keep_their_runs_apart(tmp_path, monkeypatch, capsys, repeat):
     """--keep DIR: a single round's runs in DIR itself (benchmarks/two_gpu.sh reads them there),
     round k's in DIR/roundk; the second round runs the variants in reverse order; the baseline
     failing in one round fails its row, and no row gets a ratio."""
-    from braidtrain import bench, cli
-
     folders, orders = [], []
     figures = {"mfu": None, "mem_gb": 1.0, "exposed_comm_frac": None, "comm_busbw_GBps": None, "slowest": 1.0, "loss": 5.0}
 
@@ -141,12 +147,12 @@ def test_bench_bad_input_is_one_line(args, names):
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: error:"), p.stderr
 
 
-def test_bench_train_fails_when_the_variants_do_other_work(shakespeare):
+def test_bench_train_fails_when_the_variants_do_other_work(shakespeare, monkeypatch, capsys):
     """A variant with another learning rate ends on another loss: bench train prints its table,
     then exits 2 with one line naming the two variants."""
-    p = braidtrain("bench", "train", "--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
-                   "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "2", "--warmup", "1", "--nproc", "1",
-                   "--layout", "-z 0", "--layout", "-z 0 --lr 0.01", "--torch", "", check=False)
+    p = bench_train("--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
+                    "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "2", "--warmup", "1", "--nproc", "1",
+                    "--layout", "-z 0", "--layout", "-z 0 --lr 0.01", "--torch", "", monkeypatch=monkeypatch, capsys=capsys)
     err = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
     assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
     assert "final losses disagree: braidtrain -z 0 --lr 0.01" in err[0] and "against braidtrain -z 0 " in err[0]

@@ -2,8 +2,8 @@
 `braidtrain: error: <what to change>`, and exit code 2 (no traceback, no usage block);
 a small run writes its run directory, and `sample` / `plot` read it back.
 
-Every case runs the real CLI in a subprocess (`python -m braidtrain ...`), so what is tested
-is what a user sees. Most cases fail before any training starts (a torch import, ~2-3 s).
+Every case runs the real CLI in a process of its own (`python -m braidtrain ...`, forked by
+helpers.launch), so what is tested is what a user sees.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from braidtrain import data as D
+from helpers import braidtrain
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
@@ -34,10 +34,9 @@ TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", 
 AUTO = TINY[:TINY.index("-b")] + TINY[TINY.index("-b") + 2:] + ["-d", str(4 * B * T), "--layout", "auto"]  # TINY less -b
 
 
-def cli(*args, cwd, timeout=180) -> subprocess.CompletedProcess:
+def cli(*args, cwd, timeout=180, nproc=1) -> subprocess.CompletedProcess:
     """`python -m braidtrain ARGS` in a scratch folder (so nothing lands in the repo)."""
-    return subprocess.run([sys.executable, "-m", "braidtrain", *map(str, args)], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=timeout)
+    return braidtrain(*args, cwd=cwd, environ=ENV, timeout=timeout, nproc=nproc, check=False)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
@@ -60,8 +59,8 @@ def header(magic=D.MAGIC, version=D.VERSION, count=0) -> bytes:
 
 
 # ----------------------------------------------------------------------------- fixtures
-# Each subprocess spends ~2 s importing torch, so the module starts every command it will check
-# at once (a few at a time) in the `jobs` fixture, and each test waits for its own result.
+# The module starts every command it will check at once (a few at a time) in the `jobs` fixture,
+# and each test waits for its own result.
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
@@ -264,11 +263,8 @@ EXACT_UNIT = B * T * EXACT_DP  # tokens of one micro-step over all ranks
 
 def torchrun_exact(paths) -> subprocess.CompletedProcess:
     """2 ranks, --exact, 3 micro-steps per rank."""
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(EXACT_DP),
-         "-m", "braidtrain", "train", *TINY, "-i", str(paths.data), "--out", str(paths.scratch / "runs" / "exact"),
-         "--exact", "-d", str(3 * EXACT_UNIT)],
-        cwd=paths.scratch, env=ENV, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=240)
+    return cli("train", *TINY, "-i", paths.data, "--out", paths.scratch / "runs" / "exact", "--exact",
+               "-d", 3 * EXACT_UNIT, cwd=paths.scratch, timeout=240, nproc=EXACT_DP)
 
 
 def test_exact_needs_power_of_two_micro_steps(paths, jobs):

@@ -3,8 +3,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ import torch
 
 from braidtrain import data as D
 from braidtrain.errors import UserError
-from helpers import ROOT, SMALL, env, metrics, summary
+from helpers import SMALL, braidtrain, metrics, summary
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -134,12 +132,7 @@ def test_llama3_shard_trains_like_the_gpt2_one(tmp_path, shakespeare):
         for split, toks in tokens.items():
             (d / f"s_{split}_000000.bin").write_bytes(_by_hand(magic, version, toks, dtype))
         (d / "tokenizer.json").write_text(json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
-        cmd = [sys.executable, "-m", "braidtrain", "train", *SMALL, "-i", d, "-x", 2, "-d", 256,
-               "--out", tmp_path / f"run_{layout}"]
-        procs[layout] = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True,
-                                         stdout=subprocess.DEVNULL)
-    for p in procs.values():
-        assert p.wait(timeout=300) == 0, p.stderr.read()[-3000:]
+        procs[layout] = braidtrain("train", *SMALL, "-i", d, "-x", 2, "-d", 256, "--out", tmp_path / f"run_{layout}")
     losses = {k: [m["loss"] for m in metrics(tmp_path / f"run_{k}") if "loss" in m] for k in procs}
     assert len(losses["llama3"]) == 2 and losses["llama3"] == losses["gpt2"]
     assert len({summary(tmp_path / f"run_{k}")["weights_sha256"] for k in procs}) == 1

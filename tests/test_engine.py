@@ -3,13 +3,11 @@
 import copy
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, env
+from helpers import ROOT, launch
 from braidtrain.comm import Comm, Group
 from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, init_weights, model_config
@@ -38,9 +36,7 @@ def as_if_sharded(monkeypatch):
 
 
 def run_worker(nproc, zero, out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "tests" / "engine_worker.py"), str(zero), str(out), *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    p = launch(ROOT / "tests" / "engine_worker.py", zero, out, *extra, nproc=nproc, timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

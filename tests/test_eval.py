@@ -8,8 +8,6 @@ import json
 import math
 import random
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from braidtrain import cli
 from braidtrain.errors import UserError
 from braidtrain.evaluate import Example, read_evalfile, score, totals, write_evalfile
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import ROOT, SMALL, braidtrain, launch, metrics, summary
 
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_eval.bin"  # data prepare-eval --tokenizer bytes of its .jsonl
 JSONL = FIXTURE.with_suffix(".jsonl")
@@ -110,9 +108,7 @@ def test_counts_identical_over_1_2_4_ranks(tmp_path):
     bigram's totals are also the hand computation's."""
     examples = random_examples(7, 256, seed=3)
     (tmp_path / "e.bin").write_bytes(llmc_file(examples))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "tests" / "eval_worker.py"), str(tmp_path / "e.bin"), str(tmp_path)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = launch(ROOT / "tests" / "eval_worker.py", tmp_path / "e.bin", tmp_path, nproc=4)
     assert p.returncode == 0, p.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r == ranks[0] for r in ranks)

@@ -222,9 +222,8 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, shakespeare, ref):
     from braidtrain import checkpoint
 
     run = tmp_path / "run"
-    e = dict(env(), BRAIDTRAIN_FAULT="save:step=6")
-    p = subprocess.run([sys.executable, "-m", "braidtrain", "train", *map(str, COMMON), "-i", str(shakespeare),
-                        "--ckpt-every", "2", "--out", str(run)], cwd=ROOT, env=e, capture_output=True, text=True)
+    p = braidtrain("train", *COMMON, "-i", shakespeare, "--ckpt-every", 2, "--out", run,
+                   environ=dict(env(), BRAIDTRAIN_FAULT="save:step=6"), check=False)
     assert p.returncode == 2, p.stderr
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("braidtrain: error:") and "No space left" in last and "previous checkpoint is intact" in last
@@ -338,8 +337,7 @@ def test_doctor_says_when_all_is_well(tmp_path):
 
     write_logs(tmp_path, {r: history(9) for r in range(4)}, reason="signal SIGTERM")
     assert diagnose(tmp_path)[-1] == "no problem found: every rank's last collective completed"
-    lines = subprocess.run([sys.executable, "-m", "braidtrain", "doctor", str(tmp_path / "nowhere")], cwd=ROOT,
-                           env=env(), capture_output=True, text=True)
+    lines = braidtrain("doctor", tmp_path / "nowhere", check=False)
     assert lines.returncode == 2 and lines.stderr.count("\n") == 1 and "no flight/ folder" in lines.stderr
 
 

@@ -3,13 +3,11 @@ layers and the tp=1 GPT built from the same full weights; the shard specs and ba
 this process. fp32 on CPU: relative 1e-5 (docs/architecture.md, "Testing")."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, env
+from helpers import ROOT, launch
 from braidtrain.comm import Comm, Group
 from braidtrain.errors import UserError
 from braidtrain.layout import check_tp
@@ -24,9 +22,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("layers")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={request.param}",
-           str(ROOT / "tests" / "layers_worker.py"), str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    p = launch(ROOT / "tests" / "layers_worker.py", out, nproc=request.param, timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(request.param)]
 

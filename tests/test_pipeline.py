@@ -7,13 +7,11 @@ resumed at pp 1 and pp 4."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, assert_bitwise, assert_follows, braidtrain, env, metrics, summary
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, launch, metrics, summary
 from braidtrain.parallel import pipeline
 from braidtrain.parallel.schedule import Action
 
@@ -205,10 +203,8 @@ def test_1f1b_matches_torch_pipelining(tmp_path, shakespeare):
     braidtrain("train", *model, "-i", shakespeare, "-d", 1024, "-x", 5, "--pp", 2, "--val-every", 0,
                "--sample-tokens", 0, "--no-progress", "--out", ours, nproc=2)
     theirs = tmp_path / "torch.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "braidtrain.torchref",
-           "--mode", "pipe-1f1b", *model, "-i", str(shakespeare), "-d", "1024", "--steps", "5", "--json", str(theirs),
-           "--device", "cpu"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = launch("-m", "braidtrain.torchref", "--mode", "pipe-1f1b", *model, "-i", shakespeare, "-d", 1024, "--steps", 5,
+               "--json", theirs, "--device", "cpu", nproc=2)
     assert p.returncode == 0, p.stderr[-4000:]
     want = json.loads(theirs.read_text())["loss"]
     got = [r["loss"] for r in metrics(ours)]

@@ -23,7 +23,7 @@ from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, model_config
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
-from helpers import ROOT, braidtrain, prepare_bytes
+from helpers import ROOT, braidtrain, forked, prepare_bytes
 
 
 def parse(*argv):
@@ -103,8 +103,8 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
     out = run_plan("--model", "gpt2", "--gpus", 8, "--gpu-mem", 80, "--tp", 1, "--pp", 1, "--cp", 1, "--variants",
                    capsys=capsys)
     lines = out.splitlines()
-    assert "124.5M parameters" in lines[0]
-    assert lines[1].split()[:6] == ["dp", "zero", "b", "micro", "recomp", "mem"]
+    assert "124.5M parameters" in lines[0] and "8 x 80 GB," in lines[0]
+    assert lines[1].split()[:7] == ["dp", "zero", "b", "micro", "recomp", "mem", "GB"]
     rows = [l.split() for l in lines[2:] if l.split() and l.split()[0] == "8"]
     assert len(rows) == 12 and all(r[-1] == "yes" for r in rows)  # gpt2 fits 80 GB at the top
     times = [float(r[-3]) for r in rows]
@@ -415,6 +415,7 @@ def monkeypatch_module():
         mp.setenv("OMP_NUM_THREADS", "1")
         mp.setenv("PYTHONPATH", str(ROOT))
         mp.delenv("RANK", raising=False)
+        mp.setattr(plan_cli, "run_job", forked)
         yield mp
 
 

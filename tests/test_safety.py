@@ -4,14 +4,10 @@ is one line with the planner's view; checkpoint folders that are not shared are 
 first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
 test hook (fault.Fault): "nan", "nan-on", "oom", "local-disk"."""
 
-import resource
-import signal
-import subprocess
-import sys
 
 import torch
 
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import SMALL, braidtrain, env, metrics, summary
 from test_cli import assert_one_line_error
 from braidtrain import plan
 from braidtrain.model.gpt import model_config
@@ -22,13 +18,7 @@ BASE = [*SMALL, "-d", 256]
 def run(*args, fault=None, nproc=1, fsize=None):
     """`fsize`: a file-size limit (bytes) on the run, as a full disk would stop its writes."""
     e = dict(env(), **({"BRAIDTRAIN_FAULT": fault} if fault else {}))
-    pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [])
-
-    def limit():  # a write past the limit then fails with EFBIG (SIGXFSZ ignored, not fatal)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    return subprocess.run([*pre, "-m", "braidtrain", "train", *map(str, args)], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=300, preexec_fn=limit if fsize else None)
+    return braidtrain("train", *args, nproc=nproc, environ=e, fsize=fsize, check=False)
 
 
 def stopped(p) -> str:

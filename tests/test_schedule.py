@@ -6,12 +6,10 @@ ZeRO 0-3 on 2 ranks: within 1e-6 by default (float sums in another order), to th
 run is refused before it starts."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, env
+from helpers import ROOT, launch
 from braidtrain.parallel import schedule
 from braidtrain.parallel.schedule import Action
 
@@ -19,9 +17,7 @@ from braidtrain.parallel.schedule import Action
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("schedule")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "schedule_worker.py"), str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = launch(ROOT / "tests" / "schedule_worker.py", out, nproc=2)
     assert p.returncode == 0, p.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
