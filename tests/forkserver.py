@@ -72,10 +72,10 @@ def serve(path: str) -> None:
             with conn.makefile("r") as f:
                 req = json.loads(f.readline())
             pid = os.fork()
-            if pid == 0:
+            if pid == 0:  # none of the server's sockets stays open in the child
                 sel.close()
-                listener.close()
-                conn.close()
+                for c in (listener, conn, *waiting.values()):
+                    c.close()
                 child(req)
             conn.sendall(f"{pid}\n".encode())
             waiting[pid] = conn

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -54,7 +55,8 @@ def _server_path() -> str:
     return _server[1]
 
 
-def _start(req: dict) -> tuple[socket.socket, int]:
+def _start(req: dict) -> tuple:
+    """Ask the server for one process: (the connection, its reader, the process id)."""
     conn = socket.socket(socket.AF_UNIX)
     conn.connect(_server_path())
     conn.sendall((json.dumps(req) + "\n").encode())
@@ -89,26 +91,30 @@ def launch(*target, nproc: int = 1, cwd=ROOT, environ: dict | None = None, timeo
                              env=dict(base, **({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc > 1 else {}))))
                  for r in range(nproc)]
         codes: list[int | None] = [None] * nproc
-        first, deadline = None, time.monotonic() + timeout
+        first, deadline, grace = None, time.monotonic() + timeout, None
+        sel = selectors.DefaultSelector()
         try:
-            import selectors
-            sel = selectors.DefaultSelector()
             for r, (conn, _, _) in enumerate(ranks):
                 sel.register(conn, selectors.EVENT_READ, r)
             while None in codes:
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(target, timeout)
+                if grace is not None and time.monotonic() > grace:  # as torchrun: SIGKILL 30 s after SIGTERM
+                    for (_, _, pid), c in zip(ranks, codes):
+                        if c is None:
+                            _signal(pid, signal.SIGKILL)
+                    grace = None
                 for key, _ in sel.select(timeout=0.5):
                     r = key.data
                     codes[r] = int(ranks[r][1].readline() or -9)
                     sel.unregister(key.fileobj)
                     if codes[r] != 0 and first is None:  # as torchrun: a failed rank ends the group
-                        first = codes[r]
+                        first, grace = codes[r], time.monotonic() + 30
                         for (_, _, pid), c in zip(ranks, codes):
                             if c is None:
                                 _signal(pid, signal.SIGTERM)
-                        deadline = min(deadline, time.monotonic() + 30)
         finally:
+            sel.close()
             for (conn, f, pid), c in zip(ranks, codes):
                 if c is None:
                     _signal(pid, signal.SIGKILL)
