@@ -4,7 +4,6 @@ is one line with the planner's view; checkpoint folders that are not shared are 
 first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
 test hook (fault.Fault): "nan", "nan-on", "oom", "local-disk"."""
 
-
 import torch
 
 from helpers import SMALL, braidtrain, env, metrics, summary
