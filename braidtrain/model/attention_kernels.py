@@ -15,15 +15,23 @@ triton = tl = None  # bound by load(); the kernels below resolve `tl` through th
 # (B, H, T, D) with the given (b, h, t) strides and unit d stride; L and Δ are (B·H, T).
 # Grids are 1-D, (blocks per head) × B·H, a head's blocks adjacent.
 
+def _program(T, BLK: tl.constexpr, H, LAST_FIRST: tl.constexpr):
+    """This program's head bh = b·H + h, its block of BLK rows (of T), and b and h (int64): the
+    grid's last block of a head first when LAST_FIRST."""
+    n_blk = tl.cdiv(T, BLK)
+    pid = tl.program_id(0)
+    bh = pid // n_blk
+    if LAST_FIRST:
+        blk = n_blk - 1 - pid % n_blk
+    else:
+        blk = pid % n_blk
+    return bh, blk, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+
+
 def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                 H, T, qk_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # (fp32 from Triton's launcher; fp64 from torch.compile's)
-    n_blk = tl.cdiv(T, BM)
-    pid = tl.program_id(0)
-    bh = pid // n_blk
-    blk = n_blk - 1 - pid % n_blk  # last (longest) query block first: a shorter tail
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, blk, b, h = _program(T, BM, H, True)  # last (longest) query block first: a shorter tail
     Q += b * sqb + h * sqh
     K += b * skb + h * skh
     V += b * svb + h * svh
@@ -72,12 +80,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, lo, hi, T, qk_scale, offs_m,
 
 
 def _delta_kernel(O, DO, Delta, sob, soh, sot, sdb, sdh, sdt, H, T, D: tl.constexpr, BM: tl.constexpr):
-    n_blk = tl.cdiv(T, BM)
-    pid = tl.program_id(0)
-    bh = pid // n_blk
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = (pid % n_blk) * BM + tl.arange(0, BM)
+    bh, blk, b, h = _program(T, BM, H, False)
+    offs_m = blk * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rows = offs_m[:, None] < T
     o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], mask=rows, other=0.0)
@@ -91,12 +95,7 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                  H, T, qk_scale, sm_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # (as in _fwd_kernel)
-    n_blk = tl.cdiv(T, BN)
-    pid = tl.program_id(0)
-    bh = pid // n_blk
-    blk = pid % n_blk  # first key block (sees every query) first
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, blk, b, h = _program(T, BN, H, False)  # first key block (sees every query) first
     Q += b * sqb + h * sqh
     DO += b * sdb + h * sdh
     L += bh.to(tl.int64) * T
@@ -146,12 +145,7 @@ def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
                H, T, qk_scale, sm_scale,
                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # (as in _fwd_kernel)
-    n_blk = tl.cdiv(T, BM)
-    pid = tl.program_id(0)
-    bh = pid // n_blk
-    blk = n_blk - 1 - pid % n_blk  # last (longest) query block first
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, blk, b, h = _program(T, BM, H, True)  # last (longest) query block first
     K += b * skb + h * skh
     V += b * svb + h * svh
 
@@ -189,7 +183,7 @@ def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, lo, hi, T, qk_scale, offs_m
     return dq
 
 
-_KERNELS = ("_fwd_kernel", "_fwd_inner", "_delta_kernel", "_dkdv_kernel", "_dkdv_inner", "_dq_kernel", "_dq_inner")
+_KERNELS = ("_program", "_fwd_kernel", "_fwd_inner", "_delta_kernel", "_dkdv_kernel", "_dkdv_inner", "_dq_kernel", "_dq_inner")
 
 
 def load() -> None:
