@@ -79,11 +79,20 @@ def launch(*target, nproc: int = 1, cwd=ROOT, environ: dict | None = None, timeo
     writes. Past `timeout`, every rank is killed (subprocess.TimeoutExpired)."""
     target = [str(a) for a in target]
     base = dict(env() if environ is None else environ)
-    if nproc > 1:
-        with socket.socket() as s:  # a free port for rank 0's store
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for _ in range(3):
+        if nproc > 1:
+            with socket.socket() as s:  # a free port for rank 0's store
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        p = _launch(target, nproc, cwd, base, timeout, fsize)
+        # (between the port's pick and rank 0's bind, another process may have taken it: pick again)
+        if nproc == 1 or f"could not serve the rendezvous on 127.0.0.1:{port}" not in p.stderr:
+            return p
+    return p
+
+
+def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="braidtrain-launch-") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         open(out, "w").close(), open(err, "w").close()
