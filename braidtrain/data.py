@@ -39,6 +39,10 @@ _HEADER_BYTES = HEADER_INTS * 4
 # copied so that no network and no tiktoken_ext registry lookup is ever needed.
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 TOKENIZERS = ("gpt2", "bytes")
+# llm.c's llama-3 shards come without a tokenizer.json, and llama-3's tokenizer is not here: such
+# data trains on its ids (llama-3's 128,256 of them; 128000, <|begin_of_text|>, between documents),
+# and a sample prints as ids.
+LLAMA3_IDS, LLAMA3_VOCAB, LLAMA3_BOS = "llama3-ids", 128256, 128000
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -94,6 +98,11 @@ def get_tokenizer(name: str) -> Tokenizer:
         return Tokenizer("bytes", 256, 0, lambda s: list(s.encode("utf-8")),
                          lambda t: bytes(t).decode("utf-8", errors="replace"),
                          lambda s: np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.uint16))
+    if name == LLAMA3_IDS:
+        def no_text(_):
+            raise UserError("these llama-3 shards came without a tokenizer.json, so there is no tokenizer "
+                            "to encode text with: sample without --prompt")
+        return Tokenizer(LLAMA3_IDS, LLAMA3_VOCAB, LLAMA3_BOS, no_text, lambda t: "".join(f"<{i}>" for i in t), no_text)
     raise UserError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
 
 
@@ -191,8 +200,9 @@ def tokenizer_for(files: list[Path]) -> str | None:
 
 def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int]:
     """(tokenizer name, vocabulary size) of token files: `name` if given, else the one named beside
-    them, else gpt2 (llm.c's files carry no tokenizer.json)."""
-    name = name or tokenizer_for(files) or "gpt2"
+    them, else (llm.c's files carry no tokenizer.json) gpt2, or llama-3's ids for the llama-3
+    layout (LLAMA3_IDS)."""
+    name = name or tokenizer_for(files) or (LLAMA3_IDS if files and read_bin(files[0]).dtype.itemsize == 4 else "gpt2")
     return name, 50257 if name == "gpt2" else get_tokenizer(name).vocab_size
 
 

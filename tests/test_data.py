@@ -138,6 +138,36 @@ def test_llama3_shard_trains_like_the_gpt2_one(tmp_path, shakespeare):
     assert len({summary(tmp_path / f"run_{k}")["weights_sha256"] for k in procs}) == 1
 
 
+def test_llama3_shards_without_a_tokenizer_train_on_their_ids(tmp_path):
+    """llm.c's llama-3 shards carry no tokenizer.json: the run says so and trains on llama-3's
+    128,256 ids (ids above gpt-2's 50,257 and uint16's 65,535 among them); its sample, and
+    `sample`'s, print as ids; a prompt, which needs a tokenizer, is one clear error."""
+    import re
+
+    g = np.random.default_rng(5)
+    d = tmp_path / "llama3"
+    d.mkdir()
+    for split in ("train", "val"):
+        toks = g.integers(0, 128256, 4000)
+        toks[::100] = 128000  # <|begin_of_text|> between documents, as llm.c writes them
+        (d / f"fineweb_{split}_000000.bin").write_bytes(_by_hand(20240801, 7, toks.tolist(), "<u4"))
+    assert D.data_tokenizer(D.resolve_files(str(d), "train")) == ("llama3-ids", 128256)
+    run = tmp_path / "run"
+    p = braidtrain("train", *SMALL, "-i", d, "-x", 2, "-d", 256, "--sample-tokens", 4, "--out", run)
+    assert "llama-3's layout with no tokenizer.json" in p.stdout and "vocabulary of 128256" in p.stdout, p.stdout
+    sample = p.stdout[p.stdout.index("--- sample ---"):].splitlines()
+    assert sample[1] == "[no prompt, then 4 sampled tokens]" and re.fullmatch(r"(<\d+>){4}", sample[2]), sample
+    assert all(int(i) < 128256 for i in re.findall(r"\d+", sample[2]))
+    assert len(metrics(run)) == 2 and summary(run)["step"] == 2
+    out = braidtrain("sample", run, "-g", 3).stdout.strip()
+    assert re.fullmatch(r"(<\d+>){3}", out), out
+    bad = braidtrain("sample", run, "--prompt", "Hello", check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "sample without --prompt" in bad.stderr, bad.stderr
+    # the gpt-2 layout without tokenizer.json stays gpt-2's
+    (d / "fineweb_train_000000.bin").write_bytes(_by_hand(20240520, 1, [1, 2, 3], "<u2"))
+    assert D.data_tokenizer(D.resolve_files(str(d), "train")) == ("gpt2", 50257)
+
+
 def _corrupt(tmp_path, kind):
     p = tmp_path / f"{kind}.bin"
     D.write_bin(p, np.arange(10))
