@@ -100,8 +100,8 @@ def get_tokenizer(name: str) -> Tokenizer:
                          lambda s: np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.uint16))
     if name == LLAMA3_IDS:
         def no_text(_):
-            raise UserError("these llama-3 shards came without a tokenizer.json, so there is no tokenizer "
-                            "to encode text with: sample without --prompt")
+            raise UserError("these llama-3 shards came without a tokenizer.json, so no text can be encoded for "
+                            "them: sample without --prompt (an eval file needs llama-3's tokenizer)")
         return Tokenizer(LLAMA3_IDS, LLAMA3_VOCAB, LLAMA3_BOS, no_text, lambda t: "".join(f"<{i}>" for i in t), no_text)
     raise UserError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZERS)}")
 

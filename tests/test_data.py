@@ -125,17 +125,17 @@ def test_llama3_shard_trains_like_the_gpt2_one(tmp_path, shakespeare):
     """The same tokens in both layouts, each hand-written: two runs, the same losses at every step."""
     tokens = {split: D.read_bin(D.resolve_files(str(shakespeare), split)[0])[:20_000].tolist()
               for split in ("train", "val")}
-    procs = {}
+    runs = {}
     for layout, magic, version, dtype in (("gpt2", 20240520, 1, "<u2"), ("llama3", 20240801, 7, "<u4")):
         d = tmp_path / layout
         d.mkdir()
         for split, toks in tokens.items():
             (d / f"s_{split}_000000.bin").write_bytes(_by_hand(magic, version, toks, dtype))
         (d / "tokenizer.json").write_text(json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
-        procs[layout] = braidtrain("train", *SMALL, "-i", d, "-x", 2, "-d", 256, "--out", tmp_path / f"run_{layout}")
-    losses = {k: [m["loss"] for m in metrics(tmp_path / f"run_{k}") if "loss" in m] for k in procs}
+        runs[layout] = braidtrain("train", *SMALL, "-i", d, "-x", 2, "-d", 256, "--out", tmp_path / f"run_{layout}")
+    losses = {k: [m["loss"] for m in metrics(tmp_path / f"run_{k}") if "loss" in m] for k in runs}
     assert len(losses["llama3"]) == 2 and losses["llama3"] == losses["gpt2"]
-    assert len({summary(tmp_path / f"run_{k}")["weights_sha256"] for k in procs}) == 1
+    assert len({summary(tmp_path / f"run_{k}")["weights_sha256"] for k in runs}) == 1
 
 
 def test_llama3_shards_without_a_tokenizer_train_on_their_ids(tmp_path):

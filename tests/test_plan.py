@@ -23,7 +23,7 @@ from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt import GPT, model_config
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
-from helpers import ROOT, braidtrain, forked, prepare_bytes
+from helpers import braidtrain, forked, prepare_bytes
 
 
 def parse(*argv):
@@ -411,9 +411,7 @@ def checks(tmp_path_factory, monkeypatch_module):
 
 @pytest.fixture(scope="module")
 def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        mp.setenv("PYTHONPATH", str(ROOT))
+    with pytest.MonkeyPatch.context() as mp:  # (helpers.forked sets OMP_NUM_THREADS and PYTHONPATH)
         mp.delenv("RANK", raising=False)
         mp.setattr(plan_cli, "run_job", forked)
         yield mp
