@@ -3,6 +3,8 @@
     python benchmarks/profile_step.py [train flags ...]     # from the repo root, one GPU
     e.g. python benchmarks/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
     torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py ...   # rank 0's step
+    python benchmarks/profile_step.py --torch ddp-compile --model gpt2 -i DATA -b 16 -t 1024 -d 131072
+        # the same step of bench train's torch yardstick (braidtrain.torchref), for side-by-side profiles
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
@@ -14,12 +16,14 @@ this and every other rank one line: its step time and its compute kernels' idle 
 """
 
 import builtins
+import os
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,21 +64,9 @@ def idle(kernels):
     return gaps
 
 
-def main(argv):
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
-    trainer = Trainer(cfg)
-    print = builtins.print if trainer.rt.is_main else (lambda *a, **k: None)  # noqa: A001
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-    with gc_by_hand():  # as in training: Python's collector does not strike inside the steps
-        for s in range(4):
-            trainer.step(s)
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            t0 = time.time()
-            rec = trainer.step(4)
-            sync()
-            wall = time.time() - t0
+def report(prof, wall, tokens_per_s, is_main=True, rank=0):
+    """Print where the profiled step's time went (rank 0 all of it, another rank one line)."""
+    print = builtins.print if is_main else (lambda *a, **k: None)  # noqa: A001
     by_cat, by_name, calls = defaultdict(float), defaultdict(float), defaultdict(int)
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))  # us, kernels only below
@@ -83,7 +75,7 @@ def main(argv):
             by_name[e.key] += t
             calls[e.key] += e.count
     busy = sum(by_cat.values()) / 1e6
-    print(f"step {wall * 1e3:.1f} ms wall ({rec['tokens_per_s']:,.0f} tokens/s), GPU kernels {busy * 1e3:.1f} ms "
+    print(f"step {wall * 1e3:.1f} ms wall ({tokens_per_s:,.0f} tokens/s), GPU kernels {busy * 1e3:.1f} ms "
           f"({100 * busy / wall:.0f}% of the wall time; summed over streams, so communication that overlaps "
           f"compute can take it past 100%)")
     for c, t in sorted(by_cat.items(), key=lambda x: -x[1]):
@@ -95,8 +87,8 @@ def main(argv):
         print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
         for g, before, after in sorted(gaps, reverse=True)[:8]:
             print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
-    if not trainer.rt.is_main:  # the other ranks: one line each, to see which of them waits
-        builtins.print(f"rank {trainer.rt.rank}: step {wall * 1e3:.1f} ms wall, compute idle between kernels "
+    if not is_main:  # the other ranks: one line each, to see which of them waits
+        builtins.print(f"rank {rank}: step {wall * 1e3:.1f} ms wall, compute idle between kernels "
                        f"{sum(g for g, _, _ in waits) / 1e3:.1f} ms in {len(waits)} gaps", flush=True)
     print("top kernels:")
     for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:30]:
@@ -106,6 +98,44 @@ def main(argv):
                  key=lambda e: -e.self_cpu_time_total)
     for e in cpu[:12]:
         print(f"  {e.self_cpu_time_total / 1e3:8.1f} ms  {e.count:6d} calls  {e.key[:90]}")
+
+
+def profiled(step, sync):
+    """Four steps to warm up, then the fifth under the profiler: (profile, its wall seconds, its result)."""
+    with gc_by_hand():  # as in training: Python's collector does not strike inside the steps
+        for s in range(4):
+            step(s)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            t0 = time.time()
+            out = step(4)
+            sync()
+            wall = time.time() - t0
+    return prof, wall, out
+
+
+def torch_peer(argv):
+    """--torch MODE: the same step through braidtrain.torchref (bench train's yardstick)."""
+    from braidtrain import torchref
+
+    a = torchref.parse(argv + ["--steps", "10", "--json", os.devnull])
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    device, bf16, cfg, plan, mcfg, loader = torchref.setup(a)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prof, wall, _ = profiled(torchref.dense(a, mcfg, loader, plan, cfg, device, bf16), sync)
+    report(prof, wall, plan.total_tokens / wall, dist.get_rank() == 0, dist.get_rank())
+
+
+def main(argv):
+    if argv[:1] == ["--torch"]:
+        return torch_peer(["--mode", *argv[1:]])
+    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
+    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
+    trainer = Trainer(cfg)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    prof, wall, rec = profiled(trainer.step, sync)
+    report(prof, wall, rec["tokens_per_s"], trainer.rt.is_main, trainer.rt.rank)
     trainer.guard.close(clean=True)
     trainer.rt.close()
 

@@ -151,7 +151,43 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
     return step_s, losses
 
 
-def main(argv=None) -> None:
+def dense(a, mcfg, loader, plan, cfg, device, bf16):
+    """ddp*, fsdp2*: the model built, wrapped and given its optimizer; returns step(i) -> the loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = GPT(mcfg)
+    init_weights(model, cfg.seed)
+    model.to(device)
+    model = TorchLoss(model)
+    net, sync, autocast = build(a.mode, model, device, bf16)  # FSDP2 replaces the parameters
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    rest = [q for q in model.parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    first = rank * plan.seqs_per_rank
+
+    def step(i):
+        total = torch.zeros((), device=device)
+        for micro in range(plan.micro_steps):
+            x, y = loader.batch(i, first + micro * a.b, a.b)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with sync(micro == plan.micro_steps - 1), autocast():
+                loss = net(x, y)
+                # DDP and FSDP2 average the ranks' gradients: each rank divides by its own tokens,
+                # so the average is the global sum over the global count -- braidtrain's gradient
+                (loss / (plan.total_tokens // world)).backward()
+            total += loss.detach().float()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        return total.item() / plan.total_tokens
+
+    return step
+
+
+def parse(argv=None):
     p = argparse.ArgumentParser(prog="braidtrain.torchref")
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--model", default="gpt2")
@@ -164,58 +200,40 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", required=True)
     p.add_argument("--device")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def setup(a):
+    """The process group joined; (device, bf16, cfg, plan, model config, loader) for these arguments."""
     dist.init_process_group("nccl" if torch.cuda.is_available() and a.device != "cpu" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if a.device == "cpu" or not torch.cuda.is_available():
         device = torch.device("cpu")
     else:
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    bf16 = device.type == "cuda"
     cfg = Config(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t, total_batch=a.d)
-    pipe = a.mode.startswith("pipe")
-    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if pipe else world)
+    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if a.mode.startswith("pipe") else dist.get_world_size())
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
     mcfg = model_config(a.model, data.vocab_size, a.n_layer, a.n_head, a.n_embd)
-    loader = Loader(data, a.t, plan.seqs_per_step, cfg.seed)
+    return device, device.type == "cuda", cfg, plan, mcfg, Loader(data, a.t, plan.seqs_per_step, cfg.seed)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    device, bf16, cfg, plan, mcfg, loader = setup(a)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pipe = a.mode.startswith("pipe")
     if pipe:
         step_s, losses = run_pipe(a, mcfg, loader, plan, cfg, device, bf16)
         write(a, rank, world, device, bf16, step_s, losses, plan, mcfg)
         return  # (no destroy_process_group: on gloo it could hang once a peer had gone; os._exit below)
 
-    model = GPT(mcfg)
-    init_weights(model, cfg.seed)
-    model.to(device)
-    model = TorchLoss(model)
-    net, sync, autocast = build(a.mode, model, device, bf16)  # FSDP2 replaces the parameters
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    rest = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    run = dense(a, mcfg, loader, plan, cfg, device, bf16)
     step_s, losses = [], []
-    first = rank * plan.seqs_per_rank
     for step in range(a.steps):
         t0 = time.time()
-        total = torch.zeros((), device=device)
-        for micro in range(plan.micro_steps):
-            x, y = loader.batch(step, first + micro * a.b, a.b)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with sync(micro == plan.micro_steps - 1), autocast():
-                loss = net(x, y)
-                # DDP and FSDP2 average the ranks' gradients: each rank divides by its own tokens,
-                # so the average is the global sum over the global count -- braidtrain's gradient
-                (loss / (plan.total_tokens // world)).backward()
-            total += loss.detach().float()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(total)
-        losses.append(total.item() / plan.total_tokens)  # the host waits here: the step is done
+        losses.append(run(step))  # (the host waits for the step's loss: the step is done)
         step_s.append(time.time() - t0)
     write(a, rank, world, device, bf16, step_s, losses, plan, mcfg)
     # no destroy_process_group: on gloo it hung now and then once the peer had written and gone
