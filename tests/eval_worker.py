@@ -1,5 +1,6 @@
 """Run under torchrun (4 ranks) by test_eval.py: score an eval file with the examples dealt to
-1, 2 and 4 of the ranks (the others add 0 to the sums), with a small GPT and with a bigram stub;
+1, 2 and 4 of the ranks (the others add 0 to the sums), with a small GPT, one with experts at a
+capacity (evaluation routes dropless) and with a bigram stub;
 write each world size's totals to OUT/rank<r>.json."""
 
 import json
@@ -17,9 +18,12 @@ def main(path, out):
     examples = read_evalfile(path)
     model = GPT(model_config("tiny", 256, n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
     init_weights(model, seed=3)
+    moe = GPT(model_config("tiny", 256, n_layer=2, n_embd=32, n_head=2, block_size=16, moe_experts=4,
+                           moe_capacity=0.5)).eval()  # a capacity that drops in training
+    init_weights(moe, seed=3)
     table = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     res = {}
-    for name, logits_of in (("gpt", model), ("bigram", lambda x: table[x])):
+    for name, logits_of in (("gpt", model), ("moe", moe), ("bigram", lambda x: table[x])):
         for world in (1, 2, 4):
             mine = score(logits_of, examples, rank=rt.rank, world=world, block_size=16, vocab=256) if rt.rank < world else [0, 0]
             res[f"{name}/{world}"] = totals(mine, len(examples), rt.cpu_sum)

@@ -113,7 +113,7 @@ def test_counts_identical_over_1_2_4_ranks(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r == ranks[0] for r in ranks)
     res = ranks[0]
-    for name in ("gpt", "bigram"):
+    for name in ("gpt", "moe", "bigram"):
         assert res[f"{name}/1"] == res[f"{name}/2"] == res[f"{name}/4"], res
     table = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).tolist()  # the worker's
     assert (res["bigram/1"]["eval_correct"], res["bigram/1"]["eval_correct_sum"]) == by_hand(table, examples)

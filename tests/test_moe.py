@@ -50,6 +50,29 @@ def test_capacity_keeps_first_choices_first_and_drops_the_rest():
     assert keep.all()
 
 
+def test_capacity_is_a_training_setting_evaluation_routes_dropless():
+    """With a capacity that drops, a training forward's routing group is its whole batch; outside
+    training (validation, multiple-choice evaluation, sampling) every token takes its k experts,
+    so a sequence's logits are the same alone or beside others, and the dropless model's."""
+    from braidtrain.model.gpt import GPT, init_weights, model_config
+
+    def model(capacity):
+        m = GPT(model_config("tiny", 256, n_layer=2, moe_experts=4, moe_top_k=2, moe_capacity=capacity))
+        init_weights(m, 0)
+        return m
+
+    tight, free = model(0.5), model(0.0)
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    tight.train()
+    with torch.no_grad():  # a training forward drops: its logits are not the dropless model's
+        assert not torch.allclose(tight(x), free(x), atol=1e-4)
+    tight.eval()
+    with torch.no_grad():
+        batch, alone, ref = tight(x), tight(x[:1]), free.eval()(x)
+    assert torch.allclose(batch, ref, atol=1e-6, rtol=0)
+    assert torch.allclose(batch[:1], alone, atol=1e-6, rtol=0)
+
+
 def test_the_dispatch_matches_a_plain_reference(runs):
     for ep in (2, 4):
         for capacity in (1.0, 0.0):

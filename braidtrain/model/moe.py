@@ -12,6 +12,9 @@ capacity skips its expert (its term of the sum is zero; the block's residual car
 on). The capacity group is one rank's micro-batch -- the same tokens at any dp or ep -- so which
 tokens are dropped does not depend on the layout (under cp a rank's micro-batch is its t/cp
 tokens, under sp its t/tp rows: they change the groups, as cp changes attention's sums).
+Capacity is a training setting: a forward outside training (model.eval(): the validation loss,
+the multiple-choice evaluation, sampling) routes dropless, so what it computes for a sequence does
+not depend on the sequences beside it, their padding, or how the layout deals them out.
 
 Load balance: the Switch/GShard loss E * sum_i f_i * P_i over a rank's micro-batch, f_i the share
 of the k*N assignments routed to expert i (before capacity), P_i the mean router probability of
@@ -110,8 +113,9 @@ class MoE(nn.Module):
     def forward(self, x):
         shape, N = x.shape, x.shape[:-1].numel()
         xs = x.reshape(N, shape[-1])
-        w, idx, keep, aux, routed = route(self.router(xs), self.k, self.capacity)
-        y = self.dispatch(xs, idx, keep, self)  # (N, k, C): the expert outputs, zero where dropped
+        capacity = self.capacity if self.training else 0.0  # evaluation and sampling: dropless
+        w, idx, keep, aux, routed = route(self.router(xs), self.k, capacity)
+        y = self.dispatch(xs, idx, keep if capacity > 0 else None, self)  # (N, k, C): zero where dropped
         out = (y * (w * keep).unsqueeze(-1).to(y.dtype)).sum(1)
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self._record(aux, keep, idx)  # (a training forward: not validation, sampling, a recomputation)

@@ -61,7 +61,7 @@ class Dispatch:
     def __call__(self, xs, idx, keep, moe):
         N, k = idx.shape
         expert = idx.reshape(-1)  # assignment a = token * k + slot
-        if moe.capacity > 0:
+        if keep is not None:  # (None: dropless)
             kept = keep.reshape(-1).nonzero().squeeze(1)
             order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
         else:  # dropless: every assignment (and no wait for the GPU)
