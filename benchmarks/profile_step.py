@@ -10,8 +10,8 @@ Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints t
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
 loss, fused elementwise/normalisation kernels, optimizer, copies, communication); where the GPU
 idles between kernels, and where its compute kernels alone do (collectives left out: the time
-compute waits for a collective, or for the host); then the 30 most expensive kernels with their
-launches per step, and the host's most expensive operations. Under torchrun, rank 0 prints all
+compute waits for a collective, or for the host); then each category's 8 most expensive kernels
+with their launches per step, and the host's most expensive operations. Under torchrun, rank 0 prints all
 this and every other rank one line: its step time and its compute kernels' idle time.
 """
 
@@ -90,9 +90,11 @@ def report(prof, wall, tokens_per_s, is_main=True, rank=0):
     if not is_main:  # the other ranks: one line each, to see which of them waits
         builtins.print(f"rank {rank}: step {wall * 1e3:.1f} ms wall, compute idle between kernels "
                        f"{sum(g for g, _, _ in waits) / 1e3:.1f} ms in {len(waits)} gaps", flush=True)
-    print("top kernels:")
-    for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:30]:
-        print(f"  {t / 1e3:8.1f} ms  {calls[n]:5d}x  {n[:110]}")
+    print("the largest kernels of each category:")
+    for c, _ in sorted(by_cat.items(), key=lambda x: -x[1]):
+        print(f"  {c}:")
+        for n, t in sorted(((n, t) for n, t in by_name.items() if category(n) == c), key=lambda x: -x[1])[:8]:
+            print(f"    {t / 1e3:8.1f} ms  {calls[n]:5d}x  {n[:110]}")
     print("top host operations by their own CPU time (where a host-bound step spends it):")
     cpu = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda e: -e.self_cpu_time_total)
