@@ -59,9 +59,11 @@ class Dispatch:
         return range(r * E // self.n, (r + 1) * E // self.n)
 
     def __call__(self, xs, idx, keep, moe):
+        """The expert outputs (N, k, C) of tokens xs (N, C) routed to experts idx (N, k); `keep`
+        (N, k) marks the assignments within capacity, zero output elsewhere (None: dropless)."""
         N, k = idx.shape
         expert = idx.reshape(-1)  # assignment a = token * k + slot
-        if keep is not None:  # (None: dropless)
+        if keep is not None:
             kept = keep.reshape(-1).nonzero().squeeze(1)
             order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
         else:  # dropless: every assignment (and no wait for the GPU)
