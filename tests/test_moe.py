@@ -14,6 +14,7 @@ import torch
 
 from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
+from braidtrain.model.gpt import GPT, init_weights, model_config
 from braidtrain.model.moe import capacity_of, route
 
 
@@ -54,8 +55,6 @@ def test_capacity_is_a_training_setting_evaluation_routes_dropless():
     """With a capacity that drops, a training forward's routing group is its whole batch; outside
     training (validation, multiple-choice evaluation, sampling) every token takes its k experts,
     so a sequence's logits are the same alone or beside others, and the dropless model's."""
-    from braidtrain.model.gpt import GPT, init_weights, model_config
-
     def model(capacity):
         m = GPT(model_config("tiny", 256, n_layer=2, moe_experts=4, moe_top_k=2, moe_capacity=capacity))
         init_weights(m, 0)
