@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from braidtrain import checkpoint, export, layout
+from braidtrain import checkpoint, export, layout, rundir
 from braidtrain.comm import Comm
 from braidtrain.config import Config
 from braidtrain.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, resolve_files
@@ -47,6 +47,8 @@ class Run:
     loader: Loader
     val_loader: Loader
     out: Path
+    run_id: str  # rundir.py: the run its directory and checkpoints belong to
+    out_lock: int | None  # rank 0: the run directory's lock, held while this process lives
     guard: Guard
     fault: Fault | None
     bf16: bool
@@ -105,6 +107,7 @@ def build(cfg: Config) -> Run:
     comm = Comm(device)
     mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, ep=lay.ep, new_group=rt.new_group,
                       ring=lay.virtual > 1)
+    out, session, run_id, out_lock = resolve_out(cfg, rt, comm, mesh)  # (before the model: a refusal costs nothing)
     train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
@@ -127,11 +130,10 @@ def build(cfg: Config) -> Run:
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
-    out, session = resolve_out(cfg, rt, comm, mesh)
     guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout)
     guard.start()
     run = Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
-              guard, fault, bf16)
+              run_id, out_lock, guard, fault, bf16)
     try:
         resume(run)
         if rt.is_main:
@@ -196,18 +198,27 @@ def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
     return model_config(cfg.model, vocab, **dims)
 
 
-def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float]:
-    """The run directory, the same on every rank: rank 0 picks the timestamp, and a group that
-    torchrun restarts finds the one its first attempt picked (torchrun's store outlives the
-    restart). Also this session's id, rank 0's clock now: it tells doctor which flight logs
-    belong to one incident."""
-    out = cfg.out
-    if out is None and rt.is_main:
-        out = f"runs/{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        if rt.launch_store is not None:
-            out = rt.launch_store.compare_set("out", "", out).decode()  # the first attempt's wins
-    out, session = comm.broadcast_object((out, time.time()), mesh.groups["world"])
-    return Path(out), session
+def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float, str, int | None]:
+    """The run directory, the same on every rank, claimed for this run by rank 0 (rundir.py: a new
+    run into another's directory stops here, on every rank, in one line): rank 0 picks the
+    timestamp, and a group that torchrun restarts finds the one its first attempt picked
+    (torchrun's store outlives the restart). Also this session's id, rank 0's clock now: it tells
+    doctor which flight logs belong to one incident; the run's id; on rank 0, the directory's lock
+    (a file descriptor, held open for the run)."""
+    out, claimed, fd = cfg.out, None, None
+    if rt.is_main:
+        if out is None:
+            out = f"runs/{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+            if rt.launch_store is not None:
+                out = rt.launch_store.compare_set("out", "", out).decode()  # the first attempt's wins
+        try:
+            claimed, fd = rundir.claim(Path(out), bool(cfg.resume), cfg.start_over, rt.log)
+        except UserError as e:
+            claimed = e
+    out, session, claimed = comm.broadcast_object((out, time.time(), claimed), mesh.groups["world"])
+    if isinstance(claimed, UserError):
+        raise claimed
+    return Path(out), session, claimed, fd
 
 
 BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}  # a checkpoint's layout from before pp, cp, ep
@@ -220,7 +231,7 @@ def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
     diff += [f"{k} {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(saved) | set(mine))
-             if k not in now and k != "resume" and saved.get(k) != mine.get(k)]
+             if k not in now and k not in ("resume", "start_over") and saved.get(k) != mine.get(k)]
     return ", ".join(diff)
 
 

@@ -89,7 +89,7 @@ def layout_record(lay, world_size: int) -> dict:
             "cp_impl": lay.cp_impl, "cp_order": lay.cp_order, "ep": lay.ep}
 
 
-def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int, midway=None) -> float:
+def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int, run_id: str, midway=None) -> float:
     """Collective: every rank calls it. `info` (config, model, tokenizer) goes into meta.json.
     `midway(step)`, if given, runs after this rank's file is written, before anything is published
     (the fault-injection test hook). Returns the seconds it took."""
@@ -99,6 +99,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
     if rt.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        (tmp / RUN_MARK).write_text(run_id)  # whose unfinished save this is (rotate)
     world = engine.world
     engine.comm.barrier(world)
     tensors = {}
@@ -132,6 +133,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
             "format": FORMAT,
             "step": step,
             "optimizer_step": opt.step_count,
+            "run": run_id,
             **info,
             "placement": placement.for_config(engine.model.cfg).to_json(),  # every parameter's, whatever the stage
             "layout": layout_record(lay, rt.world_size),
@@ -144,10 +146,30 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
-        for old in sorted(list_checkpoints(ckpt_dir))[:-keep] + list(ckpt_dir.glob("step_*.tmp")):
-            shutil.rmtree(old, ignore_errors=True)  # old checkpoints, and what failed saves left
+        rotate(ckpt_dir, keep, run_id)
     engine.comm.barrier(world)
     return time.time() - t0
+
+
+RUN_MARK = "run"  # in a step_N.tmp folder: the id of the run whose save it is
+
+
+def run_of(path: Path) -> str | None:
+    """The run id a checkpoint (or an unfinished save) records; None: unreadable, or from before ids."""
+    try:
+        if path.name.endswith(".tmp"):
+            return (path / RUN_MARK).read_text().strip()
+        return json.loads((path / "meta.json").read_text()).get("run")
+    except (OSError, ValueError):
+        return None
+
+
+def rotate(ckpt_dir: Path, keep: int, run_id: str) -> None:
+    """Delete this run's checkpoints but the newest `keep`, and what its failed saves left --
+    never another run's (a checkpoint of no id is from before ids: the run that resumed it)."""
+    mine = [p for p in list_checkpoints(ckpt_dir) if run_of(p) in (run_id, None)]
+    for old in mine[:-keep] + [p for p in ckpt_dir.glob("step_*.tmp") if run_of(p) == run_id]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:

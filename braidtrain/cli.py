@@ -62,6 +62,8 @@ def _train_parser(sub):
                    help="stop (exit 3) after this many steps in a row whose loss or gradient is not finite (default 3)")
     g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder; "
                    "a group restarted by torchrun resumes by itself")
+    g.add_argument("--start-over", action="store_true", default=None,
+                   help="--out holds another run: move its files aside (to OUT.replaced-TIME) and start a new run there")
     g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 folder (braidtrain export writes one)")
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)

@@ -66,6 +66,7 @@ class Config:
     max_skipped: int = 3  # consecutive non-finite steps (each skipped, no update) before the run stops
     on_save_error: str = "stop"  # a checkpoint save that fails (full disk): stop (exit 2) | continue
     resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
+    start_over: bool = False  # a new run into --out that holds another run: move that run's files aside (rundir.py)
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
     # parallelism (layout.py validates them together)
@@ -193,6 +194,8 @@ def validate(cfg: Config) -> None:
     if cfg.eval_every is not None and (cfg.eval_every < 0 or not cfg.eval_data):
         raise UserError(f"eval_every must be >= 0 (0: only at the end), got {cfg.eval_every}" if cfg.eval_data else
                         "--eval-every needs --eval-data FILE (an llm.c multiple-choice eval file)")
+    if cfg.start_over and cfg.resume:
+        raise UserError("--start-over begins a new run and --resume continues one: give one of them")
     if cfg.on_save_error not in ("stop", "continue"):
         raise UserError(f"on_save_error must be stop or continue, got {cfg.on_save_error!r}")
     if cfg.layout not in (None, "auto"):

@@ -271,7 +271,7 @@ class Trainer:
         info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.built.tok_name}
         try:
             return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
-                                   self.cfg.keep_ckpts, midway=self.fault.mid_save if self.fault else None)
+                                   self.cfg.keep_ckpts, self.built.run_id, midway=self.fault.mid_save if self.fault else None)
         except SaveFailed as e:
             if self.cfg.on_save_error == "stop":
                 raise

@@ -36,6 +36,42 @@ def env():
     return e
 
 
+# Exact mode's CPU bits depend on the kernels that torch's CPU dispatch, MKL and oneDNN pick for the
+# processor: the same run gives other bits under AVX-512 and AVX2, on Intel and AMD (test_parity's
+# exact run: 8c9e547f... on the CPU that first pinned it, d70d8f90... on an AMD EPYC). The pinned runs
+# force kernels every x86-64 CPU runs alike -- ATen's baseline code path, MKL's conditional
+# numerical reproducibility in its SSE2 branch, oneDNN at SSE4.1 -- so one pin per torch build holds
+# on any such machine (docs/performance.md, "The suite"). The layouts' bitwise comparisons run on
+# whatever kernels the machine picks.
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+# (torch build, machine) -> the pinned runs' weights_sha256: test_parity's exact run (dp) and
+# test_tp's (tp2). A change that moves exact mode's bits must re-pin them on purpose and say so.
+EXACT_PINS = {
+    ("2.13.0+cpu", "x86_64"): {"dp": "c8dd9327a5b5b2c23d70cc0d2e5b3e8052bd1f10d52e03841ed5df68e3d5ef66",
+                               "tp2": "7eeb8be09f2efc1eec7c3f4f17fa6f22757ec94e9cd1be6111962551c37fd6ee"},
+}
+
+
+def portable_env() -> dict:
+    return dict(env(), **PORTABLE_KERNELS)
+
+
+def check_pinned(which: str, sha: str) -> None:
+    """sha (a run under portable_env) against its pin for this torch build and machine; where no
+    pin exists (another torch, another architecture), a warning in pytest's summary says so."""
+    import importlib.metadata
+    import platform
+    import warnings
+
+    key = (importlib.metadata.version("torch"), platform.machine())
+    pins = EXACT_PINS.get(key)
+    if pins is None:
+        warnings.warn(f"no pinned exact-mode hash for torch {key[0]} on {key[1]}: {which} gave {sha}, compared only "
+                      f"across layouts (add it to tests/helpers.py's EXACT_PINS to guard it here)")
+        return
+    assert sha == pins[which], f"exact mode's bits moved ({which}: {sha}, pinned {pins[which]}): re-pin only on purpose"
+
+
 _server: tuple | None = None  # (its process, its socket's path)
 _lock = threading.Lock()  # (test_cli starts its commands from a few threads)
 

@@ -226,7 +226,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         norms.append(norm.item())
         if save is not None and step + 1 == save[0]:
             info = {"config": "", "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
-            checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1)
+            checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1, run_id="layouts")
     live = comm.all_gather_object(passes.executor.max_live, mesh.groups["world"])
     wte = [dict(p.named_parameters())["wte.weight"] for p in parts if p.first or p.last]
     with engine.gathered():

@@ -81,3 +81,65 @@ def test_damaged_checkpoint_is_skipped(tmp_path, shakespeare):
     out = p.stdout + p.stderr
     assert "skipping" in out and "checksum" in out and "step_00000006" in out
     assert "resumed from" in out and "step_00000004" in out
+
+
+def files_of(folder):
+    """Every file under `folder` (its lock aside) and its sha256."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def test_a_run_directory_belongs_to_one_run(tmp_path, shakespeare):
+    """A new run into a directory that holds another run stops before training, in one line, and
+    leaves it as it was; so does any run while another holds the directory (its lock). With
+    --start-over it moves that run aside, whole, and trains; --resume auto then continues it."""
+    import fcntl
+    import os
+
+    out = tmp_path / "run"
+    run(shakespeare, out, steps=8)  # saves step 4 and 8
+    before = files_of(out)
+    p = run(shakespeare, out, steps=6, check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and len(err.splitlines()) == 1, p.stderr
+    assert "holds another run" in err and "--resume auto" in err and "--start-over" in err, err
+    assert files_of(out) == before
+    fd = os.open(out / ".lock", os.O_RDWR)  # a run at work there: it holds the lock
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        for extra in (("--resume", "auto"), ("--start-over",)):
+            p = run(shakespeare, out, *extra, steps=9, check=False)
+            assert p.returncode == 2 and "in use by another run" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+            assert files_of(out) == before
+    finally:
+        os.close(fd)
+    p = run(shakespeare, out, "--start-over", steps=6)
+    aside = [d for d in tmp_path.iterdir() if d.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and files_of(aside[0]) == before, aside
+    new_id = json.loads((out / "run.json").read_text())["id"]
+    assert new_id != json.loads((aside[0] / "run.json").read_text())["id"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
+    p = run(shakespeare, out, "--resume", "auto", steps=8)
+    assert "resumed from" in p.stdout and "step_00000006" in p.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, 9))
+    runs = {json.loads((c / "meta.json").read_text())["run"] for c in (out / "checkpoints").iterdir()}
+    assert runs == {new_id}
+
+
+def test_rotation_deletes_only_its_own_run(tmp_path):
+    """Rotation keeps the newest of this run's checkpoints and removes its unfinished saves;
+    another run's checkpoints and saves in progress it leaves alone (ids from before ids: ours)."""
+    from braidtrain.checkpoint import RUN_MARK, rotate
+
+    ckpts = tmp_path / "checkpoints"
+    for step, run_id in ((1, "old"), (2, "mine"), (3, "other"), (4, None), (5, "mine"), (6, "mine")):
+        (ckpts / f"step_{step:08d}").mkdir(parents=True)
+        (ckpts / f"step_{step:08d}" / "meta.json").write_text(json.dumps({} if run_id is None else {"run": run_id}))
+    for step, run_id in ((7, "mine"), (8, "other")):
+        (ckpts / f"step_{step:08d}.tmp").mkdir()
+        (ckpts / f"step_{step:08d}.tmp" / RUN_MARK).write_text(run_id)
+    rotate(ckpts, 2, "mine")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000003", "step_00000005",
+                                                      "step_00000006", "step_00000008.tmp"]

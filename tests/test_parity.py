@@ -11,14 +11,15 @@ loop, the summary -- a few layouts, and exact mode's pinned bits.
 
 import pytest
 
-from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, check_pinned, metrics, portable_env, summary
 
 D = 1024  # 8 sequences of 64: 8, 4, 2, 1 micro-steps per rank at N = 1, 2, 4, 8
 
 
-def train(tmp_path, data, nproc, *extra, steps=10):
+def train(tmp_path, data, nproc, *extra, steps=10, environ=None):
     out = tmp_path / f"n{nproc}{''.join(map(str, extra)).replace('-', '_')}"
-    braidtrain("train", *SMALL, "-i", data, "-d", D, "-x", steps, "--bucket-mb", "0.05", "--out", out, *extra, nproc=nproc)
+    braidtrain("train", *SMALL, "-i", data, "-d", D, "-x", steps, "--bucket-mb", "0.05", "--out", out, *extra, nproc=nproc,
+               environ=environ)
     return metrics(out), summary(out)
 
 
@@ -61,25 +62,21 @@ def test_default_mode_matches_single_process(tmp_path, shakespeare, reference):
 
 @pytest.fixture(scope="module")
 def exact_reference(tmp_path_factory, shakespeare):
-    return train(tmp_path_factory.mktemp("exact"), shakespeare, 1, "--exact", steps=6)
-
-
-# The final weights of this exact run (1 rank; also 2 ranks at ZeRO-2, which the test below holds
-# equal to it), pinned. A change that moves exact mode's bits must re-pin this on
-# purpose and say so. History: 3ee665ca... from the code before the engine took schedules (commit
-# 1bbac96) to the engine's reshaping, which kept those bits; then 8c9e547f... once pipelines came
-# (issue #19): the tied embedding's two uses summed apart in every layout, the gradient norm summed
-# per parameter, weights_sha256 a hash of the parameters' hashes (torch 2.13 CPU, 2026-12-01).
-PINNED = "8c9e547f8fef1c6b7fbabe51c0d7b4d2cb3789672424ff54226d9a368792a334"
+    """An exact run of 1 rank on the portable kernels (helpers.PORTABLE_KERNELS), whose bits are
+    pinned. History: 3ee665ca... from commit 1bbac96 to the engine's reshaping; 8c9e547f... once
+    pipelines came (issue #19), on the kernels of the CI machine's CPU; since issue #39 the pin is
+    of the portable kernels, the same on every x86-64 CPU."""
+    return train(tmp_path_factory.mktemp("exact"), shakespeare, 1, "--exact", steps=6, environ=portable_env())
 
 
 def test_exact_bits_are_the_pinned_ones(exact_reference):
-    assert exact_reference[1]["weights_sha256"] == PINNED
+    check_pinned("dp", exact_reference[1]["weights_sha256"])
 
 
 def test_exact_mode_is_bitwise_identical(tmp_path, shakespeare, exact_reference):
-    """Through the command line: 2 ranks at ZeRO-2 (the worker's layouts above cover the rest)."""
-    rows, summ = train(tmp_path, shakespeare, 2, "--exact", "-z", 2, steps=6)
+    """Through the command line: 2 ranks at ZeRO-2 (the worker's layouts above cover the rest, on the
+    machine's own kernels)."""
+    rows, summ = train(tmp_path, shakespeare, 2, "--exact", "-z", 2, steps=6, environ=portable_env())
     ref_rows, ref_summ = exact_reference
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]
     assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in ref_rows]

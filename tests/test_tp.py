@@ -6,14 +6,14 @@ import shutil
 
 import pytest
 
-from helpers import SMALL, assert_follows, braidtrain, metrics, summary
+from helpers import SMALL, assert_follows, braidtrain, check_pinned, metrics, portable_env, summary
 
 TP_MODEL = [*SMALL, "--n-head", "4", "--bucket-mb", "0.05"]  # 4 heads: tp up to 4
 D = 1024
 
 
-def train(out, data, nproc, *extra, steps=10):
-    braidtrain("train", *TP_MODEL, "-i", data, "-d", D, "-x", steps, "--out", out, *extra, nproc=nproc)
+def train(out, data, nproc, *extra, steps=10, environ=None):
+    braidtrain("train", *TP_MODEL, "-i", data, "-d", D, "-x", steps, "--out", out, *extra, nproc=nproc, environ=environ)
     return metrics(out)
 
 
@@ -43,18 +43,14 @@ def test_checkpoint_moves_between_tp_degrees(tmp_path, shakespeare):
     assert summary(b)["weights_sha256"] == summary(a)["weights_sha256"]
 
 
-# An exact run at dp 1 x tp 2 with sp (6 steps): its final weights, pinned (on 4 ranks, at dp 2, they
-# are the same). 96f7579a... from commit 1bbac96 through the engine's reshaping (tp's collectives
-# through comm.py kept the bits); 3adc7316... since pipelines came, as PINNED in test_parity.py says.
-PINNED_TP2 = "3adc731651b954639ade7ddd37f78bb20a72f35355670663f13e94d7426a6205"
-
-
 def test_exact_at_a_fixed_tp_and_its_resume_on_another(tmp_path, shakespeare):
-    """--exact with tp 2 keeps its pinned bits; resumed at tp 1 it trains on, and says in one line
-    that from there its bits are not those of a run that stayed at tp 2 (resumed at tp 2, no line)."""
+    """--exact with tp 2 keeps its pinned bits (dp 1 x tp 2 with sp, 6 steps, on the portable kernels:
+    helpers.EXACT_PINS; 96f7579a... from commit 1bbac96, 3adc7316... since pipelines came, on the CI
+    machine's kernels); resumed at tp 1 it trains on, and says in one line that from there its bits
+    are not those of a run that stayed at tp 2 (resumed at tp 2, no line)."""
     a = tmp_path / "a"
-    train(a, shakespeare, 2, "--tp", 2, "--sp", "-z", 1, "--exact", steps=6)
-    assert summary(a)["weights_sha256"] == PINNED_TP2
+    train(a, shakespeare, 2, "--tp", 2, "--sp", "-z", 1, "--exact", steps=6, environ=portable_env())
+    check_pinned("tp2", summary(a)["weights_sha256"])
     for tp, nproc in ((1, 1), (2, 2)):
         b = tmp_path / f"b{tp}"
         shutil.copytree(a, b)
