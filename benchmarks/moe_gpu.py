@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from braidtrain.model.gpt import model_config  # noqa: E402
+from braidtrain.model.registry import model_config  # noqa: E402
 from braidtrain.model.moe import MoE  # noqa: E402
 from braidtrain.parallel.expert import Dispatch  # noqa: E402
 

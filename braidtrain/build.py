@@ -24,10 +24,12 @@ from braidtrain.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, resol
 from braidtrain.errors import UserError
 from braidtrain.fault import Fault, Guard
 from braidtrain.mesh import Mesh, build_mesh
-from braidtrain.model.gpt import GPT, GPTConfig, init_weights, model_config, pipeline_chunks
+from braidtrain.model import registry
+from braidtrain.model.protocol import ModelConfig, Stage
 from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
+from braidtrain.parallel.expert import Dispatch
 from braidtrain.runtime import Runtime, find_runtime
 
 
@@ -38,8 +40,8 @@ class Run:
     layout: layout.Layout
     mesh: Mesh
     comm: Comm
-    mcfg: GPTConfig
-    parts: list[GPT]  # the model, or the pipeline chunks this rank holds
+    mcfg: ModelConfig
+    parts: list[Stage]  # the model, or the pipeline chunks this rank holds
     engine: Engine
     opt: AdamW
     tok_name: str
@@ -73,7 +75,7 @@ def build(cfg: Config) -> Run:
     if cfg.init_from:
         mcfg = hf_model_config(cfg, vocab)
     else:
-        mcfg = model_config(cfg.model, vocab, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, **moe_of(cfg))
+        mcfg = registry.model_config(cfg.model, vocab, **model_fields(cfg))
     if cfg.layout == "auto":
         from braidtrain.plan import auto_layout
 
@@ -117,7 +119,7 @@ def build(cfg: Config) -> Run:
     parts = make_parts(mcfg, mesh, lay, cfg.sp)
     full = export.load_hf(cfg.init_from, mcfg) if cfg.init_from else None
     for part in parts:
-        init_weights(part, cfg.seed)
+        placement.init_weights(part, cfg.seed)
         if full is not None:  # before the engine: under ZeRO-3 a rank then holds only its shard
             table = placement.build(part)
             part.load_state_dict({n: table[n].shard(full[n], part.tp_rank, part.tp) for n, _ in part.named_parameters()})
@@ -161,10 +163,15 @@ def _cublas_checked(device) -> None:
     del os.environ["CUBLAS_WORKSPACE_CONFIG"]
 
 
-def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[GPT]:
+def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[Stage]:
     """The model, or with a pipeline the chunks of this rank: r, r + pp, ... (parallel/pipeline.py);
-    under context parallelism, with this rank's Context (parallel/context.py)."""
-    parts = [GPT(mcfg, mesh=mesh, sp=sp)] if lay.pp == 1 else pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp)
+    with expert parallelism, its experts' dispatch over the ep group (parallel/expert.py); under
+    context parallelism, with this rank's Context (parallel/context.py)."""
+    dispatch = Dispatch(mesh.groups["ep"]) if lay.ep > 1 else None
+    if lay.pp == 1:
+        parts = [registry.build(mcfg, mesh, sp, dispatch=dispatch)]
+    else:
+        parts = registry.pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp, dispatch)
     if lay.cp > 1:
         from braidtrain.parallel.context import Context
 
@@ -178,24 +185,30 @@ def make_parts(mcfg: GPTConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> lis
     return parts
 
 
-def moe_of(cfg: Config) -> dict:
-    """The model config's mixture-of-experts fields from the run's."""
-    return {k: getattr(cfg, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_hidden", "moe_capacity", "moe_aux")}
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_experts", "moe_top_k", "moe_every",
+                "moe_hidden", "moe_capacity", "moe_aux")  # the run's settings that shape the model
 
 
-def hf_model_config(cfg: Config, vocab: int) -> GPTConfig:
-    """--init-from: the model's shape is the HF folder's; explicit sizes must agree with it."""
-    c = export.read_config(cfg.init_from)
-    dims = {"n_layer": c["n_layer"], "n_head": c["n_head"], "n_embd": c["n_embd"], "block_size": c["n_positions"]}
-    for k, v in dims.items():
-        if getattr(cfg, k) not in (None, v):
-            raise UserError(f"--{k.replace('_', '-')} {getattr(cfg, k)} disagrees with --init-from {cfg.init_from} ({k} = {v}): drop it")
-    if c["vocab_size"] != vocab:
-        raise UserError(f"--init-from {cfg.init_from} has a vocabulary of {c['vocab_size']} tokens but the data's "
+def model_fields(cfg: Config) -> dict:
+    """The model config's fields the run sets (None: the preset's)."""
+    return {k: getattr(cfg, k) for k in MODEL_FIELDS}
+
+
+def hf_model_config(cfg: Config, vocab: int) -> ModelConfig:
+    """--init-from: the model's family and shape are the HF folder's; sizes given too must agree."""
+    fam, fields = export.read_config(cfg.init_from)
+    for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads"):
+        if getattr(cfg, k) not in (None, fields.get(k)):
+            raise UserError(f"--{k.replace('_', '-')} {getattr(cfg, k)} disagrees with --init-from {cfg.init_from} "
+                            f"({k} = {fields.get(k)}): drop it")
+    if fields["vocab_size"] != vocab:
+        raise UserError(f"--init-from {cfg.init_from} has a vocabulary of {fields['vocab_size']} tokens but the data's "
                         f"tokenizer has {vocab}: use data prepared with the model's tokenizer")
     if cfg.moe_experts:
-        raise UserError("--init-from a HuggingFace GPT-2 starts a dense model: drop --moe-experts")
-    return model_config(cfg.model, vocab, **dims)
+        raise UserError(f"--init-from a HuggingFace {fam.ARCHITECTURE} starts a dense model: drop --moe-experts")
+    mcfg = fam.Config(**fields)
+    mcfg.check()
+    return mcfg
 
 
 def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float, str, int | None]:

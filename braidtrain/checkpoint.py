@@ -38,17 +38,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from braidtrain.errors import SaveFailed, UserError
+from braidtrain.model import registry
 from braidtrain.parallel import placement
 
 FORMAT = 3  # 3: meta.json holds the placement table; 2 (read too): the table is the model config's
 
 
-def saved_model(meta: dict) -> dict:
-    """The saved model config, with the defaults of fields added since (a dense model before MoE)."""
-    from braidtrain.model.gpt import GPTConfig
-
-    return {**{f.name: f.default for f in dataclasses.fields(GPTConfig) if f.default is not dataclasses.MISSING},
-            **meta["model"]}
+def saved_config(meta: dict):
+    """The saved model config (its family: GPT-2 in checkpoints from before families), fields added
+    since taking their defaults (a dense model before MoE)."""
+    return registry.config_of(meta.get("family", "gpt2"), meta["model"])
 
 
 def _sha256(path: Path) -> str:
@@ -224,10 +223,13 @@ def load(path: Path, engine, opt) -> dict:
     """Fill this rank's parameters (all of them, or its ZeRO-3 shard) and optimizer state (its
     shard) from a checkpoint saved by any layout: any world size, ZeRO stage or tp degree."""
     meta = json.loads((path / "meta.json").read_text())
-    want = dataclasses.asdict(engine.model.cfg)
+    family, mine = meta.get("family", "gpt2"), engine.model.cfg.family
+    if family != mine:
+        raise UserError(f"checkpoint {path} holds a {family} model and this run builds a {mine} one: resume it with "
+                        f"a {family} --model (or give another --out)")
     behaviour = ("moe_top_k", "moe_capacity", "moe_aux")  # the routing's settings: the parameters are the same
-    saved = {k: v for k, v in saved_model(meta).items() if k not in behaviour}
-    want = {k: v for k, v in want.items() if k not in behaviour}
+    saved = {k: v for k, v in dataclasses.asdict(saved_config(meta)).items() if k not in behaviour}
+    want = {k: v for k, v in dataclasses.asdict(engine.model.cfg).items() if k not in behaviour}
     if saved != want:
         diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
         if saved.get("moe_experts") != want["moe_experts"] and 0 in (saved.get("moe_experts"), want["moe_experts"]):
@@ -265,9 +267,7 @@ class Reader:
         if "placement" in meta:
             self.saved = placement.Table.from_json(meta["placement"])
         else:  # format 2: the table of the model config, at tp = 1 (the layout is meta's)
-            from braidtrain.model.gpt import GPTConfig
-
-            self.saved = placement.for_config(GPTConfig(**saved_model(meta)))
+            self.saved = placement.for_config(saved_config(meta))
         self.saved_tp = meta["layout"].get("tp", 1)
         self.tp, self.tp_rank = (table.tp, table.tp_rank) if table is not None else (1, 0)
         self.index: dict[str, list[tuple[int, str, str]]] = {}  # "<name>/t<r>" -> [(start, file, key rest)]
@@ -313,6 +313,14 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     meta = verify(path)
     read = Reader(path, meta)
     return {e.name: read.full("param", e.name) for e in read.saved}, meta
+
+
+def load_model(path: Path):
+    """The whole model of a checkpoint (one process, tp = 1) with its parameters, and its meta."""
+    params, meta = load_params(path)
+    model = registry.build(saved_config(meta))
+    model.load_state_dict(params)
+    return model, meta
 
 
 def latest(run: Path) -> Path:

@@ -29,9 +29,11 @@ def _train_parser(sub):
     a("--help", action="help", help="show this help and exit")
     a("--config", help="a config name from braidtrain/configs (tiny, gpt2, ...) or a .toml path")
     g = p.add_argument_group("model")
-    g.add_argument("--model", "-e", help="preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or llm.c's dN")
+    g.add_argument("--model", "-e", help="preset: GPT-2's tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl or llm.c's dN; "
+                                        "Llama-3's llama3-tiny, llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b, llama3.1-405b")
     for k in ("n-layer", "n-head", "n-embd", "block-size"):
         g.add_argument(f"--{k}", type=int)
+    g.add_argument("--n-kv-heads", type=int, help="key/value heads (Llama's grouped-query attention)")
     g = p.add_argument_group("data")
     g.add_argument("--train-data", "-i", help="token file, folder or glob (llm.c .bin)")
     g.add_argument("--val-data", "-j", help="validation token file, folder or glob")
@@ -64,7 +66,8 @@ def _train_parser(sub):
                    "a group restarted by torchrun resumes by itself")
     g.add_argument("--start-over", action="store_true", default=None,
                    help="--out holds another run: move its files aside (to OUT.replaced-TIME) and start a new run there")
-    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 folder (braidtrain export writes one)")
+    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 or Llama folder (braidtrain export "
+                                                       "writes one)")
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g = p.add_argument_group("mixture of experts (model/moe.py)")
@@ -214,16 +217,13 @@ def cmd_plan(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from braidtrain.checkpoint import latest, load_params
+    from braidtrain.checkpoint import latest, load_model
     from braidtrain.data import get_tokenizer
     from braidtrain.generate import generate
-    from braidtrain.model.gpt import GPT, GPTConfig
 
     run = Path(args.run)
-    params, meta = load_params(run if (run / "meta.json").exists() else latest(run))
+    model, meta = load_model(run if (run / "meta.json").exists() else latest(run))
     tok = get_tokenizer(meta["tokenizer"])
-    model = GPT(GPTConfig(**meta["model"]))
-    model.load_state_dict(params)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.eot]

@@ -21,13 +21,14 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 @dataclass
 class Config:
-    # model: a preset name from model/gpt.py (tiny, gpt2, gpt2-medium, ...) or llm.c's "dN" (depth N);
-    # the four sizes below override the preset when set.
+    # model: a preset of a model family (model/gpt2.py: tiny, gpt2, gpt2-medium, ..., llm.c's "dN";
+    # model/llama.py: llama3-tiny, llama3.2-1b, ...); the sizes below override the preset when set.
     model: str = "tiny"
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
     block_size: int | None = None
+    n_kv_heads: int | None = None  # key/value heads (Llama's grouped-query attention)
     # a mixture of experts (model/moe.py): experts in place of the MLP of every moe_every-th block
     moe_experts: int = 0  # 0: dense
     moe_top_k: int = 2
@@ -180,7 +181,8 @@ def validate(cfg: Config) -> None:
     if cfg.max_steps <= 0 and cfg.max_steps != -1:
         raise UserError(f"max_steps must be positive (or -1 for one epoch), got {cfg.max_steps}")
     positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts", "max_skipped"]
-    positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "total_batch") if getattr(cfg, k) is not None]
+    positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "total_batch")
+                 if getattr(cfg, k) is not None]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise UserError(f"{key} must be positive, got {getattr(cfg, key)}")

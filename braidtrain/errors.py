@@ -1,6 +1,11 @@
 """The one exception type for bad input: the command line prints its message on one line and exits 2."""
 
 
+def divisors(n: int) -> str:
+    """'{1,2,3,6}': what divides n, as the one-line errors list the choices."""
+    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
 class UserError(Exception):
     """Bad input from the user (a flag, a file, a layout). The message says what to change."""
 

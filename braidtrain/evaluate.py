@@ -247,18 +247,15 @@ def run(args) -> int:
     folder), on one process or over torchrun's ranks; rank 0 prints and writes RUN/eval.json."""
     from contextlib import nullcontext
 
-    from braidtrain.checkpoint import latest, load_params
-    from braidtrain.model.gpt import GPT, GPTConfig
+    from braidtrain.checkpoint import latest, load_model
     from braidtrain.runtime import init_runtime
 
     examples = read_evalfile(args.eval_data)
     run_dir = Path(args.run)
     ckpt = run_dir if (run_dir / "meta.json").exists() else latest(run_dir)
-    params, meta = load_params(ckpt)
+    model, meta = load_model(ckpt)
     rt = init_runtime("env", device=args.device)
     try:
-        model = GPT(GPTConfig(**meta["model"]))
-        model.load_state_dict(params)
         model.to(rt.device).eval()
         cast = torch.autocast("cuda", torch.bfloat16) if rt.device.type == "cuda" else nullcontext()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from braidtrain.errors import UserError
+from braidtrain.errors import UserError, divisors
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -75,10 +75,6 @@ class Layout:
         return axes + (" (sp)" if self.sp else "") + ", " + ", ".join(features)
 
 
-def divisors(n: int) -> str:
-    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
 def _pow2(n: int) -> bool:
     return n & (n - 1) == 0
 
@@ -94,12 +90,9 @@ def batch_plan(total_batch: int | None, b: int, t: int, dp: int) -> BatchPlan:
 
 
 def check_tp(model, tp: int, sp: bool = False, seq_len: int | None = None) -> None:
-    """A tensor-parallel degree this model (and, under sp, this sequence length) can be split by."""
-    if model.n_head % tp:
-        raise UserError(f"tp={tp} does not divide n_head={model.n_head}: use tp in {divisors(model.n_head)}")
-    if 4 * model.n_embd % tp:
-        raise UserError(f"tp={tp} does not divide the MLP width 4*n_embd={4 * model.n_embd}: "
-                        f"use tp in {divisors(4 * model.n_embd)}")
+    """A tensor-parallel degree this model (its family says: model/protocol.py check_tp) and, under
+    sp, this sequence length can be split by."""
+    model.check_tp(tp)
     if sp and tp > 1 and seq_len is not None and seq_len % tp:
         raise UserError(f"sequence length {seq_len} is not divisible by tp={tp}: sequence parallelism "
                         f"splits the sequence over the tp ranks; use a multiple of {tp} (or drop --sp)")
@@ -112,7 +105,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                 cp_impl: str = "ring", cp_order: str = "zigzag", device: str = "cpu",
                 world_name: str | None = None) -> Layout:
     """The validated layout, or the UserError of the first thing that cannot run. `model` is a
-    GPTConfig; `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
+    model config (model/protocol.py); `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
     `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
     `device` the device type ('cpu' or 'cuda'); `world_name`: what the world size is to the user
     (`plan`: its --gpus; `train`: the processes started)."""
@@ -224,10 +217,9 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
 
         if not attention.available("cuda"):
             raise UserError("--exact on GPU needs triton (for the deterministic attention): pip install triton")
-        head = model.n_embd // model.n_head
-        if head not in attention.HEAD_DIMS:
+        if model.head_dim not in attention.HEAD_DIMS:
             raise UserError(f"--exact on GPU supports head sizes {attention.HEAD_DIMS} (n_embd / n_head), got "
-                            f"{model.n_embd} / {model.n_head} = {head}: change --n-head, or drop --exact")
+                            f"{model.n_embd} / {model.n_head} = {model.head_dim}: change --n-head, or drop --exact")
 
 
 def from_config(cfg, world: int, model, device: str) -> Layout:

@@ -122,9 +122,6 @@ from braidtrain.layout import make_layout
 from braidtrain.parallel import pipeline
 
 # Calibration knobs: every number the estimates rest on, named once (bytes per element).
-ACT_PER_LAYER = 38  # per token x channel of one block (the docstring counts them)
-ACT_TP_WHOLE = 4 + 2 + 4 + 2  # of those, whole on every tp rank without sp: ln_1 in, c_attn in, ln_2 in, c_fc in
-ACT_SP_WHOLE = 2 + 2  # whole under sp: c_attn's and c_fc's bf16 copies of their all-gathered input
 ACT_KEPT_RECOMPUTE = 4  # per token x channel of one block under recompute: its fp32 input
 ACT_HEAD_LN = 4  # per token x channel: ln_f's fp32 input (t/tp rows under sp)
 ACT_HEAD_IN = 2  # per token x channel: the head matmul's bf16 input (whole under tp)
@@ -158,38 +155,43 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
 
 def param_counts(cfg, tp: int = 1) -> dict:
     """Parameters one tp rank holds, from the placement table (parallel/placement.py):
-    `replicated` (wpe, ln_f, and per block ln_1, ln_2 and the two c_proj biases) whole, `sharded`
-    (wte padded to vocab_rows(tp), c_attn, c_fc, the c_proj weights) divided by tp; `block` and
-    `embed` are one block's and the embedding group's share of `rank`, the sum."""
+    `replicated` (gpt2: wpe, ln_f, and per block ln_1, ln_2 and the two c_proj biases; llama: the
+    norms) whole, `sharded` (the vocabulary padded to vocab_rows(tp), the projections) divided by tp;
+    `block` and `embed` are one block's and the groups of no block's (the embedding, and an untied
+    head) share of `rank`, the sum."""
     from braidtrain.parallel import placement
 
     table = placement.for_config(cfg)
     count = lambda entries: sum(e.local_numel(tp) for e in entries)  # noqa: E731
-    return {"rank": count(table), "block": count(table.units[1][1]), "embed": count(table.units[0][1]),
+    block = next(entries for module, entries in table.units if module is not None)
+    embed = [e for module, entries in table.units if module is None for e in entries]
+    return {"rank": count(table), "block": count(block), "embed": count(embed),
             "replicated": count(e for e in table if e.replicated), "sharded": count(e for e in table if not e.replicated),
             "expert": count(e for e in table if e.expert)}
 
 
 def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> list[tuple[str, int]]:
     """The engine's buckets (parallel/buckets.form on the placement table), in launch order, as
-    ("block" or "embed", elements): whole blocks from the last one backwards until a bucket holds
-    >= bucket_mb, then the embedding group (wte, tied to the head, wpe, ln_f) alone: it is used at
-    both ends, so its gradient is last. Sizes are one tp rank's (its shards and the replicated
-    parameters). `table`: a pipeline rank's (placement.for_rank), where wte is a bucket of its
-    own (parallel/tied.py)."""
+    ("block" or "embed", elements): an untied head's group first, then whole blocks from the last
+    one backwards until a bucket holds >= bucket_mb, then the embedding group (gpt2: wte, tied to
+    the head, wpe, ln_f) alone: it is used at both ends, so its gradient is last. Sizes are one tp
+    rank's (its shards and the replicated parameters). `table`: a pipeline rank's
+    (placement.for_rank), where a tied embedding is a bucket of its own (parallel/tied.py)."""
     from braidtrain.parallel import buckets, placement
 
-    alone = {"wte.weight"} if table is not None else set()
+    alone = {e.name for e in table if e.users} if table is not None else set()
     formed = buckets.form(table or placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb, alone)
     return [("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries])[1])
             for entries, mods, _, _ in formed]
 
 
-def layer_activation(tp: int = 1, sp: bool = False) -> float:
-    """Bytes per token x channel one block keeps for its backward (the docstring's layers term):
-    the part every tp rank holds whole, plus the rest divided by tp."""
-    whole = ACT_SP_WHOLE if sp else ACT_TP_WHOLE
-    return whole + (ACT_PER_LAYER - whole) / tp
+def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False) -> float:
+    """Bytes per token one block keeps for its backward (the docstring's layers term), traced from
+    the family's own block (model/counts.py): the part every tp rank holds whole, plus the rest
+    divided by tp."""
+    from braidtrain.model.counts import block_activations
+
+    return block_activations(cfg, tp, sp, gpu=not cpu)
 
 
 def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False) -> dict:
@@ -199,7 +201,7 @@ def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp
     scale = 2 if cpu else 1  # fp32 on the CPU
     tbh = t * b * cfg.n_embd * scale
     rows = tp if sp else 1  # the residual stream holds t/tp rows under sp
-    layer = layer_activation(tp, sp) * tbh
+    layer = layer_activation(cfg, tp, sp, cpu) * b * t
     if tp == 1:
         logits = b * t * cfg.padded_vocab * LOGITS * scale
     else:
@@ -404,7 +406,7 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     P = counts["rank"] - counts["expert"] + counts["expert"] // lay.ep  # this tp rank's, then sharded by ZeRO
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
-    embed = next(k for kind, k in buckets if kind == "embed")
+    embed = sum(k for kind, k in buckets if kind == "embed")  # (gathered all micro-step under ZeRO-3)
     state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
     act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, P, tp, lay.sp)  # a rank's t/cp tokens
     if cfg.moe_experts:
@@ -495,7 +497,8 @@ def ring_bytes(s: Setup, lay: Candidate) -> dict:
 
     b, h, c = lay.b, s.cfg.n_head // lay.tp, s.t // (2 * lay.cp)
     out = 4 * b * (s.t // lay.cp) * (s.cfg.n_embd // lay.tp + h)
-    gathered = 2 * b * s.t * (s.cfg.n_embd // lay.tp) * ((4 if s.cpu else 2) + 4) if lay.cp_impl == "allgather" else 0
+    kv = s.cfg.kv_heads * s.cfg.head_dim // lay.tp  # the key/value channels a rank holds
+    gathered = 2 * b * s.t * kv * ((4 if s.cpu else 2) + 4) if lay.cp_impl == "allgather" else 0
     return {"ring_out": out * (1 if lay.recompute else s.cfg.n_layer),
             "ring_scores": 16 * b * h * tile_rows(c) * c + gathered}
 
@@ -514,7 +517,7 @@ def cp_comm_s(s: Setup, lay: Candidate) -> float:
         return 0.0
     cp, C, b = lay.cp, s.cfg.n_embd / lay.tp, lay.b
     c = s.t / (2 * cp)
-    kv = 2 * b * (s.t / cp) * C * (4 if s.cpu else 2)
+    kv = 2 * b * (s.t / cp) * s.cfg.kv_heads * s.cfg.head_dim / lay.tp * (4 if s.cpu else 2)  # (grouped-query: K heads)
     dkv = kv * (1 if s.cpu else 2)  # fp32
     passes, bw = 2 if lay.recompute else 1, busbw_of(s, lay, "cp")
     if lay.cp_impl == "allgather":
@@ -589,9 +592,9 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     kept = lambda i: per_block + (0 if lay.recompute else one_ring + moe * cfg.is_moe(i))  # noqa: E731
     size = lambda c: sum(map(kept, split[c])) + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)  # noqa: E731
     flops = pipeline.flop_cost(cfg, s.t, chunks)
-    whole = sum(flops(c, len(r)) for c, r in enumerate(split))
+    whole = sum(flops(c, r) for c, r in enumerate(split))
     micro_s = cfg.flops_per_token(s.t) * lay.b * s.t / (tp * cp * s.tflops * 1e12)  # one micro-batch, the whole model
-    f = [flops(c, len(r)) / whole * micro_s / 3 for c, r in enumerate(split)]
+    f = [flops(c, r) / whole * micro_s / 3 for c, r in enumerate(split)]
     b = [x * (1 if lay.schedule == "zb" else 2) + (x if lay.recompute else 0) for x in f]
     cost = {"F": f, "B": b, "W": f}
     hop = s.alpha_us * 1e-6 + 4 * lay.b * t * cfg.n_embd / (tp if lay.sp else 1) / (busbw_of(s, lay, "pp") * 1e9)
@@ -633,8 +636,8 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     if lay.sp:
         owned = max(row["replicated"] for row in rows) / (n if lay.zero >= 1 else 1)
         tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, busbw_of(s, lay, "tp"))
-    wte = placement.for_config(cfg)["wte.weight"].local_numel(tp) / (n if lay.zero >= 1 else 1)
-    tied = s.alpha_us * 1e-6 + 4 * wte / (busbw_of(s, lay, "pp") * 1e9)  # first and last stage swap their reduced shares
+    wte = sum(e.local_numel(tp) for e in placement.for_config(cfg) if e.users) / (n if lay.zero >= 1 else 1)
+    tied = (s.alpha_us * 1e-6 + 4 * wte / (busbw_of(s, lay, "pp") * 1e9)) if wte else 0.0  # first and last stage swap their reduced shares
     full = max(rows, key=lambda row: row["mem"]["total"])
     return finish(s, lay, m, full["mem"], full["allocated"], full["state"], full["act"], span, step_end - span,
                   tp_comm, tied, cp_comm=m * cp_comm_s(s, lay) * busiest,

@@ -81,7 +81,7 @@ def parse_count(text: str) -> int:
 def assumed_shape(n_params: int, vocab: int, block_size: int):
     """A GPT-2-shaped model of about n_params: head size 64, width 64 x depth (GPT-2 small's
     aspect ratio) for the depth, then the head count that comes closest."""
-    from braidtrain.model.gpt import GPTConfig
+    from braidtrain.model.gpt2 import GPTConfig
 
     size = lambda L, k: GPTConfig(L, k, 64 * k, block_size, vocab).num_params()
     L = min(range(1, 1000), key=lambda L: abs(size(L, L) - n_params))
@@ -93,11 +93,12 @@ def add_parser(sub):
     p = sub.add_parser("plan", help="memory and step time of every layout; --check one against a real run",
                        allow_abbrev=False)
     a = p.add_argument
-    a("--model", "-e", help="preset (tiny, gpt2 ... gpt2-xl) or llm.c's dN (default gpt2)")
+    a("--model", "-e", help="preset (tiny, gpt2 ... gpt2-xl, llm.c's dN; llama3-tiny, llama3.2-1b ... llama3.1-405b) "
+                            "(default gpt2)")
     a("--params", help="a parameter count (124M, 1.5B) for an assumed GPT-2 shape, instead of --model")
-    for k in ("n-layer", "n-head", "n-embd", "block-size"):
+    for k in ("n-layer", "n-head", "n-embd", "block-size", "n-kv-heads"):
         a(f"--{k}", type=int)
-    a("--vocab", type=int, default=50257, help="tokenizer vocabulary (default GPT-2's; --data's wins)")
+    a("--vocab", type=int, help="tokenizer vocabulary (default: the model family's tokenizer's; --data's wins)")
     a("--gpus", type=int, default=1, help="GPUs (pp x dp x cp x tp)")
     a("--gpus-per-node", type=int, help="GPUs of one node (default: all --gpus); groups that span nodes "
                                         "talk at --node-busbw")
@@ -145,12 +146,13 @@ def setup_from(args) -> plan.Setup:
     meta = Path(args.data or "") / "tokenizer.json"  # the check's run trains with the data's vocabulary
     vocab = json.loads(meta.read_text())["vocab_size"] if args.data and meta.is_file() else args.vocab
     if args.params:
-        cfg = assumed_shape(parse_count(args.params), vocab, args.block_size or max(1024, args.seq_len))
+        cfg = assumed_shape(parse_count(args.params), vocab or 50257, args.block_size or max(1024, args.seq_len))
     else:
-        from braidtrain.model.gpt import model_config
+        from braidtrain.model import registry
 
-        moe = {k: getattr(args, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
-        cfg = model_config(args.model or "gpt2", vocab, args.n_layer, args.n_head, args.n_embd, args.block_size, **moe)
+        fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_experts",
+                                                 "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
+        cfg = registry.model_config(args.model or "gpt2", vocab, **fields)
         if args.block_size is None and cfg.block_size < args.seq_len:  # a longer context than the preset's: train's --block-size
             cfg = replace(cfg, block_size=args.seq_len)
     s = plan.Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
@@ -203,17 +205,15 @@ def check(s: plan.Setup, lay: plan.Candidate, data: str, out: str | None) -> dic
     make_layout(lay.gpus, s.cfg, seq_len=s.t, batch_size=lay.b, total_batch=s.d, world_name=f"--gpus {lay.gpus}",
                 **lay.layout_kw())  # what `train` will ask
     e, c = plan.estimate(s, lay), s.cfg
-    cmd = ["-m", "braidtrain", "train", "--model", "gpt2", "--n-layer", c.n_layer, "--n-head", c.n_head,
-           "--n-embd", c.n_embd, "--block-size", c.block_size, "-i", data, "-b", lay.b, "-t", s.t, "-d", s.d,
+    from braidtrain.model import registry
+
+    cmd = ["-m", "braidtrain", "train", *registry.command_line(c), "-i", data, "-b", lay.b, "-t", s.t, "-d", s.d,
            "-z", lay.zero, "-x", 2, "--val-every", 0, "--sample-tokens", 0, "--no-progress",
            "--bucket-mb", s.bucket_mb] + (["--tp", lay.tp] if lay.tp > 1 else []) + (["--sp"] if lay.sp else [])
     cmd += ["--pp", lay.pp, "--pp-schedule", lay.schedule, "--pp-virtual", lay.virtual] if lay.pp > 1 else []
     cmd += ["--recompute"] if lay.recompute else []
     cmd += ["--cp", lay.cp, "--cp-impl", lay.cp_impl] if lay.cp > 1 else []
     cmd += ["--ep", lay.ep] if lay.ep > 1 else []
-    if c.moe_experts:
-        cmd += ["--moe-experts", c.moe_experts, "--moe-top-k", c.moe_top_k, "--moe-every", c.moe_every,
-                "--moe-hidden", c.moe_hidden, "--moe-capacity", c.moe_capacity]
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,7 +46,8 @@ from braidtrain.config import Config
 from braidtrain.layout import batch_plan
 from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
 from braidtrain.metrics import peak_flops
-from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.model import registry
+from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
 MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "pipe-1f1b", "pipe-interleaved")
@@ -72,7 +73,7 @@ def build(mode, model, device, bf16):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-        for block in model.gpt.h:
+        for block in model.gpt.blocks():
             if mode == "fsdp2-compile":  # each block compiled, then sharded (torchtitan's order)
                 block.compile()
             fully_shard(block, mp_policy=mp)
@@ -104,7 +105,8 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
     lay = make_layout(world, mcfg, seq_len=a.t, batch_size=a.b, total_batch=a.d, pp=world,
                       schedule="interleaved" if interleaved else "1f1b")
     last = world * lay.virtual - 1
-    parts = [GPT(mcfg, blocks=lay.split[c], first=c == 0, last=c == last, stage=c) for c in range(rank, last + 1, world)]
+    parts = [registry.build(mcfg, blocks=lay.split[c], first=c == 0, last=c == last, stage=c)
+             for c in range(rank, last + 1, world)]
     for part in parts:
         init_weights(part, cfg.seed)
         part.to(device)
@@ -154,7 +156,7 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
 def dense(a, mcfg, loader, plan, cfg, device, bf16):
     """ddp*, fsdp2*: the model built, wrapped and given its optimizer; returns step(i) -> the loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = GPT(mcfg)
+    model = registry.build(mcfg)
     init_weights(model, cfg.seed)
     model.to(device)
     model = TorchLoss(model)
@@ -215,7 +217,7 @@ def setup(a):
     plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if a.mode.startswith("pipe") else dist.get_world_size())
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
-    mcfg = model_config(a.model, data.vocab_size, a.n_layer, a.n_head, a.n_embd)
+    mcfg = registry.model_config(a.model, data.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd)
     return device, device.type == "cuda", cfg, plan, mcfg, Loader(data, a.t, plan.seqs_per_step, cfg.seed)
 
 

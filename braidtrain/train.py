@@ -268,7 +268,8 @@ class Trainer:
         if not self.shared_checked:
             self.shared_checked = True
             self.check_shared(self.out / "checkpoints")
-        info = {"config": self.cfg.to_toml(), "model": dataclasses.asdict(self.mcfg), "tokenizer": self.built.tok_name}
+        info = {"config": self.cfg.to_toml(), "family": self.mcfg.family, "model": dataclasses.asdict(self.mcfg),
+                "tokenizer": self.built.tok_name}
         try:
             return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
                                    self.cfg.keep_ckpts, self.built.run_id, midway=self.fault.mid_save if self.fault else None)

@@ -11,7 +11,9 @@ import torch
 
 from braidtrain.comm import Comm
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.model.gpt2 import GPT
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 from braidtrain.optim import AdamW
 from braidtrain.parallel.engine import Engine
 from braidtrain.runtime import init_runtime

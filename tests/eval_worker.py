@@ -9,7 +9,9 @@ import sys
 import torch
 
 from braidtrain.evaluate import read_evalfile, score, totals
-from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.model.gpt2 import GPT
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 from braidtrain.runtime import init_runtime
 
 

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from braidtrain.comm import Comm
 from braidtrain.errors import UserError
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.model.gpt2 import GPT
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
                                      shard_of, unshard, vocab_parallel_cross_entropy)
 from braidtrain.parallel import placement

@@ -29,7 +29,8 @@ from braidtrain.checkpoint import weights_sha256
 from braidtrain.comm import Comm
 from braidtrain.layout import make_layout
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import init_weights, model_config
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.context import Context, token_index
 from braidtrain.model.moe import MoE, route

@@ -356,7 +356,7 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
     import tomllib
 
     from braidtrain import plan
-    from braidtrain.model.gpt import model_config
+    from braidtrain.model.registry import model_config
 
     proc = jobs["auto"].result()
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from braidtrain import export
-from braidtrain.model.gpt import GPT, GPTConfig, init_weights
+from braidtrain.model.gpt2 import GPT, GPTConfig
+from braidtrain.parallel.placement import init_weights
 from helpers import SMALL, braidtrain, metrics
 
 # vocab 300 pads to 384: the export must cut the padding rows off and the import put them back
@@ -73,8 +74,8 @@ def test_export_and_init_from_through_the_cli(tmp_path, shakespeare):
     assert "step_00000003" in out
     braidtrain("train", *base, "-x", 1, "--out", tmp_path / "again", "--init-from", hf)
 
-    cfg = export.read_config(str(hf))
-    model_cfg = GPTConfig(cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["n_positions"], cfg["vocab_size"])
+    family, fields = export.read_config(str(hf))
+    model_cfg = family.Config(**fields)
     model = GPT(model_cfg)
     model.load_state_dict(export.load_hf(str(hf), model_cfg))
     loader = Loader(TokenData(resolve_files(str(shakespeare), "train"), 256), 64, 8, 1337)

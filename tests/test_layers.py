@@ -12,7 +12,9 @@ from braidtrain.comm import Comm, Group
 from braidtrain.errors import UserError
 from braidtrain.layout import check_tp
 from braidtrain.mesh import Mesh
-from braidtrain.model.gpt import GPT, GPTConfig, init_weights, model_config
+from braidtrain.model.gpt2 import GPT, GPTConfig
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 from braidtrain.model.layers import REPLICATED, ShardSpec, shard_of, unshard
 from braidtrain.parallel import placement
 
@@ -111,7 +113,16 @@ def test_vocab_padded_to_multiple_of_128_tp():
 def test_shard_specs_slice_and_unshard():
     full = torch.arange(6 * 4 * 5).reshape(6 * 4, 5)  # q, k, v of 4 heads of width 2 (C = 8)
     q, k, v = full.split(8)
-    spec = ShardSpec(0, "qkv")
+    spec = ShardSpec(0, "packed", 1, (1, 1, 1))
+    assert ShardSpec.from_json([0, "qkv", 1]) == spec  # (a checkpoint's, from before wave 3)
+    gqa = ShardSpec(0, "packed", 1, (4, 2, 2))  # grouped-query: q 4 heads, k and v 2 each (width 2)
+    g = torch.arange(16 * 3).reshape(16, 3)
+    gq, gk, gv = g.split([8, 4, 4])
+    for tp in (1, 2):
+        pieces = [shard_of(g, gqa, r, tp) for r in range(tp)]
+        for r, p in enumerate(pieces):
+            assert torch.equal(p, torch.cat([z.chunk(tp)[r] for z in (gq, gk, gv)]))
+        assert torch.equal(unshard(pieces, gqa), g)
     for tp in (1, 2, 4):
         pieces = [shard_of(full, spec, r, tp) for r in range(tp)]
         for r, p in enumerate(pieces):  # each rank: its heads of q, then of k, then of v

@@ -8,7 +8,8 @@ from braidtrain import layout
 from braidtrain.errors import UserError
 from braidtrain.layout import make_layout
 from braidtrain.model import attention
-from braidtrain.model.gpt import GPTConfig, model_config
+from braidtrain.model.gpt2 import GPTConfig
+from braidtrain.model.registry import model_config
 
 MODEL = model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=64)
 MOE = model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2, block_size=64, moe_experts=6)

@@ -4,7 +4,9 @@ import math
 
 import torch
 
-from braidtrain.model.gpt import GPT, PRESETS, init_weights, model_config
+from braidtrain.model.gpt2 import GPT, PRESETS
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 
 
 def plain_gpt(sd: dict, idx: torch.Tensor, n_layer: int, n_head: int, vocab: int) -> torch.Tensor:
@@ -92,4 +94,4 @@ def test_presets_have_gpt2_sizes():
     assert abs(n - 124.48e6) < 0.1e6, n  # 124M with the vocabulary padded to 50304
     assert model_config("gpt2", 50257).padded_vocab == 50304
     assert model_config("d12", 50257) == model_config("gpt2", 50257)
-    assert set(PRESETS) == {"tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+    assert set(PRESETS) == {"tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} | {f"d{d}" for d in (6, 12, 24, 36, 48, 60, 72, 84)}

@@ -14,7 +14,9 @@ import torch
 
 from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
-from braidtrain.model.gpt import GPT, init_weights, model_config
+from braidtrain.model.gpt2 import GPT
+from braidtrain.parallel.placement import init_weights
+from braidtrain.model.registry import model_config
 from braidtrain.model.moe import capacity_of, route
 
 

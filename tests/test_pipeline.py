@@ -119,7 +119,7 @@ def test_a_plan_that_cannot_run_is_refused(broken, words):
 
 
 def test_the_split_balances_flops():
-    from braidtrain.model.gpt import model_config
+    from braidtrain.model.registry import model_config
 
     gpt2 = model_config("gpt2", 50257)
     cuts = pipeline.split(12, 2, pipeline.flop_cost(gpt2, 1024, 2))
@@ -137,7 +137,8 @@ def test_zero_bubbles_split_backward_is_the_backward_to_the_bit(device, bf16):
     """B then W (parallel/zb.py) on a middle chunk and on the last one (head and loss): the input's
     gradient and every parameter's equal those of one plain backward, bitwise -- in fp32 and
     under bf16 autocast (on the GPU too, where the GPU is: benchmarks/gpu_smoke.sh runs this)."""
-    from braidtrain.model.gpt import init_weights, model_config, pipeline_chunks
+    from braidtrain.parallel.placement import init_weights
+    from braidtrain.model.registry import model_config, pipeline_chunks
     from braidtrain.parallel import zb
 
     cfg = model_config("tiny", 256, n_layer=4)

@@ -20,7 +20,8 @@ from braidtrain.cli import Parser
 from braidtrain.comm import Comm
 from braidtrain.errors import UserError
 from braidtrain.mesh import build_mesh
-from braidtrain.model.gpt import GPT, model_config
+from braidtrain.model.gpt2 import GPT
+from braidtrain.model.registry import model_config
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
 from helpers import braidtrain, forked, prepare_bytes
@@ -221,18 +222,24 @@ def test_tp_divides_the_sharded_model_state_by_hand(tp):
 
 
 def test_tp_activations_by_hand():
+    """The layers term is traced from the block itself (model/counts.py); for gpt2 it finds the hand
+    count: 38 bytes a token x channel (Korthikanti et al.'s 34 with fp32 LayerNorm inputs and no
+    dropout), plus what that count leaves out, the softmax's log-sum-exp (4 bytes a head, a token)
+    and each LayerNorm's mean and rstd (2 x 2 x 4 bytes a token)."""
     cfg, b, t = model_config("gpt2", 50257), 4, 1024
-    L, x, P = cfg.n_layer, b * t * cfg.n_embd, 1000
+    L, x, P, H, bt = cfg.n_layer, b * t * cfg.n_embd, 1000, cfg.n_head, b * t
     act = lambda tp, sp, rc=False: plan.activation_bytes(cfg, b, t, rc, False, P, tp, sp)
-    assert act(1, False)["layers"] == 38 * x * L and act(1, False)["logits"] == 2 * b * t * 50304  # the fused head's bf16 buffer
+    assert act(1, False)["layers"] == (38 * x + (4 * H + 16) * bt) * L
+    assert act(1, False)["logits"] == 2 * b * t * 50304  # the fused head's bf16 buffer
     # tp: LayerNorm inputs (4 + 4) and the column-parallel inputs (2 + 2) whole, 26 of 38 split
-    assert act(2, False)["layers"] == (12 + 26 / 2) * x * L
-    assert act(4, False)["layers"] == (12 + 26 / 4) * x * L
+    assert act(2, False)["layers"] == ((12 + 26 / 2) * x + (16 + 4 * H / 2) * bt) * L
+    assert act(4, False)["layers"] == ((12 + 26 / 4) * x + (16 + 4 * H / 4) * bt) * L
     # sp: the LayerNorm inputs split too; the all-gathered bf16 inputs of c_attn, c_fc stay whole
-    assert act(4, True)["layers"] == (4 + 34 / 4) * x * L
+    sp4 = (4 + 34 / 4) * x + (16 + 4 * H) / 4 * bt
+    assert act(4, True)["layers"] == sp4 * L
     assert act(4, True)["head"] == (4 / 4 + 2) * x and act(4, False)["head"] == 6 * x
     # recompute under sp keeps each block's fp32 input, t/tp rows of it
-    assert act(4, True, True)["layers"] == 4 * x / 4 * L and act(4, True, True)["block_recomputed"] == (4 + 34 / 4) * x
+    assert act(4, True, True)["layers"] == 4 * x / 4 * L and act(4, True, True)["block_recomputed"] == sp4
     # vocab-parallel cross-entropy: 4 + 2 bytes per token x local vocabulary row, never gathered
     assert act(4, False)["logits"] == b * t * (cfg.vocab_rows(4) // 4) * 6 == b * t * 50688 // 4 * 6
 
@@ -302,7 +309,8 @@ def test_a_tp_that_does_not_divide_the_heads_is_never_planned(capsys):
 def test_pipeline_stage_memory_by_hand():
     """gpt2 on 2 stages (blocks 0-7 | 8-11, the head weighing 4.5 blocks), 1f1b, 4 micro-batches,
     ZeRO-0 on a GPU: each stage holds its own parameters (the last a copy of wte for the head),
-    16 bytes each, their bf16 copies, and 38*t*b*h per block of each micro-batch alive -- 2 on the
+    16 bytes each, their bf16 copies, and a block's activations (38 bytes a token x channel, 4 a
+    head, 16 a token: test_tp_activations_by_hand) per block of each micro-batch alive -- 2 on the
     first stage (p - r), 1 on the last, which adds the head's input and the fused head's logits."""
     cfg, b, t = model_config("gpt2", 50257), 4, 1024
     h, V, blk = cfg.n_embd, cfg.padded_vocab, 12 * cfg.n_embd**2 + 13 * cfg.n_embd
@@ -310,7 +318,8 @@ def test_pipeline_stage_memory_by_hand():
     e = plan.estimate(s, plan.Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
     P = [V * h + t * h + 8 * blk, 4 * blk + 2 * h + V * h]
     x = t * b * h
-    act = [2 * 8 * 38 * x + 2 * P[0], 4 * 38 * x + 6 * x + 2 * b * t * V + 2 * P[1]]
+    a = 38 * x + (4 * cfg.n_head + 16) * t * b  # one block, one micro-batch
+    act = [2 * 8 * a + 2 * P[0], 4 * a + 6 * x + 2 * b * t * V + 2 * P[1]]
     for r in range(2):
         allocated = 16 * P[r] + act[r]
         comm = plan.NCCL_BYTES * 3  # the pp group's, and one for each direction between the stages
@@ -332,7 +341,7 @@ def test_pipeline_step_by_hand(m):
     cfg, b, t = model_config("gpt2", 50257), 4, 1024
     s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * m, alpha_us=0.0, busbw=1e12)
     flops = pipeline.flop_cost(cfg, t, 2)
-    share = [flops(0, 8), flops(1, 4)]
+    share = [flops(0, range(0, 8)), flops(1, range(8, 12))]
     micro = cfg.flops_per_token(t) * b * t / (s.tflops * 1e12)
     F = [c / sum(share) * micro / 3 for c in share]
     assert F[1] > F[0]
@@ -524,7 +533,8 @@ def test_a_pipeline_of_cp_and_tp_ranks_by_hand():
     ring = 4 * b * (t // cp) * (h // tp + a // tp)
     c = t // (2 * cp)
     scores = 16 * b * (a // tp) * tile_rows(c) * c
-    act = [2 * 8 * ((12 + 26 / tp) * x + ring), 4 * ((12 + 26 / tp) * x + ring) + 6 * x + b * (t // cp) * Vt // tp * 6]
+    blk = (12 + 26 / tp) * x + (16 + 4 * a / tp) * b * (t // cp) + ring  # (test_tp_activations_by_hand)
+    act = [2 * 8 * blk, 4 * blk + 6 * x + b * (t // cp) * Vt // tp * 6]
     for r in range(2):
         assert e["stage_state"][r]["params"] == 4 * P[r] and e["stage_state"][r]["optimizer"] == 8 * P[r] // 2
         allocated = 4 * P[r] + 4 * P[r] + 8 * P[r] // 2 + act[r] + scores + 2 * P[r]
@@ -537,7 +547,7 @@ def test_a_pipeline_of_cp_and_tp_ranks_by_hand():
 def test_a_pipeline_of_expert_ranks_holds_its_experts_over_ep():
     """gpt2 with 8 experts on pp 2 x dp 2 at ep 2: a stage's experts are 1/ep a rank (counted
     here from the stage's own modules, by name), its dense parameters whole at ZeRO-0."""
-    from braidtrain.model.gpt import pipeline_chunks
+    from braidtrain.model.registry import pipeline_chunks
 
     cfg = model_config("gpt2", 50257, moe_experts=8, moe_top_k=2)
     s = plan.Setup(cfg, gpus=4, mem_gb=80, t=1024, d=2 * 1024 * 4)

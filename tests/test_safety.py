@@ -9,7 +9,7 @@ import torch
 from helpers import SMALL, braidtrain, env, metrics, summary
 from test_cli import assert_one_line_error
 from braidtrain import plan
-from braidtrain.model.gpt import model_config
+from braidtrain.model.registry import model_config
 
 BASE = [*SMALL, "-d", 256]
 

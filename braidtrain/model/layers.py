@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from braidtrain.model.attention import causal_attention
+
 SEQ = 1  # the sequence dim of a (B, T, C) activation
 
 
@@ -155,15 +157,15 @@ class ColumnParallelLinear(nn.Linear):
         [ rows o/tp.. 2o/tp)   1          input x: replicated (f), or its T/tp rows gathered (sp)
 
     The output stays split unless gather_output (then all-gathered along the last dim). `packed`:
-    the output is that many blocks of features side by side (GPT-2's c_attn: q, k, v), each split
-    over tp on its own ("qkv" in shard_of)."""
+    the output is blocks of features side by side, of these relative widths (GPT-2's c_attn: q, k,
+    v as (1, 1, 1); grouped-query attention's (H, H_kv, H_kv); SwiGLU's gate and up (1, 1)), each
+    split over tp on its own ("packed" in shard_of)."""
 
-    def __init__(self, in_features, out_features, group, bias=True, sp=False, gather_output=False, packed=1):
-        assert packed in (1, 3), "shard_of knows contiguous and q,k,v-packed outputs"
+    def __init__(self, in_features, out_features, group, bias=True, sp=False, gather_output=False, packed=()):
         tp, _ = _tp(group)
         super().__init__(in_features, out_features // tp, bias=bias)
         self.group, self.sp, self.gather_output = group, sp, gather_output
-        split = ShardSpec(0, "qkv" if packed == 3 else "contiguous")
+        split = ShardSpec(0, "packed", 1, tuple(packed)) if packed else ShardSpec(0, "contiguous")
         self.tp_split = {"weight": split, "bias": split}
 
     def forward(self, x):
@@ -263,24 +265,62 @@ def vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, group)
     return VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
 
 
+# -- attention ----------------------------------------------------------------------------------------
+
+def attend(q, k, v, cp=None, deterministic: bool = False):
+    """softmax(q kᵀ/√D, causal) v for queries (B, H, T, D) and keys and values (B, H_kv, T, D): with
+    grouped-query attention (H_kv < H) each key/value head serves H/H_kv consecutive query heads.
+    Over the whole sequence through context parallelism's `cp` (parallel/context.py: only the H_kv
+    heads travel); in exact mode on the GPU by attention.py's deterministic kernels; else torch's
+    SDPA (its flash kernels on CUDA)."""
+    if cp is not None and cp.active:
+        return cp.attend(q, k, v)
+    if deterministic:
+        return causal_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def repeat_kv(x, heads: int):
+    """(B, H_kv, T, D) -> (B, heads, T, D), each head repeated heads/H_kv times in place. An expand:
+    its backward sums the copies' gradients, a plain (deterministic) reduction."""
+    B, H, T, D = x.shape
+    return x if H == heads else x[:, :, None].expand(B, H, heads // H, T, D).reshape(B, heads, T, D)
+
+
 # -- shard specs: how a full tensor is split over tp -----------------------------------------------
 
 class ShardSpec(NamedTuple):
     """How a parameter's full tensor is split over the tp axis: `kind` is "replicated" (every rank
-    holds it all; dim None), "contiguous" (tp equal chunks along tensor dim `dim`) or "qkv" (GPT-2's
-    c_attn, q, k and v packed along `dim`: each rank takes its chunk of each of the three).
-    `align`: under tp the split dim is padded with zero rows to a multiple of align*tp (the
-    vocabulary of wte: 128), so that every rank holds the same number of rows."""
+    holds it all; dim None), "contiguous" (tp equal chunks along tensor dim `dim`) or "packed" (blocks
+    side by side along `dim`, of relative widths `parts`, each split into tp chunks on its own:
+    GPT-2's c_attn q, k, v; grouped-query attention's q, k, v of unequal widths). `align`: under tp the
+    split dim is padded with zero rows to a multiple of align*tp (the vocabulary: 128), so that
+    every rank holds the same number of rows. ("qkv", in checkpoints of before wave 3, is packed
+    (1, 1, 1).)"""
     dim: int | None
     kind: str
     align: int = 1
+    parts: tuple = ()
+
+    @staticmethod
+    def from_json(v: list) -> "ShardSpec":
+        dim, kind, align, *parts = v
+        if kind == "qkv":
+            return ShardSpec(dim, "packed", align, (1, 1, 1))
+        return ShardSpec(dim, kind, align, tuple(parts[0]) if parts else ())
 
 
 REPLICATED = ShardSpec(None, "replicated")
 
 
+def _part_sizes(n: int, parts: tuple) -> list[int]:
+    unit = n // sum(parts)
+    return [w * unit for w in parts]
+
+
 def shard_of(full: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
-    """Tp rank `rank`'s shard of the full tensor, a new contiguous tensor. "qkv", tp=2, 4 heads:
+    """Tp rank `rank`'s shard of the full tensor, a new contiguous tensor. "packed" (1, 1, 1), tp=2,
+    4 heads (GPT-2's q, k, v; with (4, 2, 2), grouped-query attention, k and v have 2 heads each):
 
         full (3C, ...):   [ q: h0 h1 | h2 h3 ][ k: h0 h1 | h2 h3 ][ v: h0 h1 | h2 h3 ]
         rank 0 (3C/2):    [ q: h0 h1 ][ k: h0 h1 ][ v: h0 h1 ]
@@ -290,9 +330,10 @@ def shard_of(full: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.T
         return full.clone()
     if spec.kind == "contiguous":
         return full.chunk(tp, spec.dim)[rank].contiguous()
-    if spec.kind == "qkv":
+    if spec.kind == "packed":
         d = spec.dim % full.dim()
-        return full.unflatten(d, (3, -1)).chunk(tp, d + 1)[rank].flatten(d, d + 1).contiguous()
+        blocks = full.split(_part_sizes(full.shape[d], spec.parts), d)
+        return torch.cat([b.chunk(tp, d)[rank] for b in blocks], d).contiguous()
     raise ValueError(f"unknown shard kind {spec.kind!r}")
 
 
@@ -302,8 +343,8 @@ def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
         return pieces[0].clone()
     if spec.kind == "contiguous":
         return torch.cat(pieces, spec.dim)
-    if spec.kind == "qkv":
+    if spec.kind == "packed":
         d = spec.dim % pieces[0].dim()
-        return torch.cat([p.unflatten(d, (3, -1)) for p in pieces], d + 1).flatten(d, d + 1)
+        split = [p.split(_part_sizes(p.shape[d], spec.parts), d) for p in pieces]
+        return torch.cat([torch.cat([blocks[j] for blocks in split], d) for j in range(len(spec.parts))], d)
     raise ValueError(f"unknown shard kind {spec.kind!r}")
-

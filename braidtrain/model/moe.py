@@ -26,7 +26,8 @@ their term without the loss passing through them, and the logged loss stays the 
 `moe_aux` is logged beside it (the mean over layers and micro-batches), with `moe_dropped` and the
 experts' load.
 
-Where the experts run is parallel/expert.py's (this rank's experts, the all-to-all over ep).
+Where the experts run is the dispatch's: `Dispatch` here, every expert on this rank; under
+expert parallelism parallel/expert.py's, which sends the tokens to their experts' ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 
 
 class Expert(nn.Module):
@@ -130,3 +132,83 @@ class MoE(nn.Module):
         row = torch.cat([aux.detach().float().view(1), (keep.numel() - kept.sum()).view(1), kept])
         self.stats = row if self.stats.numel() == 0 else self.stats + row
         self.counted = [self.counted[0] + 1, self.counted[1] + keep.numel()]
+
+
+class Dispatch:
+    """How one rank's tokens reach the experts, all of them on this rank (parallel/expert.py's
+    subclass shards them over the ep group). `exact`: each source's rows through an expert in their
+    own call (set by build for exact mode); `sink` (exact mode at ep > 1, set by the engine) takes
+    each source's gradients."""
+
+    n = 1  # ranks the experts are sharded over
+
+    def __init__(self, exact: bool = False):
+        self.exact, self.sink = exact, None
+        self.grouped = True  # on CUDA in bf16: one grouped GEMM (False: a loop, for benchmarks/moe_gpu.py)
+
+    def experts_of(self, E: int, r: int) -> range:
+        return range(r * E // self.n, (r + 1) * E // self.n)
+
+    def __call__(self, xs, idx, keep, moe):
+        """The expert outputs (N, k, C) of tokens xs (N, C) routed to experts idx (N, k); `keep`
+        (N, k) marks the assignments within capacity, zero output elsewhere (None: dropless).
+        The kept assignments sorted expert-major, token order within an expert (each token meets an
+        expert at most once), run through the experts (`_run`), and put back in place per (token,
+        slot) by index -- no atomics, each place written once."""
+        N, k = idx.shape
+        expert = idx.reshape(-1)  # assignment a = token * k + slot
+        if keep is not None:
+            kept = keep.reshape(-1).nonzero().squeeze(1)
+            order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
+        else:  # dropless: every assignment (and no wait for the GPU)
+            order = torch.sort(expert, stable=True).indices
+        rows = xs[order // k]
+        if torch.is_autocast_enabled(xs.device.type):  # travel and compute in the autocast dtype
+            rows = rows.to(torch.get_autocast_dtype(xs.device.type))
+        counts = torch.zeros(moe.E, dtype=torch.long, device=xs.device).scatter_add_(0, expert[order], torch.ones_like(order))
+        out = self._run(rows, counts, moe)
+        y = out.new_zeros(N * k, out.shape[-1]).index_copy(0, order, out)
+        return y.view(N, k, -1)
+
+    def _run(self, rows, counts, moe):
+        """Every expert over its run of rows (counts[e] of them, in order)."""
+        local = local_experts(moe)
+        if self._grouped(rows, moe):  # (the counts stay on the GPU)
+            return grouped(rows, counts, local)
+        c = counts.tolist()
+        return compute(rows, c, local, [[x] for x in c], self.exact)
+
+    def _grouped(self, rows, moe) -> bool:
+        """On CUDA in bf16, outside exact mode, with rows to compute (a grouped GEMM of none raises;
+        the loop keeps the experts in the graph), widths of whole 16-byte rows: one grouped GEMM."""
+        return (self.grouped and not self.exact and rows.is_cuda and rows.dtype == torch.bfloat16 and rows.shape[0] > 0
+                and hasattr(torch, "_grouped_mm") and rows.shape[-1] % 8 == 0 and moe.width % 8 == 0)
+
+
+def local_experts(moe) -> list:
+    return [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
+
+
+def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, tap=None):
+    """The experts over their runs of rows (counts[e] rows each, in order), one call each. In
+    exact mode each expert's run in `parts` pieces (one per source rank, empty ones too), each its
+    own call; `tap(weight, source)`: the weights that source's call uses (parallel/expert.py)."""
+    outs = []
+    for ex, piece, sizes in zip(experts, rows.split(counts), parts):
+        for s, p in enumerate(piece.split(sizes if exact else [piece.shape[0]])):
+            outs.append(ex(p, [tap(w, s) for w in ex.weights()] if tap is not None else None))
+    return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])
+
+
+def grouped(rows, counts, experts):
+    """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run of
+    rows; counts a device tensor). Each row's bias is its expert's, picked by a matmul with the
+    rows' one-hot expert matrix, so that its gradient is one too (a gather's would be an
+    index_put that adds with atomics: 20 of 31 ms of a layer's step on the H200, measured)."""
+    dt, E = rows.dtype, len(experts)
+    offs = counts.cumsum(0).to(torch.int32)
+    which = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=rows.shape[0])
+    onehot = (which[:, None] == torch.arange(E, device=rows.device)).to(dt)  # (rows, E)
+    w1, b1, w2, b2 = (torch.stack(ws).to(dt) for ws in zip(*(e.weights() for e in experts)))  # (E, H, C) ...
+    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + onehot @ b1
+    return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + onehot @ b2

@@ -39,6 +39,8 @@ from collections import deque
 
 import torch
 
+from braidtrain.model.layers import repeat_kv
+
 ORDERS = ("zigzag", "contiguous")
 IMPLS = ("ring", "allgather")
 
@@ -112,9 +114,11 @@ class Context:
         flash = _flash(q, self.exact)
         qf = q if flash else q.float()
         acc: list = [None, None]
+        H = q.shape[1]
         for _s, src, kv in self._stream(torch.stack([k, v])):
             for a, b, diag in block_pairs(self.n, self.r, src, self.order):
-                qa, ka, va = qf[:, :, a * c:(a + 1) * c], kv[0, :, :, b * c:(b + 1) * c], kv[1, :, :, b * c:(b + 1) * c]
+                qa = qf[:, :, a * c:(a + 1) * c]
+                ka, va = (repeat_kv(t[:, :, b * c:(b + 1) * c], H) for t in (kv[0], kv[1]))
                 ob, lb = _flash_pair(qa, ka, va, diag, scale) if flash else _pair(qa, ka.float(), va.float(), diag, scale)
                 self.pairs += 1
                 if acc[a] is None:
@@ -126,7 +130,7 @@ class Context:
         return torch.cat([acc[0][0], acc[1][0]], 2), torch.cat([acc[0][1], acc[1][1]], 2)
 
     def backward(self, q, k, v, o, lse, do):
-        n, r = self.n, self.r
+        n, r, H, Hkv = self.n, self.r, q.shape[1], k.shape[1]
         c, scale = q.shape[2] // 2, 1 / math.sqrt(q.shape[-1])
         flash = _flash(q, self.exact)
         qf, dof = (q, do.to(q.dtype)) if flash else (q.float(), do.float())
@@ -141,15 +145,16 @@ class Context:
             mine = dkv if ring else dkv[src]
             for a, b, diag in block_pairs(n, r, src, self.order):
                 qa, rows = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                ka, va = (repeat_kv(t[:, :, rows], H) for t in (held[0], held[1]))
                 if flash:
-                    dqa, dk, dv = _flash_pair_backward(qf[:, :, qa], held[0, :, :, rows], held[1, :, :, rows],
-                                                       of[:, :, qa], lse[:, :, qa], dof[:, :, qa], diag, scale)
+                    dqa, dk, dv = _flash_pair_backward(qf[:, :, qa], ka, va, of[:, :, qa], lse[:, :, qa], dof[:, :, qa],
+                                                       diag, scale)
                 else:
-                    dqa, dk, dv = _pair_backward(qf[:, :, qa], held[0, :, :, rows].float(), held[1, :, :, rows].float(),
-                                                 dof[:, :, qa], lse[:, :, qa], delta[:, :, qa], diag, scale)
+                    dqa, dk, dv = _pair_backward(qf[:, :, qa], ka.float(), va.float(), dof[:, :, qa], lse[:, :, qa],
+                                                 delta[:, :, qa], diag, scale)
                 dq[:, :, qa] += dqa
-                mine[0, :, :, rows] += dk
-                mine[1, :, :, rows] += dv
+                mine[0, :, :, rows] += fold_kv(dk, Hkv)
+                mine[1, :, :, rows] += fold_kv(dv, Hkv)
             if ring and n > 1:  # on to the next holder of these keys and values; after cp steps, home
                 back = torch.empty_like(dkv)
                 self.comm.send_recv(dkv, back, (r + 1) % n, (r - 1) % n, self.group, direct=True).wait()
@@ -163,6 +168,13 @@ class Context:
                 self.comm.reduce_scatter(out.view(-1), dkv.view(-1), self.group).wait()
             dkv = out
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def fold_kv(g, heads: int):
+    """The gradient (B, H, c, D) of keys or values repeat_kv made H heads of, summed back to `heads`:
+    over each key/value head's H/heads query heads, in order (a fixed-order sum)."""
+    B, H, c, D = g.shape
+    return g if H == heads else g.view(B, heads, H // heads, c, D).sum(2)
 
 
 SCORES = 1 << 22  # elements of one tile's scores per (batch, head): query rows x key chunk

@@ -27,7 +27,8 @@ Gradients: an expert's parameters are reduced over the dp*cp/ep ranks that hold 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from braidtrain.model.moe import Dispatch as LocalDispatch, compute, grouped, local_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,43 +47,16 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-class Dispatch:
-    """How one rank's tokens reach the experts: `group` the ep group (None: every expert here);
-    `sink` (exact mode at ep > 1, set by the engine: Sourced.add) takes each source's gradients."""
+class Dispatch(LocalDispatch):
+    """How one rank's tokens reach the experts sharded over the ep group (`group`); the sorting,
+    the local compute and the putting back are model/moe.py's Dispatch."""
 
-    def __init__(self, group=None, exact: bool = False):
-        self.group, self.exact, self.sink = group, exact, None
-        self.grouped = True  # on CUDA in bf16: one grouped GEMM (False: a loop, for benchmarks/moe_gpu.py)
-        self.n = group.size if group is not None else 1
-
-    def experts_of(self, E: int, r: int) -> range:
-        return range(r * E // self.n, (r + 1) * E // self.n)
-
-    def __call__(self, xs, idx, keep, moe):
-        """The expert outputs (N, k, C) of tokens xs (N, C) routed to experts idx (N, k); `keep`
-        (N, k) marks the assignments within capacity, zero output elsewhere (None: dropless)."""
-        N, k = idx.shape
-        expert = idx.reshape(-1)  # assignment a = token * k + slot
-        if keep is not None:
-            kept = keep.reshape(-1).nonzero().squeeze(1)
-            order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
-        else:  # dropless: every assignment (and no wait for the GPU)
-            order = torch.sort(expert, stable=True).indices
-        rows = xs[order // k]
-        if torch.is_autocast_enabled(xs.device.type):  # travel and compute in the autocast dtype
-            rows = rows.to(torch.get_autocast_dtype(xs.device.type))
-        counts = torch.zeros(moe.E, dtype=torch.long, device=xs.device).scatter_add_(0, expert[order], torch.ones_like(order))
-        out = self._run(rows, counts, moe)
-        y = out.new_zeros(N * k, out.shape[-1]).index_copy(0, order, out)
-        return y.view(N, k, -1)
+    def __init__(self, group, exact: bool = False):
+        super().__init__(exact)
+        self.group, self.n = group, group.size
 
     def _run(self, rows, counts, moe):
-        local = [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
-        if self.n == 1:
-            if self._grouped(rows, moe):  # (the counts stay on the GPU)
-                return grouped(rows, counts, local)
-            c = counts.tolist()
-            return compute(rows, c, local, [[x] for x in c], self.exact)
+        local = local_experts(moe)
         n, El = self.n, moe.E // self.n
         got = torch.empty_like(counts)
         self.group.comm.all_to_all(got, counts, self.group).wait()
@@ -101,26 +75,11 @@ class Dispatch:
         if self._grouped(arrived, moe):
             out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), local)
         else:
-            out = compute(arrived[perm], mine, local, [[recv[s][e] for s in range(n)] for e in range(El)], self.exact, self.sink)
+            tap = (lambda w, s: Tap.apply(w, self.sink, s)) if self.sink is not None else None
+            out = compute(arrived[perm], mine, local, [[recv[s][e] for s in range(n)] for e in range(El)], self.exact,
+                              tap)
         back = torch.empty_like(out).index_copy(0, perm, out) if perm.numel() else out
         return _AllToAll.apply(back, send_splits, recv_splits, self.group)
-
-    def _grouped(self, rows, moe) -> bool:
-        """On CUDA in bf16, outside exact mode, with rows to compute (a grouped GEMM of none raises;
-        the loop keeps the experts in the graph), widths of whole 16-byte rows: one grouped GEMM."""
-        return (self.grouped and not self.exact and rows.is_cuda and rows.dtype == torch.bfloat16 and rows.shape[0] > 0
-                and hasattr(torch, "_grouped_mm") and rows.shape[-1] % 8 == 0 and moe.width % 8 == 0)
-
-
-def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, sink=None):
-    """The experts over their runs of rows (counts[e] rows each, in order), one call each. In
-    exact mode each expert's run in `parts` pieces (one per source rank, empty ones too), each its
-    own call, its parameters' gradients handed to `sink` per source (Tap)."""
-    outs = []
-    for ex, piece, sizes in zip(experts, rows.split(counts), parts):
-        for s, p in enumerate(piece.split(sizes if exact else [piece.shape[0]])):
-            outs.append(ex(p, [Tap.apply(w, sink, s) for w in ex.weights()] if sink is not None else None))
-    return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])
 
 
 class Tap(torch.autograd.Function):
@@ -183,17 +142,3 @@ class Sourced:
 
     def clear(self) -> None:
         self.leaves.clear(), self.pending.clear(), self.done.clear()
-
-
-def grouped(rows, counts, experts):
-    """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run of
-    rows; counts a device tensor). Each row's bias is its expert's, picked by a matmul with the
-    rows' one-hot expert matrix, so that its gradient is one too (a gather's would be an
-    index_put that adds with atomics: 20 of 31 ms of a layer's step on the H200, measured)."""
-    dt, E = rows.dtype, len(experts)
-    offs = counts.cumsum(0).to(torch.int32)
-    which = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=rows.shape[0])
-    onehot = (which[:, None] == torch.arange(E, device=rows.device)).to(dt)  # (rows, E)
-    w1, b1, w2, b2 = (torch.stack(ws).to(dt) for ws in zip(*(e.weights() for e in experts)))  # (E, H, C) ...
-    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + onehot @ b1
-    return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + onehot @ b2

@@ -42,22 +42,22 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 def split(n_layer: int, chunks: int, cost=None, by_hand: list[int] | None = None) -> list[range]:
     """The blocks of each chunk: `by_hand` (blocks per chunk), or cut so that the costliest
-    chunk costs least. `cost(c, blocks)`: the cost of chunk c holding that many blocks (default:
-    the blocks alone); the first chunk pays for the embeddings, the last for the head and loss."""
+    chunk costs least. `cost(c, blocks)`: the cost of chunk c holding those blocks (a range;
+    default: how many); the first chunk pays for the embeddings, the last for the head and loss."""
     if by_hand is not None:
         sizes = by_hand
     else:
-        cost = cost or (lambda _c, k: k)
+        cost = cost or (lambda _c, blocks: len(blocks))
         # best[c][n]: the least possible maximum cost of chunks 0..c holding the first n blocks
         inf = float("inf")
         best = [[inf] * (n_layer + 1) for _ in range(chunks)]
         cut = [[0] * (n_layer + 1) for _ in range(chunks)]
         for n in range(1, n_layer + 1):
-            best[0][n] = cost(0, n)
+            best[0][n] = cost(0, range(0, n))
         for c in range(1, chunks):
             for n in range(c + 1, n_layer + 1):
                 for k in range(1, n - c + 1):  # chunk c holds the last k of n blocks
-                    v = max(best[c - 1][n - k], cost(c, k))
+                    v = max(best[c - 1][n - k], cost(c, range(n - k, n)))
                     if v < best[c][n]:
                         best[c][n], cut[c][n] = v, k
         sizes, n = [], n_layer
@@ -73,14 +73,14 @@ def split(n_layer: int, chunks: int, cost=None, by_hand: list[int] | None = None
 
 
 def flop_cost(model, seq_len: int, chunks: int):
-    """cost(c, k) for split(): training FLOPs a token of k blocks (6 per weight, 12*t*h for
-    attention: GPTConfig.flops_per_token's terms), plus the head and loss's on the last chunk.
-    The first chunk's embeddings count too, for their FLOPs: none (a lookup, and its gradient's
-    add). gpt2 on 2 stages: the head weighs 4.5 blocks, so the first stage takes 8 of 12."""
-    h = model.n_embd
-    block = 72 * h * h + 12 * seq_len * h
-    head = 6 * model.padded_vocab * h
-    return lambda c, k: k * block + (head if c == chunks - 1 else 0)
+    """cost(c, blocks) for split(): training FLOPs a token of those blocks (the model's own counts,
+    ModelConfig.block_flops: a mixture's experts at their top-k share), plus the final norm's and
+    the head's on the last chunk. The first chunk's embedding counts too, for its FLOPs: none (a
+    lookup, and its gradient's add). gpt2 on 2 stages: the head weighs 4.5 blocks, so the first
+    stage takes 8 of 12."""
+    per = [model.block_flops(i, seq_len) for i in range(model.n_layer)]
+    head = model.head_flops()
+    return lambda c, blocks: sum(per[i] for i in blocks) + (head if c == chunks - 1 else 0)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from braidtrain.model import registry
 from braidtrain.model.layers import REPLICATED, ShardSpec, shard_of, unshard
+from braidtrain.model.protocol import full_init
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class Placed:
 
     @staticmethod
     def from_json(name: str, d: dict) -> "Placed":
-        return Placed(name, tuple(d["shape"]), ShardSpec(*d["split"]), d["unit"], d["stage"], d["expert"],
+        return Placed(name, tuple(d["shape"]), ShardSpec.from_json(d["split"]), d["unit"], d["stage"], d["expert"],
                       d["reduce"], tuple(d["users"]), d.get("copy", False))
 
 
@@ -139,7 +141,7 @@ class Table:
 
 
 def build(parts) -> Table:
-    """The table of a model (model/gpt.GPT), or of the pipeline chunks one rank holds (a list):
+    """The table of a model (a model/protocol.Stage), or of the pipeline chunks one rank holds (a list):
     every parameter with its layer's tp split (replicated where the layer declares none), its unit,
     chunk and uses. Full shapes are those of the whole model at tp = 1."""
     parts = parts if isinstance(parts, list) else [parts]
@@ -169,20 +171,29 @@ def build(parts) -> Table:
 
 @functools.lru_cache(maxsize=32)
 def for_config(cfg) -> Table:
-    """The table of a GPTConfig at tp = 1, from a model built on the meta device (no memory, no
+    """The table of a model config at tp = 1, from a model built on the meta device (no memory, no
     initialisation): the full shapes of a split model's table, a checkpoint saved before tables
     were saved, export and the planner."""
-    from braidtrain.model.gpt import GPT
-
     with torch.device("meta"):
-        return build(GPT(cfg))
+        return build(registry.build(cfg))
 
 
 @functools.lru_cache(maxsize=256)
 def for_rank(cfg, split: tuple, pp: int, r: int) -> Table:
     """The table of pipeline rank r's chunks (tp = 1 shapes, meta device): what that rank holds,
-    a last stage's copy of wte included -- the planner's per-stage memory."""
-    from braidtrain.model.gpt import pipeline_chunks
-
+    a last stage's copy of a tied embedding included -- the planner's per-stage memory."""
     with torch.device("meta"):
-        return build(pipeline_chunks(cfg, split, pp, r))
+        return build(registry.pipeline_chunks(cfg, split, pp, r))
+
+
+@torch.no_grad()
+def init_weights(model, seed: int) -> None:
+    """Each parameter is this tp rank's slice of its full, layout-independent initial tensor, drawn
+    from its own generator as its family says (init_std; under tp, the vocabulary's further padding
+    rows are zeros: never looked up nor predicted)."""
+    fam = registry.family_of(model.cfg)
+    table = build(model)
+    for name, p in model.named_parameters():
+        e = table[name]
+        full = full_init(fam.init_std(model.cfg, name), name, e.shape, seed, fam.is_norm(name))
+        p.copy_(e.shard(full, model.tp_rank, model.tp))

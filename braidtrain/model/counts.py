@@ -1,0 +1,114 @@
+"""A model's counts, from the model itself: what the planner and MFU use, never a formula typed apart.
+
+    counts(cfg)                      parameters; per block and for the head, the parameters a token
+                                     passes through (FLOPs: 6 per such parameter, protocol.py)
+    block_activations(cfg, tp, sp)   bytes a block keeps for its backward, per token: what autograd
+                                     saves when the family's own block runs forward
+
+The second runs one block on fake tensors (no memory, no arithmetic: torch's FakeTensorMode) under
+the precision training uses -- bf16 autocast over fp32 weights for the GPU, fp32 for the CPU -- and
+adds the storage of every tensor autograd saves (saved_tensors_hooks), twice, at two sequence
+lengths: the difference is the per-token part (the weights' bf16 copies do not grow with tokens).
+Tensor parallelism: the block is built again on a fake tp group of 2 (its collectives are no-ops on
+fake tensors), with and without sp; bytes(tp) = whole + split/tp then gives the part every tp rank
+keeps whole (norm inputs, the inputs of column-parallel layers; under sp only their gathered copies)
+and the part split over tp (heads, the MLP's columns).
+
+One difference from a GPU the trace cannot see: on the CPU, SDPA returns its output laid out (B, T,
+H, D), so merging the heads is free and the next projection saves the same storage; on CUDA its
+output is (B, H, T, D) and the merge is a copy the projection saves: `HEAD_MERGE` bytes a channel of
+the attention output, added for the GPU (measured for gpt2 on an H200: 38 bytes a token x channel,
+docs/performance.md; the trace finds 36 and the lse).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+from braidtrain.model.moe import MoE
+
+HEAD_MERGE = 2  # bytes per channel of the attention output, on the GPU (bf16): see the docstring
+
+
+@functools.lru_cache(maxsize=64)
+def counts(cfg) -> dict:
+    """{"params": all, "blocks": [per block, the parameters a token passes through], "head": the
+    final norm's and the head's}: from the whole model at tp = 1 on the meta device."""
+    with torch.device("meta"):
+        model = cfg.model(cfg)
+    share = {}  # parameter -> the share of tokens through it: k/E for an expert's
+    for module in model.modules():
+        if isinstance(module, MoE):
+            for p in module.experts.parameters():
+                share[p] = module.k / module.E
+    lookups = {p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    used = lambda ps: sum(p.numel() * share.get(p, 1.0) for p in ps)  # noqa: E731
+    head = used(p for n, p in model.named_parameters() if n in model.head_names() and p not in lookups)
+    head += model.head_weight().numel() if cfg.tied else 0  # the tied head's matmul (the table is a lookup too)
+    return {"params": sum(p.numel() for p in model.parameters()),
+            "blocks": [used(block.parameters()) for block in model.blocks()], "head": head}
+
+
+class _FakeComm:
+    """A tp group's collectives on fake tensors: nothing to move (the outputs' shapes are made by the
+    layers around them)."""
+
+    def all_reduce(self, *a, **k):
+        pass
+
+    def all_gather(self, *a, **k):
+        pass
+
+    def reduce_scatter(self, *a, **k):
+        pass
+
+
+def _fake_mesh(tp: int):
+    group = SimpleNamespace(size=tp, index=0, comm=_FakeComm())
+    return SimpleNamespace(size=lambda axis: tp if axis == "tp" else 1, coord=lambda axis: 0, groups={"tp": group})
+
+
+def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool) -> int:
+    """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        stage = cfg.model(cfg, _fake_mesh(tp) if tp > 1 else None, sp, range(1), first=False, last=False)
+        x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
+        extra = stage.block_inputs(torch.arange(T))
+        weights = {p.untyped_storage()._cdata for p in stage.parameters()}
+        seen = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in weights:
+                seen[storage._cdata] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            stage.blocks()[0](x, *extra)
+    return sum(seen.values())
+
+
+@functools.lru_cache(maxsize=256)
+def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True) -> float:
+    """Bytes one block keeps for its backward per token of a micro-batch, on tp rank 0 (a dense
+    block: a mixture's extra is the planner's moe_layer_bytes). gpu: bf16 autocast (and the head
+    merge's copy, HEAD_MERGE), else fp32."""
+    dense = cfg if not cfg.moe_experts else type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
+    t1, t2 = 8 * max(tp, 2), 16 * max(tp, 2)
+
+    def per_token(k, s):
+        return (_saved(dense, k, s, t2, gpu) - _saved(dense, k, s, t1, gpu)) / (t2 - t1)
+
+    one = per_token(1, False) + (HEAD_MERGE * dense.n_head * dense.head_dim if gpu else 0)
+    if tp == 1:
+        return one
+    two = per_token(2, sp) + (HEAD_MERGE * dense.n_head * dense.head_dim / 2 if gpu else 0)
+    whole = 2 * two - one  # bytes(k) = whole + (one - whole) / k, from bytes(1) and bytes(2)
+    return whole + (one - whole) / tp

@@ -1,0 +1,347 @@
+"""The Llama-3 family, readable top to bottom (Meta's Llama 3 and 3.1 / 3.2 shapes).
+
+Pre-norm blocks with RMSNorm, rotary positions (RoPE, base theta 500,000, with Llama-3.1's
+frequency scaling), grouped-query attention (n_kv_heads key/value heads, each serving
+n_head/n_kv_heads query heads), a SwiGLU MLP of Llama's hidden width (8/3 n_embd times a
+multiplier, rounded up to a multiple), no biases, and an output head of its own (tied to the
+embedding as an option, as Llama-3.2 1B and 3B do). What every family shares -- the stage, its
+forward, units, counts, init, the tp layers -- is protocol.py's and layers.py's.
+
+Parameter names are HuggingFace's LlamaForCausalLM's without its `model.` prefix, except that the
+projections a layer runs as one matmul are stored packed: q, k and v as `self_attn.qkv_proj`, the
+MLP's gate and up as `mlp.gate_up_proj` (the HF adapter below splits and joins them):
+
+    name                                 shape (out, in)        tp split (each rank its share of every part)
+    embed_tokens.weight                  (V_pad, C)             vocab rows (x 128*tp pad)
+    layers.N.input_layernorm.weight      (C,)                   replicated
+    layers.N.self_attn.qkv_proj.weight   ((H + 2 K) D, C)       packed H : K : K heads, column-parallel
+    layers.N.self_attn.o_proj.weight     (C, H D)               columns (row-parallel)
+    layers.N.post_attention_layernorm    (C,)                   replicated
+    layers.N.mlp.gate_up_proj.weight     (2 F, C)               packed 1 : 1, column-parallel
+    layers.N.mlp.down_proj.weight        (C, F)                 columns (row-parallel)
+    norm.weight                          (C,)                   replicated
+    lm_head.weight (untied)              (V_pad, C)             vocab rows (x 128*tp pad)
+
+H query heads, K key/value heads of D = C/H channels, F the MLP width. A tp rank holds H/tp query
+heads and K/tp key/value heads: tp must divide K (a tp larger than K is refused -- replicating
+key/value heads would make their gradients partial sums over tp, which this layout does not do).
+
+RoPE (Su et al. 2021) in HF's convention: a head's channels are two halves (x1, x2), each
+position p turns pair (x1_i, x2_i) by angle p * f_i: (x1 cos - x2 sin, x2 cos + x1 sin), with
+f_i = theta^(-2i/D); Llama-3.1 divides the low frequencies (wavelength beyond
+original_context / low_freq_factor) by `factor`, keeps the high ones (beyond / high_freq_factor) and
+blends between. The angles are computed in fp32 from each token's position in its sequence --
+under context parallelism its global position (parallel/context.py), so a cp rank's chunks turn as
+they would whole -- and q and k are turned before attention, so only the K key/value heads travel
+the cp ring, already turned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from braidtrain.errors import UserError, divisors
+from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
+                                     attend)
+from braidtrain.model.protocol import VOCAB_ALIGN, Block as BlockBase, Blocks, ModelConfig, Stage
+
+_3_1 = dict(rope_factor=8.0, block_size=131072)  # Llama-3.1: scaled RoPE, 128k context
+_3_2 = dict(rope_factor=32.0, block_size=131072, tie_embeddings=True)
+PRESETS = {  # Meta's published shapes (params.json: dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of)
+    "llama3-tiny": dict(n_layer=4, n_head=4, n_kv_heads=2, n_embd=128, multiple_of=32, block_size=256, rope_factor=8.0,
+                        rope_original=64),  # (scaled RoPE from 64 positions to 256, as 3.1 from 8k to 128k)
+    "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_heads=8, n_embd=2048, ffn_multiplier=1.5, multiple_of=256, **_3_2),
+    "llama3.2-3b": dict(n_layer=28, n_head=24, n_kv_heads=8, n_embd=3072, ffn_multiplier=1.0, multiple_of=256, **_3_2),
+    "llama3.1-8b": dict(n_layer=32, n_head=32, n_kv_heads=8, n_embd=4096, ffn_multiplier=1.3, multiple_of=1024, **_3_1),
+    "llama3.1-70b": dict(n_layer=80, n_head=64, n_kv_heads=8, n_embd=8192, ffn_multiplier=1.3, multiple_of=4096, **_3_1),
+    "llama3.1-405b": dict(n_layer=126, n_head=128, n_kv_heads=8, n_embd=16384, ffn_multiplier=1.2, multiple_of=4096,
+                          **_3_1),
+}
+
+VOCAB = 128256  # the family's tokenizer (Llama-3's tiktoken BPE, 128,000 + 256 special tokens): the planner's default vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    family = "llama3"
+    mlp_name = "ffn_hidden"
+    n_kv_heads: int = 0  # key/value heads (0: n_head, no grouping)
+    ffn_hidden: int = 0  # the MLP width (0: Llama's rounding, from ffn_multiplier and multiple_of)
+    ffn_multiplier: float = 1.0
+    multiple_of: int = 256
+    rope_theta: float = 500000.0
+    rope_factor: float = 0.0  # Llama-3.1's frequency scaling (0: none), and its three settings
+    rope_low_freq: float = 1.0
+    rope_high_freq: float = 4.0
+    rope_original: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """Llama's: 2/3 of 4 n_embd (SwiGLU's three matrices cost the MLP's two), times the
+        multiplier, rounded up to a multiple of multiple_of (8B: 4096 -> 14336)."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(self.ffn_multiplier * int(2 * 4 * self.n_embd / 3))
+        return -(-hidden // self.multiple_of) * self.multiple_of
+
+    @property
+    def tied(self) -> bool:
+        return self.tie_embeddings
+
+    def check(self) -> None:
+        super().check()
+        if self.n_kv_heads < 0 or self.n_head % self.kv_heads:
+            raise UserError(f"n_head={self.n_head} is not divisible by n_kv_heads={self.n_kv_heads}: each key/value "
+                            f"head serves a whole group of query heads; use n_kv_heads in {divisors(self.n_head)}")
+        if self.head_dim % 2:
+            raise UserError(f"head size n_embd / n_head = {self.head_dim} is odd: rotary positions turn channel pairs")
+        if self.moe_experts:
+            raise UserError("--moe-experts: the llama3 family's mixture of experts is not built yet (issue #41): "
+                            "drop --moe-experts, or use a gpt2 model")
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """The D/2 rotation frequencies f_i = theta^(-2i/D) (fp32), Llama-3.1-scaled if rope_factor."""
+    D = cfg.head_dim
+    f = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)
+    if not cfg.rope_factor:
+        return f
+    wavelength = 2 * math.pi / f
+    long_, short = cfg.rope_original / cfg.rope_low_freq, cfg.rope_original / cfg.rope_high_freq
+    blend = (cfg.rope_original / wavelength - cfg.rope_low_freq) / (cfg.rope_high_freq - cfg.rope_low_freq)
+    blended = (1 - blend) * f / cfg.rope_factor + blend * f
+    scaled = torch.where(wavelength > long_, f / cfg.rope_factor, f)
+    return torch.where((wavelength >= short) & (wavelength <= long_), blended, scaled)
+
+
+def rotate(x, cos, sin):
+    """x (B, heads, T, D) turned by the angles whose cos and sin are (T, D/2); in fp32, back in x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tp: int = 1, group=None, sp: bool = False):
+        super().__init__()
+        H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.n_head, self.n_kv, self.head_dim = H // tp, K // tp, D  # this rank's
+        self.qkv_proj = ColumnParallelLinear(cfg.n_embd, (H + 2 * K) * D, group, bias=False, sp=sp, packed=(H, K, K))
+        self.o_proj = RowParallelLinear(H * D, cfg.n_embd, group, bias=False, sp=sp)
+        self.cp, self.deterministic = None, False  # context parallelism, exact mode on GPU (Stage sets them)
+
+    def forward(self, x, cos, sin):
+        qkv = self.qkv_proj(x)  # (B, T, (H + 2K) D / tp): the whole T even under sp
+        B, T, D = qkv.shape[0], qkv.shape[1], self.head_dim
+        q, k, v = qkv.split([self.n_head * D, self.n_kv * D, self.n_kv * D], dim=2)
+        q, k, v = (z.view(B, T, -1, D).transpose(1, 2) for z in (q, k, v))
+        y = attend(rotate(q, cos, sin), rotate(k, cos, sin), v, self.cp, self.deterministic)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * D))
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up one packed matmul."""
+
+    def __init__(self, cfg: LlamaConfig, group=None, sp: bool = False):
+        super().__init__()
+        F_ = cfg.mlp_width
+        self.gate_up_proj = ColumnParallelLinear(cfg.n_embd, 2 * F_, group, bias=False, sp=sp, packed=(1, 1))
+        self.down_proj = RowParallelLinear(F_, cfg.n_embd, group, bias=False, sp=sp)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(BlockBase):
+    def __init__(self, cfg: LlamaConfig, tp: int = 1, group=None, sp: bool = False):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg, tp, group, sp)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg, group, sp)
+
+    def attention(self):
+        return self.self_attn
+
+    def body(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Head(nn.Module):
+    """An untied output head: this tp rank's rows of the (padded) vocabulary, (V_pad/tp, C); the
+    stage's forward uses the weight (loss.py's fused head, or the vocab-parallel cross-entropy)."""
+
+    def __init__(self, rows: int, n_embd: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, n_embd))
+        self.tp_split = {"weight": ShardSpec(0, "contiguous", VOCAB_ALIGN)}
+
+
+class Llama(Stage):
+    """Llama-3, or a pipeline chunk of it (protocol.Stage): the token embedding on the first chunk,
+    the final norm and the head on the last (tied: a copy of the embedding there)."""
+
+    blocks_attr = "layers"
+    embedding_name = "embed_tokens.weight"
+
+    def __init__(self, cfg: LlamaConfig, mesh=None, sp: bool = False, blocks: range | None = None,
+                 first: bool = True, last: bool = True, stage: int = 0, dispatch=None):
+        super().__init__(cfg, mesh, sp, first, last, stage, dispatch)
+        if first or (last and cfg.tied):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp,
+                                                       align=VOCAB_ALIGN)
+        self.layers = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp)
+                              for i in (range(cfg.n_layer) if blocks is None else blocks)})
+        if last:
+            self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+            if not cfg.tied:
+                self.lm_head = Head(cfg.vocab_rows(self.tp) // self.tp, cfg.n_embd)
+        self.register_buffer("frequencies", rope_frequencies(cfg), persistent=False)
+        self._tables: dict = {}
+
+    def embed(self, inp, pos):
+        return self.embed_tokens(inp)
+
+    def block_inputs(self, pos) -> tuple:
+        """The rotation's cos and sin (T, D/2) at these positions, fp32; kept per positions tensor
+        (the same tensor every step: a CUDA graph replays them)."""
+        key = (pos.shape[0], pos.device, self.cp is not None and self.cp.active)
+        if key not in self._tables:
+            angles = pos.float()[:, None] * self.frequencies.to(pos.device)[None, :]
+            self._tables[key] = (angles.cos(), angles.sin())
+        return self._tables[key]
+
+    def final_norm(self, x):
+        return self.norm(x)
+
+    def head_weight(self):
+        return self.embed_tokens.weight if self.cfg.tied else self.lm_head.weight
+
+    def embed_names(self) -> list[str]:
+        return ["embed_tokens.weight"]
+
+    def head_names(self) -> list[str]:
+        return ["norm.weight"] + ([] if self.cfg.tied else ["lm_head.weight"])
+
+
+LlamaConfig.model = Llama
+Model, Config = Llama, LlamaConfig
+
+
+def init_std(cfg: LlamaConfig, name: str) -> float | None:
+    """N(0, 0.02) for every weight (HF's initializer_range), the residual projections (o_proj,
+    down_proj) scaled by 1/sqrt(2 n_layer) as GPT-2's; None: ones (the RMSNorms)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 0.02 / math.sqrt(2 * cfg.n_layer)
+    return 0.02
+
+
+def is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+# -- HuggingFace's LlamaForCausalLM -----------------------------------------------------------------
+#
+#     ours                                   HF
+#     embed_tokens.weight (V_pad, C)         model.embed_tokens.weight (V, C)   padding rows cut off
+#     layers.N.self_attn.qkv_proj.weight     model.layers.N.self_attn.{q,k,v}_proj.weight, split by rows
+#     layers.N.mlp.gate_up_proj.weight       model.layers.N.mlp.{gate,up}_proj.weight, split by rows
+#     lm_head.weight                         lm_head.weight (absent when tied)
+#     everything else                        model.<same name>
+
+MODEL_TYPE = "llama"
+ARCHITECTURE = "LlamaForCausalLM"
+PACKED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _widths(cfg: LlamaConfig, packed: str) -> list[int]:
+    D = cfg.head_dim
+    return [cfg.n_head * D, cfg.kv_heads * D, cfg.kv_heads * D] if "qkv" in packed else [cfg.mlp_width] * 2
+
+
+def to_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """HF's tensors from ours (the vocabulary's padding already cut)."""
+    out = {}
+    for name, t in params.items():
+        packed = next((p for p in PACKED if name.endswith(p)), None)
+        if packed:
+            block = name[: -len(packed)]
+            for part, piece in zip(PACKED[packed], t.split(_widths(cfg, packed))):
+                out[f"model.{block}{part}"] = piece.contiguous()
+        else:
+            out[name if name == "lm_head.weight" else f"model.{name}"] = t.contiguous()
+    return out
+
+
+def from_hf(tensors: dict[str, torch.Tensor], cfg: LlamaConfig, where: str) -> dict[str, torch.Tensor]:
+    """Our tensors (unpadded vocabulary) from HF's; the registry checks names and shapes."""
+    got = {k.removeprefix("model."): v for k, v in tensors.items()}
+    if cfg.tied:
+        head = got.pop("lm_head.weight", None)
+        if head is not None and not torch.equal(head, got.get("embed_tokens.weight", head)):
+            raise UserError(f"{where}: lm_head.weight differs from embed_tokens.weight, but config.json ties them")
+    for i in range(cfg.n_layer):
+        for packed, parts in PACKED.items():
+            names = [f"layers.{i}.{p}" for p in parts]
+            missing = [n for n in names if n not in got]
+            if missing:
+                raise UserError(f"{where}: model.safetensors has no model.{missing[0]}")
+            got[f"layers.{i}.{packed}"] = torch.cat([got.pop(n) for n in names])
+    return got
+
+
+def hf_config(cfg: LlamaConfig, eot: int) -> dict:
+    scaling = None if not cfg.rope_factor else {
+        "rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq,
+        "high_freq_factor": cfg.rope_high_freq, "original_max_position_embeddings": cfg.rope_original}
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tied,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(c: dict, where: str) -> dict:
+    """Our Config's fields from HF's config.json (rope as `rope_scaling` + `rope_theta`, or
+    transformers 5's `rope_parameters`), checked for what this Llama can represent."""
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if c.get(key, ok) != ok:
+            raise UserError(f"{where}: {key} = {c[key]!r}, but braidtrain's Llama needs {ok!r}")
+    heads = c["num_attention_heads"]
+    if c.get("head_dim") not in (None, c["hidden_size"] // heads):
+        raise UserError(f"{where}: head_dim = {c['head_dim']}, but braidtrain's Llama has hidden_size / heads")
+    rope = dict(c.get("rope_parameters") or {})
+    rope.update(c.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise UserError(f"{where}: rope type {kind!r}: braidtrain's Llama knows 'default' and 'llama3'")
+    fields = {"n_layer": c["num_hidden_layers"], "n_head": heads, "n_embd": c["hidden_size"],
+              "block_size": c.get("max_position_embeddings", 8192), "vocab_size": c["vocab_size"],
+              "n_kv_heads": c.get("num_key_value_heads") or heads, "ffn_hidden": c["intermediate_size"],
+              "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+              "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings", False))}
+    if kind == "llama3":
+        fields.update(rope_factor=float(rope["factor"]), rope_low_freq=float(rope["low_freq_factor"]),
+                      rope_high_freq=float(rope["high_freq_factor"]),
+                      rope_original=int(rope["original_max_position_embeddings"]))
+    return fields
