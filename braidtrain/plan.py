@@ -153,6 +153,7 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
     }
 
 
+@functools.lru_cache(maxsize=256)
 def param_counts(cfg, tp: int = 1) -> dict:
     """Parameters one tp rank holds, from the placement table (parallel/placement.py):
     `replicated` (gpt2: wpe, ln_f, and per block ln_1, ln_2 and the two c_proj biases; llama: the
@@ -170,7 +171,8 @@ def param_counts(cfg, tp: int = 1) -> dict:
             "expert": count(e for e in table if e.expert)}
 
 
-def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> list[tuple[str, int]]:
+@functools.lru_cache(maxsize=256)
+def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> tuple[tuple[str, int], ...]:
     """The engine's buckets (parallel/buckets.form on the placement table), in launch order, as
     ("block" or "embed", elements): an untied head's group first, then whole blocks from the last
     one backwards until a bucket holds >= bucket_mb, then the embedding group (gpt2: wte, tied to
@@ -181,8 +183,8 @@ def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> list[tuple[
 
     alone = {e.name for e in table if e.users} if table is not None else set()
     formed = buckets.form(table or placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb, alone)
-    return [("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries])[1])
-            for entries, mods, _, _ in formed]
+    return tuple(("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries])[1])
+                 for entries, mods, _, _ in formed)
 
 
 def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False) -> float:
@@ -197,7 +199,7 @@ def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False) -> f
 def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False) -> dict:
     """Named terms (see the module docstring), so each can be calibrated on its own; `peak` is
     what they add up to at the worst moment, the start of the backward pass. P: the parameters
-    this rank holds (P_tp)."""
+    this rank holds (P_tp) -- under recompute, those whose bf16 copies stay (bf16_kept)."""
     scale = 2 if cpu else 1  # fp32 on the CPU
     tbh = t * b * cfg.n_embd * scale
     rows = tp if sp else 1  # the residual stream holds t/tp rows under sp
@@ -217,6 +219,13 @@ def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp
     transient = max(terms["logits"], terms["block_recomputed"])
     terms["peak"] = terms["layers"] + terms["head"] + terms["weights_bf16"] + transient
     return terms
+
+
+def bf16_kept(cfg, tp: int, P: int, block: int, head: bool) -> int:
+    """Parameters whose bf16 (autocast) copies a rank keeps under --recompute: a block's forward
+    keeps nothing for its backward but its input, so its copies go with it and come again one block
+    at a time; the head's (the fused loss keeps its weight's) stay. Without recompute, all P."""
+    return min(P, block + (cfg.vocab_rows(tp) // tp * cfg.n_embd if head else 0))
 
 
 def tp_messages(cfg, b: int, t: int, sp: bool, cpu: bool = False) -> dict:
@@ -408,7 +417,8 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = sum(k for kind, k in buckets if kind == "embed")  # (gathered all micro-step under ZeRO-3)
     state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
-    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, P, tp, lay.sp)  # a rank's t/cp tokens
+    kept = bf16_kept(cfg, tp, P, counts["block"], True) if lay.recompute else P
+    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp)  # a rank's t/cp tokens
     if cfg.moe_experts:
         act["moe"] = moe_bytes(s, lay)
         act["peak"] += act["moe"]
@@ -560,7 +570,7 @@ def dp_comm_s(s: Setup, zero: int, n: int, buckets: list, micro: int, fwd: float
     return micro * (exposed(ag, fwd) + exposed((ag[:-1] if again else []) + rs, bwd))
 
 
-SIM_MICRO = 4  # pipeline cycles simulated before the step is extrapolated (estimate_pipeline)
+SIM_MICRO = 2  # pipeline cycles simulated before the step is extrapolated (estimate_pipeline)
 
 
 def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
@@ -612,8 +622,10 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         mine = range(r, chunks, pp)
         held = [i for c in mine for i in split[c]]
         rebuilt = terms["block_recomputed"] + (one_ring + moe * any(map(cfg.is_moe, held)) if lay.recompute else 0)
+        held_p = P - experts + experts // lay.ep
+        kept = bf16_kept(cfg, tp, held_p, param_counts(cfg, tp)["block"], chunks - 1 in mine) if lay.recompute else held_p
         act = {"live": sim["peak"], "block_recomputed": rebuilt, "ring_scores": ring["ring_scores"],
-               "weights_bf16": 0 if s.cpu else 2 * (P - experts + experts // lay.ep)}
+               "weights_bf16": 0 if s.cpu else 2 * kept}
         act["peak"] = sum(act.values())
         mem = {k: state[k] for k in ("params", "grads", "optimizer")}
         mem["activations"] = act["peak"]

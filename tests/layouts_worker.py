@@ -35,12 +35,17 @@ from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.context import Context, token_index
 from braidtrain.model.moe import MoE, route
 from braidtrain.parallel.engine import Engine
+from braidtrain.model.moe import Dispatch as LocalDispatch
 from braidtrain.parallel.expert import Dispatch
 from braidtrain.passes import Passes, reduce_loss
 
 CFG = model_config("tiny", 256, n_layer=8, n_embd=32, n_head=4, block_size=16)  # 4 heads: tp up to 4
 MOE = model_config("tiny", 256, n_layer=4, n_embd=32, n_head=4, block_size=16, moe_experts=4, moe_top_k=2,
                    moe_hidden=48, moe_every=1, moe_capacity=1.0, moe_aux=0.01)
+# Llama-3's shape: RMSNorm, RoPE (scaled), grouped-query attention (4 heads over 2 key/value heads: tp up to 2),
+# SwiGLU, an untied head; LLAMA_TIED ties it, as Llama-3.2 1B and 3B do
+LLAMA = model_config("llama3-tiny", 256, n_layer=4, n_embd=32, n_head=4, n_kv_heads=2, block_size=16)
+LLAMA_TIED = replace(LLAMA, tie_embeddings=True)
 T, B, SEQS = 16, 1, 8  # 8 sequences a step: 8 micro-steps at dp 1, 4 at dp 2
 
 
@@ -79,6 +84,18 @@ def layouts(suite: str):
         return ([("ref", dict(), 9), ("ref-free", dict(cfg="free"), 9),
                  ("ref-exact", dict(exact=True), 4)]
                 + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
+    if suite == "llama":  # the Llama-3 family on every axis (test_llama.py), default mode and exact
+        default = [("dp2-z1", dict(dp=2, zero=1)), ("dp2-z3", dict(dp=2, zero=3)), ("tp2-sp", dict(tp=2, sp=True)),
+                   ("pp2-1f1b", dict(pp=2, schedule="1f1b")), ("pp2-zb", dict(pp=2, schedule="zb")), ("cp2", dict(cp=2)),
+                   ("pp2-tp2-dp2", dict(pp=2, tp=2, dp=2, zero=1)), ("pp2-cp2-dp2", dict(pp=2, cp=2, dp=2, zero=1)),
+                   ("tied-pp2-dp2", dict(pp=2, dp=2, zero=1, cfg="tied"))]
+        exact = [("dp2-z0", dict(dp=2)), ("dp2-z1", dict(dp=2, zero=1)), ("dp4-z2", dict(dp=4, zero=2)),
+                 ("dp4-z3", dict(dp=4, zero=3)), ("pp2-1f1b-dp2", dict(pp=2, dp=2, zero=1, schedule="1f1b")),
+                 ("pp2-zb", dict(pp=2, zero=2, schedule="zb")), ("tied-pp2-interleaved", dict(pp=2, schedule="interleaved",
+                                                                                            cfg="tied"))]
+        return ([("ref", dict(), 10), ("ref-tied", dict(cfg="tied"), 10), ("ref-exact", dict(exact=True), 4),
+                 ("ref-tied-exact", dict(exact=True, cfg="tied"), 4)]
+                + [(n, kw, 10) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -226,10 +243,10 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         losses.append(reduce_loss(comm, mesh, sums) / (SEQS * T))
         norms.append(norm.item())
         if save is not None and step + 1 == save[0]:
-            info = {"config": "", "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
+            info = {"config": "", "family": cfg.family, "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
             checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1, run_id="layouts")
     live = comm.all_gather_object(passes.executor.max_live, mesh.groups["world"])
-    wte = [dict(p.named_parameters())["wte.weight"] for p in parts if p.first or p.last]
+    wte = [p for part in parts for n, p in part.named_parameters() if n == part.embedding_name and cfg.tied]
     with engine.gathered():
         wte_sha = hashlib.sha256(wte[0].detach().clone().numpy().tobytes()).hexdigest() if wte and mesh.coord("tp") == 0 else None
     copies = [s for s in comm.all_gather_object(wte_sha, mesh.groups["world"]) if s]
@@ -281,7 +298,7 @@ def dispatch(rank, ep, capacity):
         return None
     cfg = replace(MOE, moe_experts=8, moe_capacity=capacity)
     torch.manual_seed(0)
-    ref = MoE(cfg, range(8), Dispatch())  # the whole layer, every expert (the same weights on every rank)
+    ref = MoE(cfg, range(8), LocalDispatch())  # the whole layer, every expert (the same weights on every rank)
     layer = MoE(cfg, Dispatch(mesh.groups["ep"]).experts_of(8, mesh.coord("ep")), Dispatch(mesh.groups["ep"]))
     layer.load_state_dict({k: v for k, v in ref.state_dict().items() if k in layer.state_dict()})
     g = torch.Generator().manual_seed(11)
@@ -372,8 +389,8 @@ def run_suite(rank, out, suite):
         results = matrix(rank, out)
     for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
-        cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0),
-               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW}.get(suite, CFG)}[kw.pop("cfg", None)]
+        cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0), "tied": LLAMA_TIED,
+               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA}.get(suite, CFG)}[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:
             results[name] = r

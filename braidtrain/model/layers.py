@@ -265,6 +265,39 @@ def vocab_parallel_cross_entropy(logits, target, vocab_start, vocab_size, group)
     return VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
 
 
+# -- norms ----------------------------------------------------------------------------------------------
+
+class _RMSNorm(torch.autograd.Function):
+    """y = w * x * r, r = 1/sqrt(mean(x^2) + eps) over the last dim (Zhang and Sennrich 2019), computed
+    as HuggingFace's Llama does. It keeps x and r for the backward -- what a fused kernel keeps, on
+    every device (torch's CPU rms_norm is composite and keeps x twice and the normalised x too) -- and
+    computes dx = r * (g w - x^ mean(g w x^)), x^ = x r, and dw = the sum over tokens of g x^."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r, w)
+        return w * (x * r)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, r, w = ctx.saved_tensors
+        xhat, gw = x * r, g * w
+        dx = r * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g * xhat).flatten(0, -2).sum(0)
+        return dx, dw, None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
 # -- attention ----------------------------------------------------------------------------------------
 
 def attend(q, k, v, cp=None, deterministic: bool = False):

@@ -46,8 +46,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from braidtrain.errors import UserError, divisors
-from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec, VocabParallelEmbedding,
-                                     attend)
+from braidtrain.model.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, ShardSpec,
+                                     VocabParallelEmbedding, attend)
 from braidtrain.model.protocol import VOCAB_ALIGN, Block as BlockBase, Blocks, ModelConfig, Stage
 
 _3_1 = dict(rope_factor=8.0, block_size=131072)  # Llama-3.1: scaled RoPE, 128k context
@@ -126,8 +126,11 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rotate(x, cos, sin):
-    """x (B, heads, T, D) turned by the angles whose cos and sin are (T, D/2); in fp32, back in x's dtype."""
+    """x (B, T, heads, D) turned by the angles whose cos and sin are (T, D/2); in fp32, back in x's
+    dtype. (Turned before the heads move in front of T, as GPT-2's q and k are views of one
+    projection: SDPA's output then keeps (B, T, H, D) storage, whose merge of the heads is free.)"""
     x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -143,9 +146,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         qkv = self.qkv_proj(x)  # (B, T, (H + 2K) D / tp): the whole T even under sp
         B, T, D = qkv.shape[0], qkv.shape[1], self.head_dim
-        q, k, v = qkv.split([self.n_head * D, self.n_kv * D, self.n_kv * D], dim=2)
-        q, k, v = (z.view(B, T, -1, D).transpose(1, 2) for z in (q, k, v))
-        y = attend(rotate(q, cos, sin), rotate(k, cos, sin), v, self.cp, self.deterministic)
+        q, k, v = (z.view(B, T, -1, D) for z in qkv.split([self.n_head * D, self.n_kv * D, self.n_kv * D], dim=2))
+        q, k, v = (z.transpose(1, 2) for z in (rotate(q, cos, sin), rotate(k, cos, sin), v))
+        y = attend(q, k, v, self.cp, self.deterministic)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * D))
 
 
@@ -166,9 +169,9 @@ class MLP(nn.Module):
 class Block(BlockBase):
     def __init__(self, cfg: LlamaConfig, tp: int = 1, group=None, sp: bool = False):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, tp, group, sp)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg, group, sp)
 
     def attention(self):
@@ -205,7 +208,7 @@ class Llama(Stage):
         self.layers = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp)
                               for i in (range(cfg.n_layer) if blocks is None else blocks)})
         if last:
-            self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+            self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
             if not cfg.tied:
                 self.lm_head = Head(cfg.vocab_rows(self.tp) // self.tp, cfg.n_embd)
         self.register_buffer("frequencies", rope_frequencies(cfg), persistent=False)

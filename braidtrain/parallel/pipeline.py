@@ -72,15 +72,23 @@ def split(n_layer: int, chunks: int, cost=None, by_hand: list[int] | None = None
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _upto(model, seq_len: int) -> tuple:
+    """upto[i]: training FLOPs a token of blocks 0 .. i-1 (integers in floats: exact sums, any order)."""
+    upto = [0.0]
+    for i in range(model.n_layer):
+        upto.append(upto[-1] + model.block_flops(i, seq_len))
+    return tuple(upto)
+
+
 def flop_cost(model, seq_len: int, chunks: int):
     """cost(c, blocks) for split(): training FLOPs a token of those blocks (the model's own counts,
     ModelConfig.block_flops: a mixture's experts at their top-k share), plus the final norm's and
     the head's on the last chunk. The first chunk's embedding counts too, for its FLOPs: none (a
     lookup, and its gradient's add). gpt2 on 2 stages: the head weighs 4.5 blocks, so the first
     stage takes 8 of 12."""
-    per = [model.block_flops(i, seq_len) for i in range(model.n_layer)]
-    head = model.head_flops()
-    return lambda c, blocks: sum(per[i] for i in blocks) + (head if c == chunks - 1 else 0)
+    upto, head = _upto(model, seq_len), model.head_flops()
+    return lambda c, blocks: upto[blocks.stop] - upto[blocks.start] + (head if c == chunks - 1 else 0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -230,52 +238,75 @@ def check(plan: list[list[Action]], pp: int, v: int, m: int, backward: bool = Tr
     simulate(plan, pp, lambda a: 0.0)  # raises if the transfers cannot meet
 
 
-def simulate(plan: list[list[Action]], pp: int, cost, hop: float = 0.0, size=lambda _c: 0.0) -> list[dict]:
+def simulate(plan, pp: int, cost, hop: float = 0.0, size=lambda _c: 0.0) -> list[dict]:
     """A checked plan run in time, for the planner: each F / B / W takes cost(action) seconds, a
     send none (its direction's stream), a receive ends `hop` seconds after its send was posted
     (or when reached, if later). A micro-batch's activations, size(chunk) bytes, live from the
     start of its forward to the end of its last backward action (W, when split: an upper bound,
     as W keeps only its matmuls' inputs). Per rank: `start` and `end` of its work, `busy` seconds
     working, `peak` bytes alive -- its bubble, as train.py measures it, 1 - busy / end (all start at 0)."""
+    steps = _steps(plan if isinstance(plan, tuple) else tuple(map(tuple, plan)), pp)
+    at, clock, posted, taken = [0] * pp, [0.0] * pp, {}, {}  # posted: (pair) -> send times, in order
+    start, end, busy, peak, alive = [None] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
+    moved = True
+    while moved:  # a round: each rank as far as its receives let it
+        moved = False
+        for r in range(pp):
+            mine, k, now = steps[r], at[r], clock[r]
+            while k < len(mine):
+                kind, a, pair, frees = mine[k]
+                if kind == SEND:
+                    posted.setdefault(pair, []).append(now)
+                elif kind == RECV:
+                    sent, n = posted.get(pair, ()), taken.get(pair, 0)
+                    if len(sent) <= n:
+                        break  # its send is not reached yet
+                    now = max(now, sent[n] + hop)
+                    taken[pair] = n + 1
+                else:
+                    start[r] = now if start[r] is None else start[r]
+                    if a.op == "F":
+                        alive[r] += size(a.stage)
+                        peak[r] = max(peak[r], alive[r])
+                    t = cost(a)
+                    now += t
+                    busy[r] += t
+                    end[r] = now
+                    if frees:
+                        alive[r] -= size(a.stage)
+                k += 1
+            moved |= k > at[r]
+            at[r], clock[r] = k, now
+    if any(at[r] < len(steps[r]) for r in range(pp)):
+        raise ValueError("the schedule deadlocks: " + "; ".join(
+            f"rank {r} waits at {steps[r][at[r]][1]!r}" for r in range(pp) if at[r] < len(steps[r])))
+    return [{"start": start[r] or 0.0, "end": end[r], "busy": busy[r], "peak": peak[r]} for r in range(pp)]
+
+
+SEND, RECV, WORK = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=512)
+def _steps(plan: tuple, pp: int) -> list[list[tuple]]:
+    """Per rank, each action as simulate reads it: (SEND or RECV, the action, its (source, destination)
+    pair, False) or (WORK, the action, None, whether it is its micro-batch's last backward action on
+    its chunk: the activations go) -- worked out once a plan."""
     last = {}  # (rank, chunk, micro) -> index of its last backward action
     for r, actions in enumerate(plan):
         for k, a in enumerate(actions):
             if a.op in ("B", "W"):
                 last[r, a.stage, a.micro] = k
-    at, clock, posted = [0] * pp, [0.0] * pp, {}  # posted: (pair) -> send times, in order
-    out = [{"start": None, "end": 0.0, "busy": 0.0, "peak": 0.0, "alive": 0.0} for _ in range(pp)]
-    taken = {}
-    while any(at[r] < len(plan[r]) for r in range(pp)):
-        before = list(at)
-        for r in range(pp):
-            o = out[r]
-            while at[r] < len(plan[r]):
-                a = plan[r][at[r]]
-                if a.op in P2P:
-                    pair, _, way = ends(a, r, pp)
-                    sent = posted.setdefault(pair, [])
-                    if way == "send":
-                        sent.append(clock[r])
-                    elif len(sent) > taken.get(pair, 0):
-                        clock[r] = max(clock[r], sent[taken.get(pair, 0)] + hop)
-                        taken[pair] = taken.get(pair, 0) + 1
-                    else:
-                        break  # its send is not reached yet
-                else:
-                    o["start"] = clock[r] if o["start"] is None else o["start"]
-                    if a.op == "F":
-                        o["alive"] += size(a.stage)
-                        o["peak"] = max(o["peak"], o["alive"])
-                    clock[r] += cost(a)
-                    o["busy"] += cost(a)
-                    o["end"] = clock[r]
-                    if last.get((r, a.stage, a.micro)) == at[r]:
-                        o["alive"] -= size(a.stage)
-                at[r] += 1
-        if at == before:
-            raise ValueError("the schedule deadlocks: " + "; ".join(
-                f"rank {r} waits at {plan[r][at[r]]!r}" for r in range(pp) if at[r] < len(plan[r])))
-    return [{k: o[k] or 0.0 for k in ("start", "end", "busy", "peak")} for o in out]
+    out = []
+    for r, actions in enumerate(plan):
+        row = []
+        for k, a in enumerate(actions):
+            if a.op in P2P:
+                pair, _, way = ends(a, r, pp)
+                row.append((SEND if way == "send" else RECV, a, pair, False))
+            else:
+                row.append((WORK, a, None, last.get((r, a.stage, a.micro)) == k))
+        out.append(row)
+    return out
 
 
 def forward_only(pp: int, v: int, m: int) -> list[list[Action]]:
@@ -286,8 +317,10 @@ def forward_only(pp: int, v: int, m: int) -> list[list[Action]]:
     return plan
 
 
-def build(name: str, pp: int, v: int, m: int) -> list[list[Action]]:
-    """Every pipeline rank's actions, transfers included, checked."""
+@functools.lru_cache(maxsize=512)
+def build(name: str, pp: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every pipeline rank's actions, transfers included, checked (once: the planner asks for the
+    same schedule for many layouts)."""
     plan = with_p2p(compute_order(name, pp, v, m), pp, v)
     check(plan, pp, v, m)
-    return plan
+    return tuple(map(tuple, plan))
