@@ -127,6 +127,7 @@ def build(cfg: Config) -> Run:
         if cfg.exact and device.type == "cuda":
             part.use_deterministic_attention()
         if cfg.compile:
+            _inductor_on_a_baseline_cpu(device)
             part.compile_blocks()
         part.to(device)
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
@@ -161,6 +162,17 @@ def _cublas_checked(device) -> None:
     a = torch.ones(16, 16, device=device)
     torch.addmm(a[0], a, a)
     del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+
+
+def _inductor_on_a_baseline_cpu(device) -> None:
+    """torch.compile on a CPU that torch runs at its baseline capability (ATEN_CPU_CAPABILITY=default,
+    or a processor without AVX2): inductor 2.13 then still emits at::vec code for some reductions,
+    which does not compile at that capability (`'at::vec' has not been declared`); scalar code
+    (simdlen 1) does. Process-wide, as inductor's configuration is."""
+    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        from torch._inductor import config as inductor
+
+        inductor.cpp.simdlen = 1
 
 
 def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[Stage]:

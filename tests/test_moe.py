@@ -181,7 +181,7 @@ def test_the_grouped_gemm_is_taken_only_where_it_runs():
     loop otherwise -- a grouped GEMM of no rows, or of an odd width, raises on the H200.)"""
     from types import SimpleNamespace
 
-    from braidtrain.parallel.expert import Dispatch
+    from braidtrain.model.moe import Dispatch
 
     rows = lambda n, c=64: SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(n, c))  # noqa: E731
     d, moe = Dispatch(), SimpleNamespace(width=128)
