@@ -29,8 +29,8 @@ def _train_parser(sub):
     a("--help", action="help", help="show this help and exit")
     a("--config", help="a config name from braidtrain/configs (tiny, gpt2, ...) or a .toml path")
     g = p.add_argument_group("model")
-    g.add_argument("--model", "-e", help="preset: GPT-2's tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl or llm.c's dN; "
-                                        "Llama-3's llama3-tiny, llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b, llama3.1-405b")
+    g.add_argument("--model", "-e", help="a model family's preset, e.g. tiny, gpt2, gpt2-xl, llm.c's d12, llama3-tiny, "
+                                        "llama3.1-8b (each family's PRESETS: braidtrain/model/*.py)")
     for k in ("n-layer", "n-head", "n-embd", "block-size"):
         g.add_argument(f"--{k}", type=int)
     g.add_argument("--n-kv-heads", type=int, help="key/value heads (Llama's grouped-query attention)")

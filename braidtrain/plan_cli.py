@@ -93,8 +93,7 @@ def add_parser(sub):
     p = sub.add_parser("plan", help="memory and step time of every layout; --check one against a real run",
                        allow_abbrev=False)
     a = p.add_argument
-    a("--model", "-e", help="preset (tiny, gpt2 ... gpt2-xl, llm.c's dN; llama3-tiny, llama3.2-1b ... llama3.1-405b) "
-                            "(default gpt2)")
+    a("--model", "-e", help="a model family's preset, e.g. gpt2, gpt2-xl, llm.c's d12, llama3.1-8b (default gpt2)")
     a("--params", help="a parameter count (124M, 1.5B) for an assumed GPT-2 shape, instead of --model")
     for k in ("n-layer", "n-head", "n-embd", "block-size", "n-kv-heads"):
         a(f"--{k}", type=int)

@@ -22,6 +22,11 @@ the same order (the forward's bits are the ring's), and in the backward the grad
 rank's keys and values reduce-scattered back (exact mode: comm's exact reduce-scatter, a fixed
 tree in rank order).
 
+Grouped-query attention (Llama's): keys and values have fewer heads than queries; only those
+travel the ring (or are gathered), each block pair repeats them for its query heads
+(layers.repeat_kv) and sums their gradients back (fold_kv). Rotary positions were applied before,
+at each token's position in the whole sequence (the model's `positions`).
+
 A block pair on CUDA in half precision is torch's flash attention (its log-sum-exp returned;
 its backward given the merged output and log-sum-exp); on the CPU, in fp32 and in exact mode
 (flash's backward is not deterministic) it is plain fp32 matrix products (softmax over a c×c
