@@ -51,6 +51,7 @@ class Run:
     out: Path
     run_id: str  # rundir.py: the run its directory and checkpoints belong to
     out_lock: int | None  # rank 0: the run directory's lock, held while this process lives
+    balance: torch.Tensor  # --moe-balance bias: every MoE layer's expert biases (n_layer, E); each layer's bias a row
     guard: Guard
     fault: Fault | None
     bf16: bool
@@ -130,13 +131,17 @@ def build(cfg: Config) -> Run:
             _inductor_on_a_baseline_cpu(device)
             part.compile_blocks()
         part.to(device)
+    balance = torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=device)
+    for part in parts:
+        for i, moe in part.moe_by_block().items():
+            moe.bias = balance[i]  # (a view: train.py moves the whole table at once)
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout)
     guard.start()
     run = Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
-              run_id, out_lock, guard, fault, bf16)
+              run_id, out_lock, balance, guard, fault, bf16)
     try:
         resume(run)
         if rt.is_main:
@@ -197,13 +202,9 @@ def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> l
     return parts
 
 
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_experts", "moe_top_k", "moe_every",
-                "moe_hidden", "moe_capacity", "moe_aux")  # the run's settings that shape the model
-
-
 def model_fields(cfg: Config) -> dict:
     """The model config's fields the run sets (None: the preset's)."""
-    return {k: getattr(cfg, k) for k in MODEL_FIELDS}
+    return {k: getattr(cfg, k) for k in registry.FLAGS}
 
 
 def hf_model_config(cfg: Config, vocab: int) -> ModelConfig:
@@ -216,8 +217,9 @@ def hf_model_config(cfg: Config, vocab: int) -> ModelConfig:
     if fields["vocab_size"] != vocab:
         raise UserError(f"--init-from {cfg.init_from} has a vocabulary of {fields['vocab_size']} tokens but the data's "
                         f"tokenizer has {vocab}: use data prepared with the model's tokenizer")
-    if cfg.moe_experts:
-        raise UserError(f"--init-from a HuggingFace {fam.ARCHITECTURE} starts a dense model: drop --moe-experts")
+    if cfg.moe_experts and cfg.moe_experts != fields.get("moe_experts", 0):
+        raise UserError(f"--moe-experts {cfg.moe_experts} disagrees with --init-from {cfg.init_from} "
+                        f"({fields.get('moe_experts', 0)} experts): drop it")
     mcfg = fam.Config(**fields)
     mcfg.check()
     return mcfg
@@ -272,6 +274,8 @@ def resume(run: Run) -> None:
         return
     t0 = time.time()
     meta = checkpoint.load(path, run.engine, run.opt)
+    if "moe_bias" in meta:  # --moe-balance bias: the experts' biases as they were
+        run.balance.copy_(torch.tensor(meta["moe_bias"], device=run.balance.device))
     run.start_step, run.load_s = meta["step"], time.time() - t0
     now = checkpoint.layout_record(run.layout, rt.world_size)
     changed = what_changed(meta, now, cfg)

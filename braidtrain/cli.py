@@ -77,6 +77,14 @@ def _train_parser(sub):
     g.add_argument("--moe-hidden", type=int, help="an expert's hidden width (default: the MLP's, 4 n_embd)")
     g.add_argument("--moe-capacity", type=float, help="capacity factor (tokens over it skip the expert); 0: dropless (default)")
     g.add_argument("--moe-aux", type=float, help="the load-balancing loss's coefficient (default 0.01)")
+    g.add_argument("--moe-router", choices=["softmax-topk", "topk-softmax"],
+                   help="softmax over all experts, top k renormalised (default; Qwen3-MoE, HF's Mixtral) or softmax "
+                        "over the top k logits (Mixtral's paper)")
+    g.add_argument("--moe-balance", choices=["aux", "bias"],
+                   help="the balance loss (default) or DeepSeek-V3's auxiliary-loss-free per-expert bias")
+    g.add_argument("--moe-bias-rate", type=float, help="the bias's move a step under --moe-balance bias (default 0.001)")
+    g.add_argument("--moe-shared", type=int, help="shared experts of --moe-hidden's width that every token passes "
+                                                  "(llama family; default 0)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--layout", choices=["auto"], help="auto: the planner's best layout for these processes and GPUs "
                                                      "(pp, dp, cp, tp, sp, ep, ZeRO, b, recompute), printed at the start")

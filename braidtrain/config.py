@@ -36,6 +36,10 @@ class Config:
     moe_hidden: int = 0  # 0: the dense MLP's width, 4 n_embd
     moe_capacity: float = 0.0  # capacity factor; 0: dropless
     moe_aux: float = 0.01  # the load-balancing loss's coefficient
+    moe_router: str | None = None  # softmax-topk (default) | topk-softmax
+    moe_balance: str | None = None  # aux (default: the loss above) | bias (DeepSeek-V3's, no loss term)
+    moe_bias_rate: float | None = None  # bias balancing's step (default 0.001)
+    moe_shared: int | None = None  # shared experts every token passes (Llama family; default 0)
     # data
     train_data: str = "data/shakespeare"
     val_data: str | None = None  # default: the val split beside the training data

@@ -105,7 +105,7 @@ def read_config(folder: str):
     try:
         fields = fam.config_from_hf(c, str(path))
     except KeyError as e:
-        raise UserError(f"{path}: no {e} (a {fam.ARCHITECTURE} config.json has it)") from None
+        raise UserError(f"{path}: no {e} (a {' or '.join(fam.ARCHITECTURES)} config.json has it)") from None
     for key, v in fields.items():
         if key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") and (not isinstance(v, int) or v <= 0):
             raise UserError(f"{path}: {key} must be a positive integer, got {v!r}")

@@ -118,9 +118,11 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     moe = getattr(model, "moe_experts", 0)
     if ep > 1 and not moe:
         raise UserError(f"--ep {ep} shards a mixture of experts: give --moe-experts (and --moe-top-k), or use --ep 1")
-    if moe and (compile or cuda_graph):
-        raise UserError(f"{'--compile' if compile else '--cuda-graph'} with a mixture of experts is not supported "
-                        f"(the routing's sizes are known only at run time): drop it")
+    if moe and (compile or cuda_graph) and (ep > 1 or exact):
+        # (at ep 1 outside exact mode every shape of the layer is known before the step: model/moe.py)
+        raise UserError(f"{'--compile' if compile else '--cuda-graph'} with a mixture of experts needs ep 1 and no "
+                        f"--exact (the all-to-all's splits and exact mode's per-source calls are known only at run "
+                        f"time): drop it, or use --ep 1 without --exact")
     if ep > 1 and moe % ep:
         raise UserError(f"--ep {ep} does not divide --moe-experts {moe}: use ep in {divisors(moe)}")
     if sp and tp == 1:

@@ -48,6 +48,7 @@ from braidtrain.errors import Diverged, SaveFailed, UserError
 from braidtrain.fault import crash_reason
 from braidtrain.generate import generate, sample_prompt
 from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
+from braidtrain.parallel import expert
 from braidtrain.optim import clip_scale, lr_at
 from braidtrain.passes import Passes, reduce_loss
 
@@ -84,6 +85,7 @@ class Trainer:
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
         self.shared_checked = False  # the checkpoint folder seen by every rank (check_shared, at the first save)
         self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
+        self.balance = run.balance  # --moe-balance bias: every MoE layer's expert biases (n_layer, E), all ranks alike
 
     def autocast(self):
         # no weight-cast cache: each block uses its weights once per forward, and a cache would
@@ -142,25 +144,14 @@ class Trainer:
         if self.layout.pp > 1:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:
-            rec.update(self.moe_metrics())
+            rec.update(self.moe_metrics(skipped))
         return rec
 
-    def moe_metrics(self) -> dict:
-        """This step's mixture-of-experts figures over every rank and MoE layer (model/moe.py):
-        the mean balance loss, the share of assignments dropped at capacity, and the experts'
-        load -- tokens kept per expert, summed over layers, as max / mean and each expert's share."""
-        layers = [m for part in self.parts for m in part.moe_layers()]
-        rows = [torch.cat([torch.tensor(m.counted, dtype=torch.float32, device=self.device), m.stats])
-                for m in layers if m.stats.numel()]
-        total = torch.stack(rows).sum(0) if rows else torch.zeros(4 + self.mcfg.moe_experts, device=self.device)
-        for m in layers:
-            m.stats, m.counted = torch.zeros(0), [0, 0]
-        self.comm.all_reduce(total, self.mesh.groups["world"]).wait()  # (tp's copies weigh every part alike)
-        n, assigned, aux, dropped = total[:4].tolist()
-        load = total[4:]
-        return {"moe_aux": aux / max(n, 1), "moe_dropped": dropped / max(assigned, 1),
-                "moe_load_max": (load.max() / load.mean().clamp_min(1e-9)).item(),
-                "moe_load": (load / load.sum().clamp_min(1e-9)).tolist()}
+    def moe_metrics(self, skipped: bool) -> dict:
+        """This step's mixture-of-experts figures (parallel/expert.py step_figures); with
+        --moe-balance bias the experts' biases moved by the step's loads (not a skipped step's)."""
+        return expert.step_figures(self.parts, self.comm, self.mesh.groups["world"], self.mcfg, self.balance,
+                                   move=not skipped)
 
     def drop_graph(self, wait: bool = True) -> None:
         """Free the captured step: its memory, and its hold on the NCCL communicator (with a graph
@@ -270,6 +261,8 @@ class Trainer:
             self.check_shared(self.out / "checkpoints")
         info = {"config": self.cfg.to_toml(), "family": self.mcfg.family, "model": dataclasses.asdict(self.mcfg),
                 "tokenizer": self.built.tok_name}
+        if self.mcfg.moe_balance == "bias":
+            info["moe_bias"] = self.balance.tolist()
         try:
             return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
                                    self.cfg.keep_ckpts, self.built.run_id, midway=self.fault.mid_save if self.fault else None)

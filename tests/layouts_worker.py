@@ -33,9 +33,9 @@ from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.context import Context, token_index
-from braidtrain.model.moe import MoE, route
+from braidtrain.model.moe import Dispatch as LocalDispatch, MoE, route
 from braidtrain.parallel.engine import Engine
-from braidtrain.model.moe import Dispatch as LocalDispatch
+from braidtrain.parallel import expert
 from braidtrain.parallel.expert import Dispatch
 from braidtrain.passes import Passes, reduce_loss
 
@@ -46,6 +46,11 @@ MOE = model_config("tiny", 256, n_layer=4, n_embd=32, n_head=4, block_size=16, m
 # SwiGLU, an untied head; LLAMA_TIED ties it, as Llama-3.2 1B and 3B do
 LLAMA = model_config("llama3-tiny", 256, n_layer=4, n_embd=32, n_head=4, n_kv_heads=2, block_size=16)
 LLAMA_TIED = replace(LLAMA, tie_embeddings=True)
+# Mixtral's shape (SwiGLU experts, GQA, RoPE), capacity 1.0 and the balance loss; MIXTRAL_BIAS balances by
+# DeepSeek-V3's per-expert bias instead, with a shared expert beside the routed ones
+MIXTRAL = model_config("mixtral-tiny", 256, n_layer=4, n_embd=32, n_head=4, n_kv_heads=2, block_size=16, moe_hidden=24,
+                       moe_capacity=1.0)
+MIXTRAL_BIAS = replace(MIXTRAL, moe_balance="bias", moe_bias_rate=0.01, moe_shared=1)
 T, B, SEQS = 16, 1, 8  # 8 sequences a step: 8 micro-steps at dp 1, 4 at dp 2
 
 
@@ -81,9 +86,17 @@ def layouts(suite: str):
         exact = [("dp4-ep1-z0", dict(dp=4)), ("dp4-ep2-z0", dict(dp=4, ep=2)), ("dp4-ep4-z0", dict(dp=4, ep=4)),
                  ("dp4-ep2-z3", dict(dp=4, ep=2, zero=3)),
                  ("dp8-ep4-z1", dict(dp=8, ep=4, zero=1)), ("dp2-ep2-z2-recompute", dict(dp=2, ep=2, zero=2, recompute=True))]
+        # Mixtral's shape (test_moe.py): ep 2 with pp 2 and with tp 2, bias balancing; exact across ep 1/2/4 at
+        # dp 4, ZeRO 0 and 3
+        mix = [("mix-ref", dict(cfg="mix"), 9), ("mix-dp2-ep2-pp2", dict(cfg="mix", dp=2, ep=2, pp=2, zero=1), 9),
+               ("mix-tp2-dp2-ep2", dict(cfg="mix", tp=2, dp=2, ep=2), 9), ("mix-bias-ref", dict(cfg="mix-bias"), 9),
+               ("mix-bias-dp2-ep2-tp2", dict(cfg="mix-bias", tp=2, dp=2, ep=2, zero=1), 9),
+               ("mix-ref-exact", dict(cfg="mix", exact=True), 4)]
+        mix += [(f"mix-dp4-ep{ep}-z{z}-exact", dict(cfg="mix", dp=4, ep=ep, zero=z, exact=True), 4)
+                for ep, z in ((1, 0), (2, 0), (4, 0), (2, 3), (4, 3))]
         return ([("ref", dict(), 9), ("ref-free", dict(cfg="free"), 9),
                  ("ref-exact", dict(exact=True), 4)]
-                + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
+                + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact] + mix)
     if suite == "llama":  # the Llama-3 family on every axis (test_llama.py), default mode and exact
         default = [("dp2-z1", dict(dp=2, zero=1)), ("dp2-z3", dict(dp=2, zero=3)), ("tp2-sp", dict(tp=2, sp=True)),
                    ("pp2-1f1b", dict(pp=2, schedule="1f1b")), ("pp2-zb", dict(pp=2, schedule="zb")), ("cp2", dict(cp=2)),
@@ -230,6 +243,10 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     passes = Passes(built, nullcontext, tokens)
     losses, norms, first = [], [], 0
     ckpt_rt, t0 = SimpleNamespace(is_main=rank == 0, rank=rank, world_size=n), time.time()
+    balance = torch.zeros(cfg.n_layer, max(1, cfg.moe_experts))  # (as build.py: the experts' biases)
+    for part in parts:
+        for i, moe in part.moe_by_block().items():
+            moe.bias = balance[i]
     if resume is not None:
         first = checkpoint.load(checkpoint.list_checkpoints(resume)[-1], engine, opt)["step"]
     for step in range(first, until or steps):
@@ -242,6 +259,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         engine.gather_params()
         losses.append(reduce_loss(comm, mesh, sums) / (SEQS * T))
         norms.append(norm.item())
+        if cfg.moe_experts:  # (as train.py: the step's figures, and the biases moved)
+            expert.step_figures(parts, comm, mesh.groups["world"], cfg, balance)
         if save is not None and step + 1 == save[0]:
             info = {"config": "", "family": cfg.family, "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
             checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1, run_id="layouts")
@@ -252,6 +271,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     copies = [s for s in comm.all_gather_object(wte_sha, mesh.groups["world"]) if s]
     pairs = comm.all_gather_object(parts[0].cp.pairs if parts[0].cp else 0, mesh.groups["world"])
     return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live, "pairs": pairs,
+            "balance": balance.tolist(),
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
             "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0}
 
@@ -389,7 +409,8 @@ def run_suite(rank, out, suite):
         results = matrix(rank, out)
     for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
-        cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0), "tied": LLAMA_TIED,
+        cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0), "tied": LLAMA_TIED, "mix": MIXTRAL,
+               "mix-bias": MIXTRAL_BIAS,
                None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA}.get(suite, CFG)}[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:

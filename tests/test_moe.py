@@ -11,13 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
-from braidtrain.model.moe import capacity_of, route
+from braidtrain.model import registry
+from braidtrain.model.moe import capacity_of, move_bias, route
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,121 @@ def test_capacity_keeps_first_choices_first_and_drops_the_rest():
     assert torch.allclose(w.sum(-1), torch.ones(4))
     _, _, keep, _, _ = route(logits, 2, 0.0)
     assert keep.all()
+
+
+def test_routers_and_bias_balancing_against_plain_formulas():
+    """softmax-topk: softmax over the E logits, the top k renormalised (renorm off: as they are);
+    topk-softmax: a softmax of the top k logits alone -- the same weights up to rounding; with a
+    bias, the experts chosen by probability + bias, weighted by the probabilities; capacity's queue
+    places counted one assignment at a time; DeepSeek-V3's bias step by its sign rule."""
+    g = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(40, 8, generator=g), torch.randn(8, generator=g) * 0.1
+    p = torch.softmax(logits.double(), -1)
+    for kind in ("softmax-topk", "topk-softmax"):
+        w, idx, _, _, _ = route(logits, 3, 0.0, router=kind)
+        want = p.topk(3, -1)
+        assert torch.equal(idx, want.indices)
+        torch.testing.assert_close(w.double(), want.values / want.values.sum(-1, keepdim=True), atol=1e-6, rtol=0)
+    w, idx, _, _, _ = route(logits, 3, 0.0, renorm=False)
+    torch.testing.assert_close(w.double(), p.topk(3, -1).values, atol=1e-6, rtol=0)
+    w, idx, _, _, routed = route(logits, 3, 0.0, bias=bias)
+    chosen = (p + bias.double()).topk(3, -1).indices
+    assert torch.equal(idx, chosen)
+    torch.testing.assert_close(w.double(), p.gather(1, chosen) / p.gather(1, chosen).sum(-1, keepdim=True), atol=1e-6,
+                               rtol=0)
+    assert routed.tolist() == [(chosen == e).sum().item() for e in range(8)]
+    _, idx, keep, _, _ = route(logits, 3, 0.5)
+    cap, taken, want = capacity_of(0.5, 40, 3, 8), [0] * 8, torch.zeros(40, 3, dtype=torch.bool)
+    for slot in range(3):  # priority order: every first choice in token order, then every second ...
+        for t in range(40):
+            e = int(idx[t, slot])
+            want[t, slot], taken[e] = taken[e] < cap, taken[e] + (taken[e] < cap)
+    assert torch.equal(keep, want) and not keep.all()
+    table, loads = torch.zeros(2, 4), torch.tensor([[3.0, 1.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    move_bias(table, loads, 0.5)  # over the mean (2): down; under: up; at it, or no load: still
+    assert table.tolist() == [[-0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_llama_experts_and_a_shared_one_against_a_plain_reference():
+    """A Llama MoE layer (SwiGLU experts, one shared expert) in training, dropless and at capacity:
+    its output and the input's, the router's, every expert's and the shared expert's gradients
+    against the formulas computed token by token here (float64: the formulas to 1e-6); then in
+    fp32 its grouped GEMM against its loop of experts."""
+    cfg = model_config("mixtral-tiny", 256, n_layer=1, n_embd=32, n_head=4, n_kv_heads=2, moe_hidden=16,
+                       moe_experts=4, moe_top_k=2, moe_shared=1, moe_aux=0.0)
+    moe = registry.build(cfg).layers[0].mlp.train()
+    torch.manual_seed(0)
+    for prm in moe.parameters():
+        torch.nn.init.normal_(prm, std=0.2)
+    swiglu = lambda z, up, down: F.linear(F.silu(F.linear(z, up).chunk(2, -1)[0]) * F.linear(z, up).chunk(2, -1)[1], down)  # noqa: E731
+
+    def grads(f, x, dy):  # f's output, and its gradients of x and of the layer's parameters
+        x = x.clone().requires_grad_()
+        moe.zero_grad()
+        y = f(x)
+        (y * dy).sum().backward()
+        return [y.detach(), x.grad] + [q.grad for q in moe.parameters()]
+
+    for capacity in (0.0, 0.75):
+        moe.capacity = capacity
+        m64 = moe.double()
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        dy = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        ours = [t.clone() for t in grads(m64, x, dy)]
+
+        def reference(x):
+            tokens = x.reshape(-1, 32)
+            w, idx, keep, _, _ = route(tokens @ m64.router.weight.T, 2, capacity)
+            rows = []
+            for t in range(12):
+                acc = swiglu(tokens[t], m64.shared.gate_up_proj.weight, m64.shared.down_proj.weight)
+                for s in range(2):
+                    if keep[t, s]:
+                        ex = m64.experts[str(int(idx[t, s]))]
+                        acc = acc + w[t, s] * swiglu(tokens[t], ex.gate_up_proj.weight, ex.down_proj.weight)
+                rows.append(acc)
+            return torch.stack(rows).view(2, 6, 32)
+
+        for a, b in zip(ours, grads(reference, x, dy)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        moe.float()
+        x32, dy32 = x.float(), dy.float()
+        grouped = [t.clone() for t in grads(moe, x32, dy32)]
+        moe.dispatch.grouped = False
+        for a, b in zip(grouped, grads(moe, x32, dy32)):  # (the loop: one expert a call)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        moe.dispatch.grouped = True
+
+
+def test_a_training_step_of_experts_does_not_wait_for_the_device():
+    """Outside exact mode at ep 1, a mixture's forward and backward -- dropless and at capacity --
+    use no tensor's value on the host (no .item, .tolist, nonzero, bool(t), sizes from values):
+    each is a GPU's wait for the device inside a step, and a graph break under --compile. The guard
+    refuses them; on the exact path (nonzero) it catches one."""
+    from torch.overrides import TorchFunctionMode
+
+    class NoSync(TorchFunctionMode):
+        banned = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.__bool__,
+                  torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.numpy, torch.Tensor.cpu, torch.unique,
+                  torch.bincount, torch.Tensor.unique}
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in self.banned or (func is torch.repeat_interleave and "output_size" not in kwargs):
+                raise AssertionError(f"{func.__name__} waits for the device")
+            return func(*args, **kwargs)
+
+    cfg = model_config("mixtral-tiny", 256, n_layer=1, n_embd=32, n_head=4, n_kv_heads=2, moe_hidden=16)
+    moe = registry.build(cfg).layers[0].mlp.train()
+    moe.loss_scale = 1.0
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    for capacity in (0.0, 1.0):
+        moe.capacity = capacity
+        with NoSync():
+            moe(x).sum().backward()
+    moe.dispatch.exact = True  # (exact mode sorts out only the kept assignments: a wait it may take)
+    with pytest.raises(AssertionError, match="waits for the device"), NoSync():
+        moe(x).sum().backward()
 
 
 def test_capacity_is_a_training_setting_evaluation_routes_dropless():
@@ -92,9 +209,24 @@ def test_every_layout_matches_the_single_process(runs):
 
 
 def test_exact_mode_is_bitwise_across_ep_dp_and_zero(runs):
-    exact = [k for k in runs if k.endswith("-exact") and k != "ref-exact"]
+    exact = [k for k in runs if k.endswith("-exact") and k != "ref-exact" and not k.startswith("mix")]
     assert len(exact) == 6
     assert_bitwise(runs, exact, runs["ref-exact"])
+
+
+def test_mixtral_on_every_axis(runs):
+    """Mixtral's shape (SwiGLU experts, GQA, RoPE; capacity 1.0 and the balance loss) with ep 2 beside
+    pp 2 and beside tp 2, against the single process; DeepSeek-V3's bias balancing with a shared
+    expert at tp 2 x ep 2: the same losses and, every step, the same biases; exact mode bitwise
+    across ep 1, 2, 4 at dp 4 and ZeRO 0 and 3."""
+    assert_follows(runs, ["mix-dp2-ep2-pp2", "mix-tp2-dp2-ep2"], runs["mix-ref"], 1e-5)
+    assert_follows(runs, ["mix-bias-dp2-ep2-tp2"], runs["mix-bias-ref"], 1e-5)
+    bias = runs["mix-bias-ref"]["balance"]
+    assert runs["mix-bias-dp2-ep2-tp2"]["balance"] == bias and any(b != 0 for row in bias for b in row)
+    assert all(b == 0 for row in runs["mix-ref"]["balance"] for b in row)  # (the loss balances it, not the bias)
+    exact = [k for k in runs if k.startswith("mix-dp4") and k.endswith("-exact")]
+    assert len(exact) == 5
+    assert_bitwise(runs, exact, runs["mix-ref-exact"])
 
 
 MOE = [*SMALL, "--moe-experts", "4", "--moe-top-k", "2", "--moe-hidden", "64", "-d", "256"]
@@ -132,7 +264,9 @@ BAD = [  # (flags, words the one line must hold)
     (["--moe-every", "3"], ["--moe-every 3", "n_layer = 2"]),
     (["--ep", "3"], ["--ep 3", "--moe-experts 4", "{1,2,4}"]),
     (["--ep", "2"], ["--ep 2", "dp*cp = 1*1 = 1"]),
-    (["--compile"], ["--compile", "mixture of experts"]),
+    (["--compile", "--exact"], ["--compile", "mixture of experts", "--ep 1 without --exact"]),
+    (["--moe-router", "top1"], ["--moe-router", "softmax-topk"]),
+    (["--moe-shared", "1"], ["--moe-shared", "not a setting of the gpt2 family"]),
 ]
 
 
@@ -145,7 +279,7 @@ def refused(shakespeare):
 
 @pytest.mark.parametrize("case", range(len(BAD)), ids=["top-k-above-E", "top-k-zero", "capacity-negative",
                                                        "every-above-n-layer", "ep-not-dividing-E", "ep-not-dividing-dp",
-                                                       "compile"])
+                                                       "compile-exact", "router", "shared-on-gpt2"])
 def test_bad_moe_input_is_one_line(refused, case):
     assert_one_line_error(refused[case], *BAD[case][1])
 

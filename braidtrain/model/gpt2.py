@@ -173,8 +173,8 @@ def is_norm(name: str) -> bool:
 #
 # Names without the `transformer.` prefix (the original OpenAI checkpoints on the Hub) are read too.
 
-MODEL_TYPE = "gpt2"
-ARCHITECTURE = "GPT2LMHeadModel"
+MODEL_TYPES = {"GPT2LMHeadModel": "gpt2"}
+ARCHITECTURES = tuple(MODEL_TYPES)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -195,7 +195,7 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: GPTConfig, where: str) -> dic
 
 def hf_config(cfg: GPTConfig, eot: int) -> dict:
     return {
-        "architectures": [ARCHITECTURE], "model_type": "gpt2",
+        "architectures": list(ARCHITECTURES), "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
         "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,

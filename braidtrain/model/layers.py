@@ -289,10 +289,16 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """`tp_partial`: the norm acts on what each tp rank holds of a split tensor (a head's q or k, each
+    rank its own heads), so each rank's gradient of its weight is a part, summed over tp (the
+    placement table reads it)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, tp_partial: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        if tp_partial:
+            self.tp_partial = {"weight"}
 
     def forward(self, x):
         return _RMSNorm.apply(x, self.weight, self.eps)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from braidtrain.errors import UserError, divisors
 from braidtrain.model.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, ShardSpec,
                                      VocabParallelEmbedding, attend)
+from braidtrain.model.moe import MoE, SwiGLUExpert
 from braidtrain.model.protocol import VOCAB_ALIGN, Block as BlockBase, Blocks, ModelConfig, Stage
 
 _3_1 = dict(rope_factor=8.0, block_size=131072)  # Llama-3.1: scaled RoPE, 128k context
@@ -61,6 +62,15 @@ PRESETS = {  # Meta's published shapes (params.json: dim, n_layers, n_heads, n_k
     "llama3.1-70b": dict(n_layer=80, n_head=64, n_kv_heads=8, n_embd=8192, ffn_multiplier=1.3, multiple_of=4096, **_3_1),
     "llama3.1-405b": dict(n_layer=126, n_head=128, n_kv_heads=8, n_embd=16384, ffn_multiplier=1.2, multiple_of=4096,
                           **_3_1),
+    # mixtures of SwiGLU experts: Mixtral's shape (8 experts, top 2, GQA, RoPE theta 1e6) CPU-sized and at
+    # gpt2-moe's active size (768 wide, 12 layers; two experts of 2048 a token: gpt2-moe's two MLPs' parameters),
+    # and a fine-grained one at that active size (64 experts of 512, top 8: DeepSeek's and Qwen3-MoE's kind)
+    "mixtral-tiny": dict(n_layer=4, n_head=4, n_kv_heads=2, n_embd=128, multiple_of=32, block_size=256, rope_theta=1e6,
+                         moe_experts=4, moe_top_k=2, moe_hidden=176),
+    "mixtral-small": dict(n_layer=12, n_head=12, n_kv_heads=4, n_embd=768, block_size=1024, rope_theta=1e6,
+                          moe_experts=8, moe_top_k=2, moe_hidden=2048),
+    "finemoe-small": dict(n_layer=12, n_head=12, n_kv_heads=4, n_embd=768, block_size=1024, rope_theta=1e6,
+                          moe_experts=64, moe_top_k=8, moe_hidden=512),
 }
 
 VOCAB = 128256  # the family's tokenizer (Llama-3's tiktoken BPE, 128,000 + 256 special tokens): the planner's default vocabulary
@@ -81,6 +91,8 @@ class LlamaConfig(ModelConfig):
     rope_original: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before RoPE (Qwen3's)
+    moe_shared: int = 0  # shared experts (of moe_hidden's width) that every token passes (DeepSeek's)
 
     @property
     def kv_heads(self) -> int:
@@ -106,9 +118,8 @@ class LlamaConfig(ModelConfig):
                             f"head serves a whole group of query heads; use n_kv_heads in {divisors(self.n_head)}")
         if self.head_dim % 2:
             raise UserError(f"head size n_embd / n_head = {self.head_dim} is odd: rotary positions turn channel pairs")
-        if self.moe_experts:
-            raise UserError("--moe-experts: the llama3 family's mixture of experts is not built yet (issue #41): "
-                            "drop --moe-experts, or use a gpt2 model")
+        if self.moe_shared < 0 or (self.moe_shared and not self.moe_experts):
+            raise UserError(f"--moe-shared {self.moe_shared}: shared experts go beside routed ones (--moe-experts E)")
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
@@ -140,6 +151,8 @@ class Attention(nn.Module):
         H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.n_head, self.n_kv, self.head_dim = H // tp, K // tp, D  # this rank's
         self.qkv_proj = ColumnParallelLinear(cfg.n_embd, (H + 2 * K) * D, group, bias=False, sp=sp, packed=(H, K, K))
+        if cfg.qk_norm:  # (over D: the same weights for every head, so each tp rank's gradient is a part)
+            self.q_norm, self.k_norm = RMSNorm(D, cfg.norm_eps, tp_partial=True), RMSNorm(D, cfg.norm_eps, tp_partial=True)
         self.o_proj = RowParallelLinear(H * D, cfg.n_embd, group, bias=False, sp=sp)
         self.cp, self.deterministic = None, False  # context parallelism, exact mode on GPU (Stage sets them)
 
@@ -147,6 +160,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # (B, T, (H + 2K) D / tp): the whole T even under sp
         B, T, D = qkv.shape[0], qkv.shape[1], self.head_dim
         q, k, v = (z.view(B, T, -1, D) for z in qkv.split([self.n_head * D, self.n_kv * D, self.n_kv * D], dim=2))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (rotate(q, cos, sin), rotate(k, cos, sin), v))
         y = attend(q, k, v, self.cp, self.deterministic)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * D))
@@ -155,9 +170,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up one packed matmul."""
 
-    def __init__(self, cfg: LlamaConfig, group=None, sp: bool = False):
+    def __init__(self, cfg: LlamaConfig, group=None, sp: bool = False, width: int | None = None):
         super().__init__()
-        F_ = cfg.mlp_width
+        F_ = width or cfg.mlp_width
         self.gate_up_proj = ColumnParallelLinear(cfg.n_embd, 2 * F_, group, bias=False, sp=sp, packed=(1, 1))
         self.down_proj = RowParallelLinear(F_, cfg.n_embd, group, bias=False, sp=sp)
 
@@ -167,12 +182,18 @@ class MLP(nn.Module):
 
 
 class Block(BlockBase):
-    def __init__(self, cfg: LlamaConfig, tp: int = 1, group=None, sp: bool = False):
+    def __init__(self, cfg: LlamaConfig, tp: int = 1, group=None, sp: bool = False, moe=None):
+        """`moe`: (this rank's experts, their dispatch) for a mixture of SwiGLU experts in place of the
+        MLP (Mixtral, Qwen3-MoE; with cfg.moe_shared, DeepSeek's shared experts beside them)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, tp, group, sp)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg, group, sp)
+        if moe is None:
+            self.mlp = MLP(cfg, group, sp)
+        else:
+            shared = MLP(cfg, group, sp, cfg.moe_shared * cfg.moe_width) if cfg.moe_shared else None
+            self.mlp = MoE(cfg, *moe, expert=SwiGLUExpert, shared=shared)
 
     def attention(self):
         return self.self_attn
@@ -205,7 +226,8 @@ class Llama(Stage):
         if first or (last and cfg.tied):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp,
                                                        align=VOCAB_ALIGN)
-        self.layers = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp)
+        mine = self.my_experts()
+        self.layers = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, (mine, self.dispatch) if cfg.is_moe(i) else None)
                               for i in (range(cfg.n_layer) if blocks is None else blocks)})
         if last:
             self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -257,63 +279,115 @@ def is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-# -- HuggingFace's LlamaForCausalLM -----------------------------------------------------------------
+# -- HuggingFace: LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM -----------
 #
-#     ours                                   HF
-#     embed_tokens.weight (V_pad, C)         model.embed_tokens.weight (V, C)   padding rows cut off
-#     layers.N.self_attn.qkv_proj.weight     model.layers.N.self_attn.{q,k,v}_proj.weight, split by rows
-#     layers.N.mlp.gate_up_proj.weight       model.layers.N.mlp.{gate,up}_proj.weight, split by rows
-#     lm_head.weight                         lm_head.weight (absent when tied)
-#     everything else                        model.<same name>
+#     ours                                   HF (under `model.`; lm_head.weight at the top)
+#     embed_tokens.weight (V_pad, C)         embed_tokens.weight (V, C)        padding rows cut off
+#     layers.N.self_attn.qkv_proj.weight     layers.N.self_attn.{q,k,v}_proj.weight, split by rows
+#     layers.N.mlp.gate_up_proj.weight       layers.N.mlp.{gate,up}_proj.weight, split by rows
+#     layers.N.mlp.router.weight             Mixtral: layers.N.block_sparse_moe.gate.weight; Qwen3-MoE:
+#                                            layers.N.mlp.gate.weight
+#     layers.N.mlp.experts.E.gate_up_proj    Mixtral: ...block_sparse_moe.experts.E.{w1,w3}.weight (gate, up);
+#       .weight, .down_proj.weight           w2 the down projection; Qwen3-MoE: ...mlp.experts.E.{gate,up,down}_proj
+#                                            (transformers 5's fused experts.gate_up_proj / down_proj are read too)
+#     everything else                        the same name (q_norm, k_norm: Qwen3's)
+#
+# The architecture is the model's: experts make it Mixtral, or Qwen3-MoE with a qk-norm (or some
+# dense layers); a qk-norm alone Qwen3; else Llama.
 
-MODEL_TYPE = "llama"
-ARCHITECTURE = "LlamaForCausalLM"
-PACKED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
+               "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHITECTURES = tuple(MODEL_TYPES)
 
 
-def _widths(cfg: LlamaConfig, packed: str) -> list[int]:
-    D = cfg.head_dim
-    return [cfg.n_head * D, cfg.kv_heads * D, cfg.kv_heads * D] if "qkv" in packed else [cfg.mlp_width] * 2
+def architecture(cfg: LlamaConfig) -> str:
+    if cfg.moe_shared:
+        raise UserError("shared experts (--moe-shared) have no HuggingFace architecture braidtrain writes: export a "
+                        "model without them")
+    if not cfg.moe_experts:
+        return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+    if cfg.qk_norm or cfg.moe_every > 1 or not cfg.moe_renorm:
+        return "Qwen3MoeForCausalLM"
+    return "MixtralForCausalLM"
+
+
+def _hf_block(arch: str, name: str, cfg: LlamaConfig):
+    """[(HF name, rows)] of our block parameter `name` (after `layers.N.`): its parts, split by rows."""
+    D, mix = cfg.head_dim, arch == "MixtralForCausalLM"
+    if name == "self_attn.qkv_proj.weight":
+        return [(f"self_attn.{x}_proj.weight", w) for x, w in zip("qkv", (cfg.n_head * D, cfg.kv_heads * D, cfg.kv_heads * D))]
+    if name == "mlp.gate_up_proj.weight":
+        return [("mlp.gate_proj.weight", cfg.mlp_width), ("mlp.up_proj.weight", cfg.mlp_width)]
+    if name == "mlp.router.weight":
+        return [("block_sparse_moe.gate.weight" if mix else "mlp.gate.weight", None)]
+    if name.startswith("mlp.experts."):
+        e, what = name.split(".")[2], name.split(".", 3)[3]
+        at = f"block_sparse_moe.experts.{e}." if mix else f"mlp.experts.{e}."
+        if what == "gate_up_proj.weight":
+            return [(at + ("w1.weight" if mix else "gate_proj.weight"), cfg.moe_width),
+                    (at + ("w3.weight" if mix else "up_proj.weight"), cfg.moe_width)]
+        return [(at + ("w2.weight" if mix else "down_proj.weight"), None)]
+    return [(name, None)]
 
 
 def to_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """HF's tensors from ours (the vocabulary's padding already cut)."""
-    out = {}
+    arch, out = architecture(cfg), {}
     for name, t in params.items():
-        packed = next((p for p in PACKED if name.endswith(p)), None)
-        if packed:
-            block = name[: -len(packed)]
-            for part, piece in zip(PACKED[packed], t.split(_widths(cfg, packed))):
-                out[f"model.{block}{part}"] = piece.contiguous()
-        else:
-            out[name if name == "lm_head.weight" else f"model.{name}"] = t.contiguous()
+        if not name.startswith("layers."):
+            out[name if name == "lm_head.weight" else f"model.{name}"] = t
+            continue
+        _, i, rest = name.split(".", 2)
+        parts = _hf_block(arch, rest, cfg)
+        pieces = t.split([w for _, w in parts]) if len(parts) > 1 else [t]
+        for (hf, _), piece in zip(parts, pieces):
+            out[f"model.layers.{i}.{hf}"] = piece
     return out
 
 
+def _unfuse(got: dict) -> dict:
+    """transformers 5's fused experts (experts.gate_up_proj (E, 2H, C), experts.down_proj (E, C, H))
+    as the per-expert names it saves."""
+    for key in [k for k in got if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        fused, at = got.pop(key), key.rsplit(".", 1)[0]
+        for e, w in enumerate(fused):
+            if key.endswith("gate_up_proj"):
+                gate, up = w.chunk(2)
+                got[f"{at}.{e}.gate_proj.weight"], got[f"{at}.{e}.up_proj.weight"] = gate, up
+            else:
+                got[f"{at}.{e}.down_proj.weight"] = w
+    return got
+
+
 def from_hf(tensors: dict[str, torch.Tensor], cfg: LlamaConfig, where: str) -> dict[str, torch.Tensor]:
-    """Our tensors (unpadded vocabulary) from HF's; the registry checks names and shapes."""
-    got = {k.removeprefix("model."): v for k, v in tensors.items()}
+    """Our tensors (unpadded vocabulary) from HF's, by the names to_hf writes; the registry checks
+    names and shapes."""
+    got = _unfuse({k.removeprefix("model."): v for k, v in tensors.items()})
     if cfg.tied:
         head = got.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, got.get("embed_tokens.weight", head)):
             raise UserError(f"{where}: lm_head.weight differs from embed_tokens.weight, but config.json ties them")
-    for i in range(cfg.n_layer):
-        for packed, parts in PACKED.items():
-            names = [f"layers.{i}.{p}" for p in parts]
-            missing = [n for n in names if n not in got]
-            if missing:
-                raise UserError(f"{where}: model.safetensors has no model.{missing[0]}")
-            got[f"layers.{i}.{packed}"] = torch.cat([got.pop(n) for n in names])
-    return got
+    arch = architecture(cfg)
+    with torch.device("meta"):
+        names = [n for n, _ in Llama(cfg).named_parameters()]
+    out = {n: got.pop(n) for n in names if not n.startswith("layers.") and n in got}
+    for name in (n for n in names if n.startswith("layers.")):
+        _, i, rest = name.split(".", 2)
+        parts = [f"layers.{i}.{hf}" for hf, _ in _hf_block(arch, rest, cfg)]
+        missing = [p for p in parts if p not in got]
+        if missing:
+            raise UserError(f"{where}: model.safetensors has no model.{missing[0]} (a {arch})")
+        out[name] = torch.cat([got.pop(p) for p in parts]) if len(parts) > 1 else got.pop(parts[0])
+    return {**out, **got}  # (what is left over: the registry names it)
 
 
 def hf_config(cfg: LlamaConfig, eot: int) -> dict:
+    arch = architecture(cfg)
     scaling = None if not cfg.rope_factor else {
         "rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq,
         "high_freq_factor": cfg.rope_high_freq, "original_max_position_embeddings": cfg.rope_original}
-    return {
-        "architectures": [ARCHITECTURE], "model_type": "llama",
+    c = {
+        "architectures": [arch], "model_type": MODEL_TYPES[arch],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
         "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.block_size,
@@ -322,12 +396,21 @@ def hf_config(cfg: LlamaConfig, eot: int) -> dict:
         "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
         "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32",
     }
+    if arch == "MixtralForCausalLM":
+        c.update(intermediate_size=cfg.moe_width, num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                 router_aux_loss_coef=cfg.moe_aux, router_jitter_noise=0.0, sliding_window=None)
+    elif arch == "Qwen3MoeForCausalLM":
+        c.update(moe_intermediate_size=cfg.moe_width, num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                 norm_topk_prob=cfg.moe_renorm, decoder_sparse_step=1, router_aux_loss_coef=cfg.moe_aux,
+                 mlp_only_layers=[i for i in range(cfg.n_layer) if not cfg.is_moe(i)], use_sliding_window=False)
+    return c
 
 
 def config_from_hf(c: dict, where: str) -> dict:
     """Our Config's fields from HF's config.json (rope as `rope_scaling` + `rope_theta`, or
     transformers 5's `rope_parameters`), checked for what this Llama can represent."""
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("sliding_window", None),
+                    ("use_sliding_window", False), ("router_jitter_noise", 0.0)):
         if c.get(key, ok) != ok:
             raise UserError(f"{where}: {key} = {c[key]!r}, but braidtrain's Llama needs {ok!r}")
     heads = c["num_attention_heads"]
@@ -347,4 +430,20 @@ def config_from_hf(c: dict, where: str) -> dict:
         fields.update(rope_factor=float(rope["factor"]), rope_low_freq=float(rope["low_freq_factor"]),
                       rope_high_freq=float(rope["high_freq_factor"]),
                       rope_original=int(rope["original_max_position_embeddings"]))
+    kind = c.get("model_type")
+    fields["qk_norm"] = kind in ("qwen3", "qwen3_moe")
+    if kind == "mixtral":
+        fields.update(moe_experts=c["num_local_experts"], moe_top_k=c["num_experts_per_tok"],
+                      moe_hidden=c["intermediate_size"], moe_aux=float(c.get("router_aux_loss_coef", 0.001)))
+    elif kind == "qwen3_moe":
+        dense = set(c.get("mlp_only_layers") or [])
+        every = next((n for n in range(1, c["num_hidden_layers"] + 1)
+                      if dense == {i for i in range(c["num_hidden_layers"]) if i % n}), None)
+        if c.get("decoder_sparse_step", 1) != 1 or every is None:
+            raise UserError(f"{where}: MoE layers (decoder_sparse_step {c.get('decoder_sparse_step')}, mlp_only_layers "
+                            f"{sorted(dense)}) are not every n-th layer from 0, the one pattern braidtrain builds")
+        experts = c.get("num_experts", c.get("num_local_experts"))  # (transformers 5 writes the latter)
+        fields.update(moe_experts=experts, moe_top_k=c["num_experts_per_tok"], moe_every=every,
+                      moe_hidden=c["moe_intermediate_size"], moe_renorm=bool(c.get("norm_topk_prob", False)),
+                      moe_aux=float(c.get("router_aux_loss_coef", 0.001)))
     return fields

@@ -1,9 +1,16 @@
 """A mixture of experts in place of a block's MLP (Shazeer et al. 2017; GShard, Lepikhin et al.
-2020; Switch, Fedus et al. 2021).
+2020; Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; DeepSeek-V3, 2024).
 
     x (N tokens, C) -> router (C -> E, no bias) -> softmax (fp32) -> top-k experts per token,
-    their k probabilities renormalised to sum to 1 -> each token through its k experts (each the
-    dense MLP's shape, or --moe-hidden H) -> out = sum over the k slots of weight x expert output
+    their k probabilities renormalised to sum to 1 -> each token through its k experts -> out =
+    sum over the k slots of weight x expert output (+ the shared experts' output, which every
+    token passes)
+
+The experts are the family's: GPT-2's `GeluExpert` (the dense MLP's shape, biases), Llama's
+`SwiGLUExpert` (no biases: Mixtral, Qwen3-MoE; fine-grained ones with a small --moe-hidden and a
+large k, DeepSeek's). Routers (`--moe-router`): "softmax-topk" softmaxes all E logits, keeps the
+top k and renormalises them (HuggingFace's Mixtral and Qwen3-MoE compute it so); "topk-softmax"
+softmaxes the top k logits alone (Mixtral's paper) -- the same weights up to rounding.
 
 Capacity (`--moe-capacity C`, 0: dropless). Each expert takes at most ceil(C * N * k / E) of the
 N tokens a rank routes in one forward (its micro-batch), first come in priority order: every
@@ -16,18 +23,26 @@ Capacity is a training setting: a forward outside training (model.eval(): the va
 the multiple-choice evaluation, sampling) routes dropless, so what it computes for a sequence does
 not depend on the sequences beside it, their padding, or how the layout deals them out.
 
-Load balance: the Switch/GShard loss E * sum_i f_i * P_i over a rank's micro-batch, f_i the share
-of the k*N assignments routed to expert i (before capacity), P_i the mean router probability of
-expert i; 1 when balanced. Its coefficient `--moe-aux` weighs it into the training loss, as one
-more term of the loss sum per token (so `coef * aux * N`, divided once by the global token count
-like every token's loss). It enters the gradient only: `AuxLoss` leaves the block's output as it
-is and, in the backward, gives the aux term the loss's weight -- so a pipeline stage's experts add
-their term without the loss passing through them, and the logged loss stays the language model's.
-`moe_aux` is logged beside it (the mean over layers and micro-batches), with `moe_dropped` and the
-experts' load.
+Balance (`--moe-balance`). "aux": the Switch/GShard loss E * sum_i f_i * P_i over a rank's
+micro-batch, f_i the share of the k*N assignments routed to expert i (before capacity), P_i the
+mean router probability of expert i; 1 when balanced. Its coefficient `--moe-aux` weighs it into
+the training loss, as one more term of the loss sum per token (so `coef * aux * N`, divided once by
+the global token count like every token's loss). It enters the gradient only: `AuxLoss` leaves the
+block's output as it is and, in the backward, gives the aux term the loss's weight -- so a
+pipeline stage's experts add their term without the loss passing through them, and the logged
+loss stays the language model's. "bias" (DeepSeek-V3's auxiliary-loss-free balancing): no loss
+term; a per-expert bias, added to the probabilities to choose the top k only (the weights stay
+the probabilities), moves after each step by --moe-bias-rate against the expert's load: down if
+it took more than the mean, up if less (train.py: the step's loads summed over every rank, so
+every rank's biases stay equal; checkpoints keep them). `moe_aux`, `moe_dropped` and the experts'
+load are logged either way.
 
 Where the experts run is the dispatch's: `Dispatch` here, every expert on this rank; under
-expert parallelism parallel/expert.py's, which sends the tokens to their experts' ranks.
+expert parallelism parallel/expert.py's, which sends the tokens to their experts' ranks. Outside
+exact mode at ep 1 nothing here waits for the device: the assignments are sorted on it, every
+assignment is computed (one dropped by capacity is computed and weighted 0: the shapes stay the
+same every step, so --compile and --cuda-graph take the layer), and the experts run as one grouped
+GEMM whose group boundaries stay on the device.
 """
 
 from __future__ import annotations
@@ -38,11 +53,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+ROUTERS = ("softmax-topk", "topk-softmax")
+BALANCES = ("aux", "bias")
 
 
-class Expert(nn.Module):
-    """One expert: an MLP, replicated over tp (its parameters are placed as expert parameters:
-    `expert`, reduced over the ranks that hold the same experts)."""
+class GeluExpert(nn.Module):
+    """GPT-2's expert: an MLP with biases, replicated over tp (its parameters are placed as expert
+    parameters: `expert`, reduced over the ranks that hold the same experts)."""
 
     expert = True
 
@@ -51,30 +68,78 @@ class Expert(nn.Module):
         self.c_fc = nn.Linear(n_embd, hidden)
         self.c_proj = nn.Linear(hidden, n_embd)
 
-    def forward(self, x, weights=None):
-        """`weights`: (c_fc weight, bias, c_proj weight, bias) to use instead of the parameters
-        (exact mode's taps: parallel/expert.py)."""
-        w1, b1, w2, b2 = weights or (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
-        return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
-
     def weights(self):
         return self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
 
+    def forward(self, x, weights=None):
+        """`weights`: (c_fc weight, bias, c_proj weight, bias) to use instead of the parameters
+        (exact mode's taps: parallel/expert.py)."""
+        w1, b1, w2, b2 = weights or self.weights()
+        return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
 
-def route(logits: torch.Tensor, k: int, capacity: float):
-    """(weights (N, k) renormalised, experts (N, k), kept (N, k) bool, aux 0-d, assignments per
-    expert (E,) before capacity) for router logits (N, E)."""
+    @staticmethod
+    def grouped(rows, offs, which, experts):
+        """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run of
+        rows). Each row's bias is its expert's, picked by a matmul with the rows' one-hot expert
+        matrix, so that its gradient is one too (a gather's would be an index_put that adds with
+        atomics: 20 of 31 ms of a layer's step on the H200, measured)."""
+        dt, E = rows.dtype, len(experts)
+        onehot = (which[:, None] == torch.arange(E, device=rows.device)).to(dt)  # (rows, E)
+        w1, b1, w2, b2 = (torch.stack(ws).to(dt) for ws in zip(*(e.weights() for e in experts)))  # (E, H, C) ...
+        h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + onehot @ b1
+        return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + onehot @ b2
+
+
+class SwiGLUExpert(nn.Module):
+    """Llama's expert (Mixtral's, Qwen3-MoE's): down(silu(gate x) * up x), gate and up one packed
+    matmul, no biases; replicated over tp."""
+
+    expert = True
+
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(n_embd, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def weights(self):
+        return self.gate_up_proj.weight, self.down_proj.weight
+
+    def forward(self, x, weights=None):
+        w13, w2 = weights or self.weights()
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2)
+
+    @staticmethod
+    def grouped(rows, offs, which, experts):
+        w13, w2 = (torch.stack(ws).to(rows.dtype) for ws in zip(*(e.weights() for e in experts)))  # (E, 2H, C), (E, C, H)
+        gate, up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+
+def route(logits: torch.Tensor, k: int, capacity: float, bias=None, router: str = "softmax-topk", renorm: bool = True):
+    """(weights (N, k), experts (N, k), kept (N, k) bool, aux 0-d, assignments per expert (E,)
+    before capacity) for router logits (N, E); `bias` (E,): added to choose the experts only;
+    `renorm`: softmax-topk's k weights made to sum to 1 (else the probabilities as they are)."""
     N, E = logits.shape
     probs = logits.float().softmax(-1)
-    w, idx = probs.topk(k, dim=-1)
-    w = w / w.sum(-1, keepdim=True)
-    onehot = (idx.t().reshape(-1, 1) == torch.arange(E, device=idx.device)).long()  # (k N, E): in priority order
-    routed = onehot.sum(0)
+    if router == "topk-softmax":  # the top k logits, softmaxed on their own
+        top = logits.float() if bias is None else logits.float() + bias
+        idx = top.topk(k, dim=-1).indices
+        w = logits.float().gather(1, idx).softmax(-1)
+    else:
+        idx = (probs if bias is None else probs + bias).topk(k, dim=-1).indices
+        w = probs.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True) if renorm else w
+    flat = idx.t().reshape(-1)  # the k N assignments in priority order: every first choice, then every second ...
+    routed = torch.zeros(E, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
     keep = torch.ones_like(idx, dtype=torch.bool)
-    if capacity > 0:
-        pos = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
-        keep = (pos < capacity_of(capacity, N, k, E)).view(k, N).t()
-    aux = E * (routed.float() / (k * N) * probs.mean(0)).sum()
+    if capacity > 0:  # each assignment's place in its expert's queue, by a stable sort (no one-hot of k N x E)
+        order = torch.sort(flat, stable=True).indices
+        starts = torch.cumsum(routed, 0).long() - routed.long()
+        place = torch.empty_like(flat)
+        place[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        keep = (place < capacity_of(capacity, N, k, E)).view(k, N).t()
+    aux = E * (routed / (k * N) * probs.mean(0)).sum()
     return w, idx, keep, aux, routed
 
 
@@ -97,41 +162,60 @@ class AuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """The router and this rank's experts (global indices `experts`), in place of Block.mlp.
-    `dispatch` (parallel/expert.py) runs the tokens through the experts wherever they live;
-    `loss_scale` is the aux term's weight (set by build: 1 / tokens a step)."""
+    """The router and this rank's experts (global indices `experts`, of class `expert`), in place
+    of a block's MLP, and `shared` (a dense MLP every token passes, or None). `dispatch` runs the
+    tokens through the experts wherever they live; `loss_scale` is the aux term's weight (set by
+    build: 1 / tokens a step)."""
 
-    def __init__(self, cfg, experts: range, dispatch):
+    def __init__(self, cfg, experts: range, dispatch, expert=GeluExpert, shared=None):
         super().__init__()
         self.E, self.k = cfg.moe_experts, cfg.moe_top_k
         self.capacity, self.aux_coef = cfg.moe_capacity, cfg.moe_aux
+        self.router_kind, self.balance, self.renorm = cfg.moe_router, cfg.moe_balance, cfg.moe_renorm
         self.router = nn.Linear(cfg.n_embd, self.E, bias=False)
         self.width = cfg.moe_width
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.n_embd, self.width) for e in experts})
+        self.experts = nn.ModuleDict({str(e): expert(cfg.n_embd, self.width) for e in experts})
+        self.expert_type = expert
+        self.shared = shared
         self.dispatch = dispatch
         self.loss_scale = 0.0
-        self.stats, self.counted = torch.zeros(0), [0, 0]  # this step's: (aux sum, dropped, kept per expert), (forwards, assignments)
+        # bias balancing: the per-expert bias (train.py moves it and keeps it in checkpoints)
+        self.register_buffer("bias", torch.zeros(self.E), persistent=False)
+        # this step's figures, summed on the device over its training forwards (train.py reads and
+        # zeroes them once a step): forwards, assignments, aux, dropped, then routed and kept per expert
+        self.register_buffer("stats", torch.zeros(4 + 2 * self.E), persistent=False)
 
     def forward(self, x):
         shape, N = x.shape, x.shape[:-1].numel()
         xs = x.reshape(N, shape[-1])
         capacity = self.capacity if self.training else 0.0  # evaluation and sampling: dropless
-        w, idx, keep, aux, routed = route(self.router(xs), self.k, capacity)
+        bias = self.bias if self.balance == "bias" else None
+        w, idx, keep, aux, routed = route(self.router(xs), self.k, capacity, bias, self.router_kind, self.renorm)
         y = self.dispatch(xs, idx, keep if capacity > 0 else None, self)  # (N, k, C): zero where dropped
         out = (y * (w * keep).unsqueeze(-1).to(y.dtype)).sum(1)
+        if self.shared is not None:  # (on x as it came: under sp the shared MLP gathers its sequence)
+            out = out + self.shared(x).reshape(N, shape[-1])
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self._record(aux, keep, idx)  # (a training forward: not validation, sampling, a recomputation)
-        if torch.is_grad_enabled() and self.aux_coef and self.loss_scale:
+            self._record(aux, keep, idx, routed)  # (a training forward: not validation, sampling, a recomputation)
+        if torch.is_grad_enabled() and self.aux_coef and self.loss_scale and self.balance == "aux":
             out = AuxLoss.apply(out, self.aux_coef * N * aux, self.loss_scale)
         return out.view(shape)
 
     @torch.no_grad()
-    def _record(self, aux, keep, idx):
-        """(On the device, without waiting for it: the step's figures are read once, at its end.)"""
+    def _record(self, aux, keep, idx, routed):
+        """(On the device, in place, without waiting for it: a captured step replays it.)"""
         kept = torch.zeros(self.E, device=idx.device).scatter_add_(0, idx.reshape(-1), keep.reshape(-1).float())
-        row = torch.cat([aux.detach().float().view(1), (keep.numel() - kept.sum()).view(1), kept])
-        self.stats = row if self.stats.numel() == 0 else self.stats + row
-        self.counted = [self.counted[0] + 1, self.counted[1] + keep.numel()]
+        one = torch.ones(1, device=idx.device)
+        self.stats.add_(torch.cat([one, one * keep.numel(), aux.detach().float().view(1),
+                                   (keep.numel() - kept.sum()).view(1), routed, kept]))
+
+
+@torch.no_grad()
+def move_bias(bias, loads, rate: float) -> None:
+    """DeepSeek-V3's update of the experts' biases (layers, E) from a step's loads (layers, E,
+    summed over every rank): each expert's down by `rate` if it took more than its layer's mean,
+    up if less. Rows of no load (dense layers) stay 0."""
+    bias.add_(rate * torch.sign(loads.mean(-1, keepdim=True) - loads))
 
 
 class Dispatch:
@@ -144,7 +228,7 @@ class Dispatch:
 
     def __init__(self, exact: bool = False):
         self.exact, self.sink = exact, None
-        self.grouped = True  # on CUDA in bf16: one grouped GEMM (False: a loop, for benchmarks/moe_gpu.py)
+        self.grouped = True  # one grouped GEMM (False: a loop, for benchmarks/moe_gpu.py)
 
     def experts_of(self, E: int, r: int) -> range:
         return range(r * E // self.n, (r + 1) * E // self.n)
@@ -152,15 +236,16 @@ class Dispatch:
     def __call__(self, xs, idx, keep, moe):
         """The expert outputs (N, k, C) of tokens xs (N, C) routed to experts idx (N, k); `keep`
         (N, k) marks the assignments within capacity, zero output elsewhere (None: dropless).
-        The kept assignments sorted expert-major, token order within an expert (each token meets an
+        The assignments sorted expert-major, token order within an expert (each token meets an
         expert at most once), run through the experts (`_run`), and put back in place per (token,
-        slot) by index -- no atomics, each place written once."""
+        slot) by index -- no atomics, each place written once. Outside exact mode at ep 1 every
+        assignment runs (a dropped one is weighted 0 by the caller): shapes that do not change."""
         N, k = idx.shape
         expert = idx.reshape(-1)  # assignment a = token * k + slot
-        if keep is not None:
+        if keep is not None and (self.exact or self.n > 1):  # only the kept ones (a wait for the device)
             kept = keep.reshape(-1).nonzero().squeeze(1)
             order = kept[torch.sort(expert[kept], stable=True).indices]  # expert-major, token order
-        else:  # dropless: every assignment (and no wait for the GPU)
+        else:
             order = torch.sort(expert, stable=True).indices
         rows = xs[order // k]
         if torch.is_autocast_enabled(xs.device.type):  # travel and compute in the autocast dtype
@@ -173,20 +258,32 @@ class Dispatch:
     def _run(self, rows, counts, moe):
         """Every expert over its run of rows (counts[e] of them, in order)."""
         local = local_experts(moe)
-        if self._grouped(rows, moe):  # (the counts stay on the GPU)
-            return grouped(rows, counts, local)
+        if self._grouped(rows, moe):  # (the counts stay on the device)
+            return grouped(rows, counts, local, moe.expert_type)
         c = counts.tolist()
         return compute(rows, c, local, [[x] for x in c], self.exact)
 
     def _grouped(self, rows, moe) -> bool:
-        """On CUDA in bf16, outside exact mode, with rows to compute (a grouped GEMM of none raises;
-        the loop keeps the experts in the graph), widths of whole 16-byte rows: one grouped GEMM."""
-        return (self.grouped and not self.exact and rows.is_cuda and rows.dtype == torch.bfloat16 and rows.shape[0] > 0
-                and hasattr(torch, "_grouped_mm") and rows.shape[-1] % 8 == 0 and moe.width % 8 == 0)
+        """Outside exact mode, with rows to compute (a grouped GEMM of none raises; the loop keeps
+        the experts in the graph), on CUDA in bf16 with widths of whole 16-byte rows, or on the
+        CPU in fp32: one grouped GEMM."""
+        if not self.grouped or self.exact or rows.shape[0] == 0 or not hasattr(torch, "_grouped_mm"):
+            return False
+        if rows.is_cuda:
+            return rows.dtype == torch.bfloat16 and rows.shape[-1] % 8 == 0 and moe.width % 8 == 0
+        return rows.dtype == torch.float32
 
 
 def local_experts(moe) -> list:
     return [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
+
+
+def grouped(rows, counts, experts, kind):
+    """The experts (of class `kind`) over their runs of rows in grouped GEMMs: the runs' ends
+    (`offs`) and each row's expert (`which`) computed on the device."""
+    offs = counts.cumsum(0).to(torch.int32)
+    which = torch.repeat_interleave(torch.arange(len(experts), device=rows.device), counts, output_size=rows.shape[0])
+    return kind.grouped(rows, offs, which, experts)
 
 
 def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, tap=None):
@@ -198,17 +295,3 @@ def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: boo
         for s, p in enumerate(piece.split(sizes if exact else [piece.shape[0]])):
             outs.append(ex(p, [tap(w, s) for w in ex.weights()] if tap is not None else None))
     return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])
-
-
-def grouped(rows, counts, experts):
-    """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run of
-    rows; counts a device tensor). Each row's bias is its expert's, picked by a matmul with the
-    rows' one-hot expert matrix, so that its gradient is one too (a gather's would be an
-    index_put that adds with atomics: 20 of 31 ms of a layer's step on the H200, measured)."""
-    dt, E = rows.dtype, len(experts)
-    offs = counts.cumsum(0).to(torch.int32)
-    which = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=rows.shape[0])
-    onehot = (which[:, None] == torch.arange(E, device=rows.device)).to(dt)  # (rows, E)
-    w1, b1, w2, b2 = (torch.stack(ws).to(dt) for ws in zip(*(e.weights() for e in experts)))  # (E, H, C) ...
-    h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + onehot @ b1
-    return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + onehot @ b2

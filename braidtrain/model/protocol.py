@@ -7,8 +7,8 @@ A family (gpt2.py, llama.py) is one module that declares, and the registry (regi
     Model       a Stage subclass: the whole model, or one pipeline chunk of it, built on a mesh
     init_std    (cfg, parameter name) -> the std of its normal init, or None: 1 for a norm's
                 weight, 0 for a bias
-    HF          its HuggingFace adapter: architecture, to_hf / from_hf (names and transforms),
-                hf_config / config_from_hf
+    HF          its HuggingFace adapter: ARCHITECTURES (and MODEL_TYPES), to_hf / from_hf (names
+                and transforms), hf_config / config_from_hf
 
 The engine, placement, passes, planner, checkpoints, export, evaluation, sampling and bench know
 only this: a Stage's parameters, units, uses and forward; a ModelConfig's common fields and its
@@ -39,7 +39,7 @@ from braidtrain.errors import UserError, divisors
 from braidtrain.model.layers import enter_tp, gather_last_dim, vocab_parallel_cross_entropy
 from braidtrain.model.loss import head_loss
 from braidtrain.model.counts import counts
-from braidtrain.model.moe import Dispatch, MoE
+from braidtrain.model.moe import BALANCES, ROUTERS, Dispatch, MoE
 
 VOCAB_ALIGN = 128  # the vocabulary is padded to a multiple of this (times tp)
 
@@ -61,6 +61,10 @@ class ModelConfig:
     moe_hidden: int = 0  # an expert's width (0: the dense MLP's)
     moe_capacity: float = 0.0  # capacity factor; 0: dropless
     moe_aux: float = 0.01  # the load-balancing loss's coefficient
+    moe_router: str = "softmax-topk"  # or "topk-softmax" (model/moe.py)
+    moe_balance: str = "aux"  # or "bias": DeepSeek-V3's auxiliary-loss-free balancing
+    moe_bias_rate: float = 0.001  # its per-step move of an expert's bias
+    moe_renorm: bool = True  # the top k's weights renormalised to sum to 1 (softmax-topk; Qwen3-MoE's norm_topk_prob)
 
     family: ClassVar[str] = ""
     model: ClassVar[type] = None  # its Stage subclass (set by the family module)
@@ -148,8 +152,13 @@ def check_moe(cfg: ModelConfig) -> None:
     if not 1 <= cfg.moe_every <= cfg.n_layer:
         raise UserError(f"--moe-every {cfg.moe_every}: every n-th block of {cfg.n_layer} is an MoE block, "
                         f"so n is between 1 and n_layer = {cfg.n_layer}")
-    if cfg.moe_hidden < 0 or cfg.moe_aux < 0:
-        raise UserError("--moe-hidden and --moe-aux are >= 0")
+    if cfg.moe_hidden < 0 or cfg.moe_aux < 0 or cfg.moe_bias_rate < 0:
+        raise UserError("--moe-hidden, --moe-aux and --moe-bias-rate are >= 0")
+    if cfg.moe_router not in ROUTERS:
+        raise UserError(f"--moe-router {cfg.moe_router!r}: use {' or '.join(ROUTERS)}")
+    if cfg.moe_balance not in BALANCES:
+        raise UserError(f"--moe-balance {cfg.moe_balance!r}: use {' or '.join(BALANCES)} (the Switch loss, or "
+                        f"DeepSeek-V3's per-expert bias)")
 
 
 class Blocks(nn.ModuleDict):
@@ -244,7 +253,11 @@ class Stage(nn.Module):
         return getattr(self, self.blocks_attr)
 
     def moe_layers(self) -> list:
-        return [m for block in self.blocks() for m in block.modules() if isinstance(m, MoE)]
+        return list(self.moe_by_block().values())
+
+    def moe_by_block(self) -> dict:
+        """{block index: its mixture of experts} of the blocks this stage holds."""
+        return {int(i): m for i, block in self.blocks().items() for m in block.modules() if isinstance(m, MoE)}
 
     def param_units(self):
         """Parameter groups for the data-parallel engine, in forward order, module None for a group

@@ -51,7 +51,8 @@ def model_config(preset: str, vocab_size: int | None = None, **overrides) -> Mod
 
 
 FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_experts", "moe_top_k", "moe_every",
-         "moe_hidden", "moe_capacity", "moe_aux")  # the fields `train` takes on its command line
+         "moe_hidden", "moe_capacity", "moe_aux", "moe_router", "moe_balance", "moe_bias_rate",
+         "moe_shared")  # the model's fields `train` takes on its command line (config.py's of those names)
 
 
 def command_line(cfg: ModelConfig) -> list:
@@ -78,9 +79,9 @@ def of_hf(c: dict, where: str):
     """The family of a HuggingFace config.json (its architectures, else model_type)."""
     archs = c.get("architectures") or []
     for fam in FAMILIES.values():
-        if fam.ARCHITECTURE in archs or (not archs and c.get("model_type") == fam.MODEL_TYPE):
+        if set(archs) & set(fam.ARCHITECTURES) or (not archs and c.get("model_type") in fam.MODEL_TYPES.values()):
             return fam
-    known = ", ".join(f.ARCHITECTURE for f in FAMILIES.values())
+    known = ", ".join(a for f in FAMILIES.values() for a in f.ARCHITECTURES)
     raise UserError(f"{where}: architecture {archs or c.get('model_type')!r} is not one braidtrain trains (it reads {known})")
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.model.moe import Dispatch as LocalDispatch, compute, grouped, local_experts
+from braidtrain.model.moe import Dispatch as LocalDispatch, compute, grouped, local_experts, move_bias
 
 
 class _AllToAll(torch.autograd.Function):
@@ -73,7 +73,7 @@ class Dispatch(LocalDispatch):
         perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
         mine = [sum(recv[s][e] for s in range(n)) for e in range(El)]
         if self._grouped(arrived, moe):
-            out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), local)
+            out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), local, moe.expert_type)
         else:
             tap = (lambda w, s: Tap.apply(w, self.sink, s)) if self.sink is not None else None
             out = compute(arrived[perm], mine, local, [[recv[s][e] for s in range(n)] for e in range(El)], self.exact,
@@ -142,3 +142,27 @@ class Sourced:
 
     def clear(self) -> None:
         self.leaves.clear(), self.pending.clear(), self.done.clear()
+
+
+def step_figures(parts, comm, world, mcfg, balance, move: bool = True) -> dict:
+    """A step's mixture-of-experts figures over every rank and MoE layer (model/moe.py's stats): the
+    mean balance loss, the share of assignments dropped at capacity, and the experts' load -- tokens
+    kept per expert, summed over layers, as max / mean and each expert's share. One all-reduce of a
+    (layers, figures) table, each rank its own layers' rows (tp's copies weigh every layer alike).
+    With --moe-balance bias (and `move`) the table's loads move every layer's biases, `balance`
+    (layers, E), the same on every rank (moe.move_bias)."""
+    E = mcfg.moe_experts
+    table = torch.zeros(mcfg.n_layer, 4 + 2 * E, device=balance.device)
+    for part in parts:
+        for i, m in part.moe_by_block().items():
+            table[i] = m.stats
+            m.stats.zero_()
+    comm.all_reduce(table, world).wait()
+    total = table.sum(0)
+    n, assigned, aux, dropped = total[:4].tolist()
+    load = total[4 + E:]
+    if mcfg.moe_balance == "bias" and move:
+        move_bias(balance, table[:, 4:4 + E], mcfg.moe_bias_rate)
+    return {"moe_aux": aux / max(n, 1), "moe_dropped": dropped / max(assigned, 1),
+            "moe_load_max": (load.max() / load.mean().clamp_min(1e-9)).item(),
+            "moe_load": (load / load.sum().clamp_min(1e-9)).tolist()}

@@ -49,6 +49,7 @@ class Placed:
     reduce: str = "replica"  # the mesh group that reduces its gradient (mesh.groups key)
     users: tuple = ()  # of a parameter used in two places (the tied wte), the uses this rank performs
     copy: bool = False  # a copy of another stage's parameter (a last stage's wte): saved, counted once there
+    partial: bool = False  # replicated, but each tp rank's gradient a part (a qk-norm over each rank's heads)
 
     @property
     def replicated(self) -> bool:
@@ -93,12 +94,13 @@ class Placed:
 
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "split": list(self.split), "unit": self.unit, "stage": self.stage,
-                "expert": self.expert, "reduce": self.reduce, "users": list(self.users), "copy": self.copy}
+                "expert": self.expert, "reduce": self.reduce, "users": list(self.users), "copy": self.copy,
+                "partial": self.partial}
 
     @staticmethod
     def from_json(name: str, d: dict) -> "Placed":
         return Placed(name, tuple(d["shape"]), ShardSpec.from_json(d["split"]), d["unit"], d["stage"], d["expert"],
-                      d["reduce"], tuple(d["users"]), d.get("copy", False))
+                      d["reduce"], tuple(d["users"]), d.get("copy", False), d.get("partial", False))
 
 
 class Table:
@@ -124,8 +126,9 @@ class Table:
         (Megatron's "sequence-parallel" parameters). Under sp the tp-replicated parameters --
         LayerNorms, wpe, the row-parallel biases -- act on this rank's T/tp rows of the sequence
         only, so each rank's gradient is the sum over its rows; without sp they see the whole
-        sequence on every rank and their gradients are already complete (and equal) on each."""
-        return {e.name for e in self.entries if self.sp and self.tp > 1 and e.replicated}
+        sequence on every rank and their gradients are already complete (and equal) on each -- but
+        for those a layer declares partial (`tp_partial`: a norm over each rank's own heads)."""
+        return {e.name for e in self.entries if self.tp > 1 and e.replicated and (self.sp or e.partial)}
 
     def counted_here(self, e: Placed) -> bool:
         """Whether this rank's copy counts in the gradient norm: a tp-replicated parameter on tp
@@ -156,15 +159,17 @@ def build(parts) -> Table:
         for module, names in part.param_units():
             unit_of.update(dict.fromkeys(names, len(modules)))
             modules.append(module)
-        split_of, experts = {}, set()
+        split_of, experts, partial = {}, set(), set()
         for mod_name, module in part.named_modules():
             for pname, split in getattr(module, "tp_split", {}).items():
                 split_of[f"{mod_name}.{pname}" if mod_name else pname] = split
+            partial.update(f"{mod_name}.{pname}" for pname in getattr(module, "tp_partial", ()))
             if getattr(module, "expert", False):  # an expert's parameters (model/moe.py)
                 experts.update(f"{mod_name}.{pname}" for pname, _ in module.named_parameters())
         users, copies = part.tied_users(), part.copies()
         entries += [Placed(n, full[n], split_of.get(n, REPLICATED), unit_of[n], part.stage, expert=n in experts,
-                           reduce="expert" if n in experts else "replica", users=users.get(n, ()), copy=n in copies)
+                           reduce="expert" if n in experts else "replica", users=users.get(n, ()), copy=n in copies,
+                           partial=n in partial)
                     for n, _ in part.named_parameters()]
     return Table(entries, model.tp, model.tp_rank, model.sp, modules)
 
