@@ -31,7 +31,7 @@ from braidtrain.model.gpt import GPTConfig
 from braidtrain.parallel import placement
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-EOT = {"gpt2": 50256, "bytes": 0, LLAMA3_IDS: LLAMA3_BOS}  # the tokenizers' end-of-text ids (data.get_tokenizer)
+EOT = {"gpt2": 50256, "bytes": 0, "llama3": LLAMA3_BOS, LLAMA3_IDS: LLAMA3_BOS}  # the tokenizers' end-of-text ids (data.get_tokenizer)
 
 
 def hf_shape(e: placement.Placed, cfg: GPTConfig) -> tuple:
