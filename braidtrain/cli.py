@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     p = dsub.add_parser("prepare-eval", help="write an llm.c multiple-choice eval file from JSON lines")
     p.add_argument("--jsonl", required=True, help='lines of {"context": str, "endings": [str, ...], "label": int}')
     p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, or a data folder (its tokenizer.json)")
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, llama3, or a data folder (its tokenizer.json)")
     p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's timeline; --experts: MoE load")
     p.add_argument("runs", nargs="*")
     p.add_argument("--schedule", metavar="RUN", help="draw each rank's forwards and backwards in the last step of RUN")

@@ -151,7 +151,8 @@ def get_tokenizer(name: str) -> Tokenizer:
         # encode_ordinary: a literal "<|endoftext|>" in a user's text is text, not a
         # document boundary (tiktoken's encode() would raise on it instead).
         return Tokenizer("gpt2", 50257, 50256, enc.encode_ordinary, enc.decode,
-                         lambda s: np.asarray(enc.encode_ordinary(s), dtype=np.uint16))
+                         # (no special tokens allowed: encode_ordinary's ids, as an array with no list between)
+                         lambda s: enc.encode_to_numpy(s, disallowed_special=()).astype(np.uint16))
     if name == "bytes":
         # UTF-8 bytes; eot is byte 0 (NUL), which does not occur in text files. A NUL
         # that does occur would read as a document boundary, nothing worse.
