@@ -8,8 +8,10 @@ each --case runs `python -m braidtrain data prepare` once, timed from the comman
 end (start-up, reading, tokenizing and writing; --shard-tokens 10M by default, so that a few hundred
 megabytes make several shards), and prints a row per case:
 
-    case (format:tokenizer:workers), documents, tokens, seconds, MB/s (of text), tokens/s, and the
-    peak resident set of the command's largest process (the reader or a worker), in MB
+    case (format:tokenizer:workers), documents, tokens, seconds, MB/s (of text), tokens/s, the CPU
+    seconds of the command and its workers (user + system: another load on the machine slows the
+    wall clock, not this), and the peak resident set of its largest process (the reader or a
+    worker), in MB
 
 Usage (repo root):
     python benchmarks/corpus_throughput.py --mb 300 --dir /tmp/corpus_bench
@@ -84,8 +86,9 @@ def run(case: str, root: Path, out: Path, shard_tokens: int) -> dict:
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.time()
         p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        # wait4, not wait: its ru_maxrss is the peak resident set of the command's largest process
-        # (the reader or a worker), which stays flat in the corpus size if the streaming works
+        # wait4, not wait, for its rusage: the CPU time of the command and the workers it reaped,
+        # and ru_maxrss, the peak resident set of its largest process (the reader or a worker),
+        # which stays flat in the corpus size if the streaming works
         _, status, usage = os.wait4(p.pid, 0)
         dt = time.time() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -94,7 +97,7 @@ def run(case: str, root: Path, out: Path, shard_tokens: int) -> dict:
             sys.exit(f"{' '.join(cmd)} failed:\n{err.read()[-3000:]}")
         s = json.loads(out.read().strip().splitlines()[-1])
     return {"case": case, "seconds": dt, "tokens": s["train_tokens"] + s["val_tokens"], "documents": s["documents"],
-            "peak_mb": usage.ru_maxrss / 1024}
+            "peak_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def main() -> None:
@@ -107,11 +110,11 @@ def main() -> None:
     root = Path(args.dir)
     docs, nbytes = make_corpus(root, args.mb)
     print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB of text ({root})")
-    print(f"{'case':<18} {'documents':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'tokens/s':>10} {'peak RSS MB':>11}")
+    print(f"{'case':<18} {'documents':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'tokens/s':>10} {'CPU s':>6} {'peak RSS MB':>11}")
     for case in args.case or CASES:
         r = run(case, root, root / "out", args.shard_tokens)
         print(f"{case:<18} {r['documents']:>9} {r['tokens']:>12} {r['seconds']:>8.1f} {nbytes / 1e6 / r['seconds']:>6.2f} "
-              f"{r['tokens'] / r['seconds']:>10,.0f} {r['peak_mb']:>11,.0f}", flush=True)
+              f"{r['tokens'] / r['seconds']:>10,.0f} {r['cpu_s']:>6.0f} {r['peak_mb']:>11,.0f}", flush=True)
 
 
 if __name__ == "__main__":
