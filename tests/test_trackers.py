@@ -144,3 +144,19 @@ def test_imported_only_when_asked(tmp_path):
                       "print(sorted({'tensorboard', 'wandb', 'pyarrow', 'llama_models'} & set(sys.modules)))\n")
     p = launch(script)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, shakespeare):
+    """W&B online with no API key (HOME and W&B's folders empty: nothing is sent anywhere) on two
+    ranks: rank 0's W&B fails before the first step, and every rank stops with its one line."""
+    home = tmp_path / "home"
+    e = {k: v for k, v in env().items() if not k.startswith("WANDB_")}
+    e.update(HOME=str(home), WANDB_CONFIG_DIR=str(home / "config"), WANDB_CACHE_DIR=str(home / "cache"),
+             WANDB_DATA_DIR=str(home / "data"), WANDB_SILENT="true")
+    p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 2, "--out", tmp_path / "run", "--wandb", "braidtrain-test",
+                   nproc=2, check=False, environ=e)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
+    assert p.returncode == 2 and errors and "Traceback" not in p.stderr, p.stderr[-3000:]
+    for line in errors:
+        assert "--wandb braidtrain-test: W&B could not start the run (" in line and "WANDB_MODE=offline" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
