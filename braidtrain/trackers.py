@@ -7,8 +7,8 @@ A record's every numeric field is a scalar at the record's step, under its metri
 loss, lr, grad_norm, tokens_per_s, ..., val_loss and eval_acc at the steps that evaluated. A list
 is one scalar per element (bubble/0, bubble/1: pipeline stages; moe_load/0, ...: experts), true and
 false (skipped) are 1 and 0; text (skip_reason) and missing values (mfu on a CPU, a non-finite
-loss) are left out. TensorBoard gets float64 tensor summaries, so its numbers read back exactly as
-metrics.jsonl's.
+loss) are left out. TensorBoard keeps float32 scalars: each is metrics.jsonl's value rounded to
+float32 (W&B's are the values themselves).
 
 A restarted run (--resume, or torchrun's restart) continues the same curves, and, as metrics.jsonl
 does, keeps only the steps up to its checkpoint from the attempt before:
@@ -86,8 +86,9 @@ class TensorBoard:
 
     def write(self, rec: dict, flush: bool = True) -> None:
         for name, value in scalars(rec).items():
-            # float64 tensors, not the float32 simple_value: the values read back exact
-            self.writer.add_scalar(name, value, rec["step"], new_style=True, double_precision=True)
+            # TensorBoard's plain float32 scalar: its default loader (tensorboard-data-server 0.7)
+            # shows no float64 ones
+            self.writer.add_scalar(name, value, rec["step"])
         if flush:
             self.writer.flush()
 

@@ -1,10 +1,11 @@
 """TensorBoard and W&B (braidtrain/trackers.py): each read back from its own files -- TensorBoard's
 event files by TensorBoard's own reader, W&B's offline run from its .wandb file -- holds every
-step's every metrics.jsonl field, once, across a kill and `--resume auto`."""
+step's every metrics.jsonl field, once, across a kill and `--resume auto` (TensorBoard's as float32)."""
 import json
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from braidtrain import cli, trackers
@@ -115,8 +116,8 @@ def test_both_follow_metrics_across_a_kill_and_resume(tmp_path, shakespeare):
 
     tb = read_tensorboard(run / "tb")
     assert set(tb) == {k for fields in want.values() for k in fields}
-    for tag, by_step in tb.items():
-        assert by_step == {s: f[tag] for s, f in want.items() if tag in f}, tag
+    for tag, by_step in tb.items():  # (TensorBoard's scalars are float32)
+        assert by_step == {s: float(np.float32(f[tag])) for s, f in want.items() if tag in f}, tag
 
     (folder,) = (run / "wandb").glob("offline-run-*")  # the killed attempt's is superseded
     got_id, history = read_wandb(folder)
