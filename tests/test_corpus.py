@@ -124,6 +124,20 @@ def test_streaming_reads_a_bounded_number_of_batches_ahead(monkeypatch):
     assert [tok.decode(a) for a in stream] == texts[1:]
 
 
+def test_parquet_is_read_in_bounded_memory(tmp_path):
+    """10 MB of text in row groups of 500 documents: what pyarrow holds while the documents are read
+    stays a fraction of the file (pyarrow's default pre-buffering held most of it by the end)."""
+    text = "".join(p.read_text() for p in PLAYS) * 2
+    docs = [text[i: i + 500] for i in range(0, len(text), 500)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", row_group_size=500)
+    peak, n = 0, 0
+    for doc in C.documents([tmp_path / "c.parquet"]):
+        assert doc == docs[n]
+        n += 1
+        peak = max(peak, pa.total_allocated_bytes())
+    assert n == len(docs) and peak < len(text) / 4, (peak, len(text))
+
+
 def test_bad_corpora_are_one_line_errors(tmp_path, monkeypatch):
     docs = documents(plays=1)
     src = write_corpora(tmp_path / "src", docs)
