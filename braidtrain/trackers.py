@@ -21,10 +21,10 @@ does, keeps only the steps up to its checkpoint from the attempt before:
 - W&B: the run's id is kept in RUN/wandb/braidtrain-run-id and the run resumed under it. W&B
   writes its data some seconds late (its .wandb file every 15 s offline), so a killed attempt's
   last steps may never have reached it: the resumed run is sent the kept steps it does not hold,
-  from metrics.jsonl. Online, W&B holds the steps before its own last one (and ignores steps at or
-  below it). Offline, nothing is known of the earlier attempt's folder: the new offline folder
-  gets every kept step, and the earlier folders of the run (superseded) are removed, so
-  RUN/wandb holds one offline run to `wandb sync`.
+  from metrics.jsonl. Online, those are the steps from the resumed run's current step on (W&B
+  keeps what it holds below it, and would ignore them). Offline, nothing is known of the earlier
+  attempt's folder: the new offline folder gets every kept step, and the earlier folders of the
+  run (superseded) are removed, so RUN/wandb holds one offline run to `wandb sync`.
 
 Neither package is needed unless asked for: they are imported here, when a run opens them.
 """
