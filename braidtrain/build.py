@@ -20,7 +20,7 @@ import torch
 from braidtrain import checkpoint, export, layout, rundir
 from braidtrain.comm import Comm
 from braidtrain.config import Config
-from braidtrain.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, resolve_files
+from braidtrain.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
 from braidtrain.errors import UserError
 from braidtrain.fault import Fault, Guard
 from braidtrain.mesh import Mesh, build_mesh
@@ -70,6 +70,8 @@ def build(cfg: Config) -> Run:
     train_files = resolve_files(cfg.train_data, "train")
     val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
     tok_name, vocab = data_tokenizer(train_files, cfg.tokenizer)
+    if tok_name == "llama3" and cfg.sample_tokens:
+        get_tokenizer(tok_name)  # its BPE file missing: say so now, not after the training
     if tok_name == LLAMA3_IDS:
         rt.log(f"note: {train_files[0]} is llama-3's layout with no tokenizer.json beside it: training on its ids "
                f"(a vocabulary of {vocab}); samples print as ids")

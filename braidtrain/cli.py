@@ -37,7 +37,8 @@ def _train_parser(sub):
     g = p.add_argument_group("data")
     g.add_argument("--train-data", "-i", help="token file, folder or glob (llm.c .bin)")
     g.add_argument("--val-data", "-j", help="validation token file, folder or glob")
-    g.add_argument("--tokenizer", choices=["gpt2", "bytes"])
+    g.add_argument("--tokenizer", choices=["gpt2", "bytes", "llama3"],
+                   help="default: the data's tokenizer.json, else gpt2 (llm.c's llama-3 shards: their ids)")
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--batch-size", "-b", type=int, help="sequences per micro-batch per rank")
     g.add_argument("--seq-len", "-t", type=int, help="tokens per sequence")
@@ -70,6 +71,11 @@ def _train_parser(sub):
                                                        "writes one)")
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    g.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write every step's metrics as TensorBoard events in RUN/tb (needs tensorboard)")
+    g.add_argument("--wandb", metavar="PROJECT",
+                   help="also log every step's metrics to this Weights & Biases project (needs wandb; "
+                        "WANDB_MODE=offline: no network, files in RUN/wandb)")
     g = p.add_argument_group("mixture of experts (model/moe.py)")
     g.add_argument("--moe-experts", type=int, help="experts in place of each MoE block's MLP (0: dense)")
     g.add_argument("--moe-top-k", type=int, help="experts a token goes through (default 2)")
@@ -168,8 +174,11 @@ def cmd_data(args) -> int:
         print(json.dumps(evaluate.prepare(args.jsonl, args.out, args.tokenizer)))
         return 0
 
-    summary = prepare(args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, name=args.name)
-    print(json.dumps({k: summary[k] for k in ("train_tokens", "val_tokens", "tokenizer", "vocab_size")}))
+    summary = prepare(args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, name=args.name,
+                      split=args.split, shard_tokens=args.shard_tokens, text_field=args.text_field,
+                      workers=args.workers)
+    print(json.dumps({k: summary[k] for k in ("train_tokens", "val_tokens", "documents", "split", "tokenizer",
+                                              "vocab_size")}))
     return 0
 
 
@@ -263,6 +272,11 @@ def run() -> None:
 _ran_collectives = False
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def main(argv=None) -> int:
     global _ran_collectives
     parser = Parser(prog="braidtrain", description="Train GPT-style models on 1 to N GPUs.")
@@ -271,16 +285,24 @@ def main(argv=None) -> int:
     d = sub.add_parser("data", help="prepare token shards")
     dsub = d.add_subparsers(dest="action", required=True, parser_class=Parser)
     p = dsub.add_parser("prepare", help="tokenize a corpus into llm.c .bin shards")
-    p.add_argument("--corpus", default="shakespeare", help="shakespeare, or a text file or folder")
-    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"])
+    p.add_argument("--corpus", default="shakespeare",
+                   help="shakespeare, or a file, folder or glob of text (a folder: *.txt, *.md), *.parquet, *.jsonl, "
+                        "*.jsonl.gz")
+    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes", "llama3"])
     p.add_argument("--out", required=True)
     p.add_argument("--name", help="shard name prefix (default: the corpus name)")
-    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--split", choices=["doc", "shard"],
+                   help="doc: each document's last --val-fraction to val (the default for text); shard: llm.c's "
+                        "fineweb.py, the first shard val (the default for parquet and JSON lines)")
+    p.add_argument("--val-fraction", type=float, help="--split doc: each document's share for val (default 0.05)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M, llm.c's)")
+    p.add_argument("--text-field", default="text", help="parquet column or JSON field holding the text (default text)")
+    p.add_argument("--workers", type=int, default=_cores(), help="tokenizing processes (default: every core, here %(default)s)")
     parsers["data"] = p
     p = dsub.add_parser("prepare-eval", help="write an llm.c multiple-choice eval file from JSON lines")
     p.add_argument("--jsonl", required=True, help='lines of {"context": str, "endings": [str, ...], "label": int}')
     p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, or a data folder (its tokenizer.json)")
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, llama3, or a data folder (its tokenizer.json)")
     p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's timeline; --experts: MoE load")
     p.add_argument("runs", nargs="*")
     p.add_argument("--schedule", metavar="RUN", help="draw each rank's forwards and backwards in the last step of RUN")

@@ -74,6 +74,8 @@ class Config:
     start_over: bool = False  # a new run into --out that holds another run: move that run's files aside (rundir.py)
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
     progress: bool = True
+    tensorboard: bool = False  # TensorBoard event files in RUN/tb (trackers.py)
+    wandb: str | None = None  # a Weights & Biases project: the run logged there, its files in RUN/wandb
     # parallelism (layout.py validates them together)
     layout: str | None = None  # "auto": the planner picks AUTO_CHOSEN for the processes and GPUs (plan.auto_layout)
     zero: int = 0
@@ -216,5 +218,10 @@ def validate(cfg: Config) -> None:
         raise UserError(f"unknown dtype '{cfg.dtype}': use auto, fp32 or bf16")
     if cfg.timeout <= 0:
         raise UserError(f"timeout must be positive, got {cfg.timeout}")
+    if cfg.wandb is not None and not cfg.wandb.strip():
+        raise UserError("--wandb needs a project name, e.g. --wandb my-project")
+    from braidtrain.trackers import check_installed
+
+    check_installed(cfg.tensorboard, cfg.wandb)
     if not cfg.heartbeat_timeout >= 0:
         raise UserError(f"heartbeat_timeout must be >= 0 (0 turns the heartbeat off), got {cfg.heartbeat_timeout}")

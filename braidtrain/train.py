@@ -86,6 +86,29 @@ class Trainer:
         self.shared_checked = False  # the checkpoint folder seen by every rank (check_shared, at the first save)
         self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
         self.balance = run.balance  # --moe-balance bias: every MoE layer's expert biases (n_layer, E), all ranks alike
+        try:
+            self.trackers = self.open_trackers()
+        except BaseException:
+            run.guard.close(clean=False)
+            raise
+
+    def open_trackers(self):
+        """TensorBoard and W&B on rank 0 (trackers.py), or None; collective: a tracker that cannot
+        start (W&B without a login) is the same one-line error on every rank."""
+        if not (self.cfg.tensorboard or self.cfg.wandb):
+            return None
+        from braidtrain.trackers import Trackers
+
+        trackers, err = None, None
+        if self.rt.is_main:
+            try:
+                trackers = Trackers(self.cfg, self.out, self.start_step)
+            except UserError as e:
+                err = str(e)
+        err = self.comm.broadcast_object(err, self.mesh.groups["world"])
+        if err:
+            raise UserError(err)
+        return trackers
 
     def autocast(self):
         # no weight-cast cache: each block uses its weights once per forward, and a cache would
@@ -296,6 +319,7 @@ class Trainer:
         rec, val, bubbles, ev = None, None, [], None
         eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every
         skipped, streak = 0, []
+        failed = True
         try:
             with gc_by_hand():
                 for step in range(self.start_step, cfg.max_steps):
@@ -315,13 +339,18 @@ class Trainer:
                         rec["save_s"] = self.save(step + 1)
                     if log:
                         log.write(rec)
+                    if self.trackers:  # the same record, in TensorBoard and W&B
+                        self.trackers.write(rec)
                     bar.update(rec)
                     if len(streak) >= cfg.max_skipped:
                         raise self.diverged(streak)
+            failed = False
         finally:
             bar.close()
             if log:
                 log.close()
+            if self.trackers:
+                self.trackers.close(failed)
         self.drop_graph()
         if val is None or rec is None:
             val = self.passes.validate(self.device)
