@@ -468,13 +468,12 @@ def moe_rows(s: Setup, lay: Candidate) -> float:
 
 def moe_layer_bytes(s: Setup, lay: Candidate) -> float:
     """What one MoE layer adds to a rank's activations beyond the dense MLP's (counted in the
-    layers term): its rows in and out (2 x C, bf16), the hidden activation and its GELU (2 x H)
-    less the dense MLP's per token (2 x 4C), and the router's fp32 probabilities (E)."""
-    cfg = s.cfg
-    scale = 2 if s.cpu else 1
-    tokens = lay.b * s.t / lay.cp / (lay.tp if lay.sp else 1)
-    per = (moe_rows(s, lay) * (2 * cfg.n_embd + 2 * cfg.moe_width) - tokens * 8 * cfg.n_embd) * 2 * scale
-    return max(0.0, per) + tokens * cfg.moe_experts * 4
+    layers term): its routed rows' and its tokens' bytes, traced from the family's own layers
+    (model/counts.py's moe_activations)."""
+    from braidtrain.model.counts import moe_activations
+
+    per_row, per_token = moe_activations(s.cfg, lay.tp, lay.sp and lay.tp > 1, gpu=not s.cpu)
+    return max(0.0, moe_rows(s, lay) * per_row + lay.b * s.t / lay.cp * per_token)
 
 
 def moe_bytes(s: Setup, lay: Candidate) -> float:

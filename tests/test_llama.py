@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from braidtrain import export
 from braidtrain.errors import UserError
@@ -51,8 +52,8 @@ def test_exact_is_bitwise_across_dp_zero_and_pipelines(runs):
     assert_bitwise(runs, ["tied-pp2-interleaved-exact"], runs["ref-tied-exact"])
 
 
-def small(vocab=300, **kw):
-    cfg = registry.model_config("llama3-tiny", vocab, **{**SHAPE, **kw})
+def small(vocab=300, preset="llama3-tiny", **kw):
+    cfg = registry.model_config(preset, vocab, **{**SHAPE, **kw})
     m = registry.build(cfg)
     init_weights(m, 3)
     with torch.no_grad():  # the norms start at 1: make them tell apart
@@ -86,6 +87,45 @@ def test_same_logits_as_transformers_and_an_exact_round_trip(tmp_path, tied):
             assert torch.equal(back[k][:300], v[:300]) and not back[k][300:].any()
         else:
             assert torch.equal(back[k], v), k
+
+
+# the Llama family's other shapes HF names: a qk-norm (Qwen3), SwiGLU experts (Mixtral: softmax over
+# the top-2; Qwen3-MoE: softmax, top-k, not renormalised here, a dense layer between sparse ones)
+HF_SHAPES = {"Qwen3ForCausalLM": ("llama3-tiny", dict(qk_norm=True)),
+             "MixtralForCausalLM": ("mixtral-tiny", dict(moe_hidden=48)),
+             "Qwen3MoeForCausalLM": ("mixtral-tiny", dict(qk_norm=True, moe_experts=8, moe_top_k=4, moe_hidden=16,
+                                                          moe_every=2, moe_renorm=False))}
+
+
+@pytest.mark.parametrize("arch", HF_SHAPES)
+def test_qwen3_mixtral_and_qwen3_moe_both_ways(tmp_path, arch):
+    """The same logits as transformers' model of the architecture the config makes (1e-4; the
+    experts routed dropless, as HF routes), an exact round trip of our folder, and HF's own folders
+    read back to the same tensors: save_pretrained's (per-expert names) and the model's state dict
+    as it is in memory (transformers 5 fuses the experts: experts.gate_up_proj, experts.down_proj)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    preset, kw = HF_SHAPES[arch]
+    cfg, m = small(preset=preset, **kw)
+    params = {k: v.detach().clone() for k, v in m.named_parameters()}
+    export.write_hf(params, cfg, "bytes", tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == [arch]
+    hf = getattr(transformers, arch).from_pretrained(str(tmp_path / "ours")).eval()
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = m(x), hf(x).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    hf.save_pretrained(str(tmp_path / "theirs"))
+    (tmp_path / "fused").mkdir()
+    shutil.copy(tmp_path / "theirs" / "config.json", tmp_path / "fused")
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"))
+    family, fields = export.read_config(str(tmp_path / "theirs"))
+    assert family.Config(**fields).moe_experts == cfg.moe_experts and family.Config(**fields).qk_norm == cfg.qk_norm
+    for folder in ("ours", "theirs", "fused"):
+        back = export.load_hf(str(tmp_path / folder), cfg)
+        assert back.keys() == params.keys()
+        for k, v in params.items():
+            n = 300 if k in ("embed_tokens.weight", "lm_head.weight") else len(v)
+            assert torch.equal(back[k][:n], v[:n]), (folder, k)
 
 
 def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakespeare):

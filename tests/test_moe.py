@@ -7,6 +7,7 @@ to the bit across ep, dp and ZeRO. Then the command line: an ep 2 run's metrics,
 resumed at ep 1, the load plot; and bad input."""
 
 import math
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -170,6 +171,30 @@ def test_a_training_step_of_experts_does_not_wait_for_the_device():
         moe(x).sum().backward()
 
 
+def test_a_compiled_mixture_is_one_graph_and_matches_eager():
+    """--compile with experts: a Mixtral layer (with a shared expert) under bf16 autocast, as on the
+    GPU, at capacity and dropless, compiles whole (fullgraph: no graph break, so no wait for the
+    device) and gives eager's output, gradients and step figures (to bf16's precision)."""
+    cfg = model_config("mixtral-tiny", 256, n_layer=1, n_embd=32, n_head=4, n_kv_heads=2, moe_hidden=16, moe_shared=1)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    for capacity in (1.0, 0.0):
+        got = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            moe = registry.build(replace(cfg, moe_capacity=capacity)).layers[0].mlp.train()
+            moe.loss_scale = 1.0
+            xi = x.clone().requires_grad_()
+            run = torch.compile(moe, fullgraph=True, dynamic=False) if compiled else moe
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = run(xi)
+            (y.float() * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+            got.append([y, xi.grad, moe.last] + [p.grad for p in moe.parameters()])
+        assert len(got[0]) == len(got[1]) > 5
+        for a, b in zip(*got):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        assert (got[1][2][3] > 0) == (capacity > 0)  # (the step's dropped assignments)
+
+
 def test_capacity_is_a_training_setting_evaluation_routes_dropless():
     """With a capacity that drops, a training forward's routing group is its whole batch; outside
     training (validation, multiple-choice evaluation, sampling) every token takes its k experts,
@@ -311,8 +336,9 @@ def test_validation_forwards_do_not_count_in_the_step_metrics(tmp_path, shakespe
 
 
 def test_the_grouped_gemm_is_taken_only_where_it_runs():
-    """(On CUDA in bf16: with rows, whole 16-byte rows of both widths, outside exact mode; the
-    loop otherwise -- a grouped GEMM of no rows, or of an odd width, raises on the H200.)"""
+    """(In bf16: with rows, whole 16-byte rows of both widths, outside exact mode -- a grouped GEMM
+    of no rows, or of an odd width, raises on the H200; in fp32 on the CPU, eager only; the loop
+    otherwise.)"""
     from types import SimpleNamespace
 
     from braidtrain.model.moe import Dispatch
@@ -322,6 +348,28 @@ def test_the_grouped_gemm_is_taken_only_where_it_runs():
     assert d._grouped(rows(5), moe) == hasattr(torch, "_grouped_mm")
     assert not d._grouped(rows(0), moe) and not d._grouped(rows(5, 100), moe)
     assert not d._grouped(rows(5), SimpleNamespace(width=100))
-    assert not d._grouped(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16, shape=(5, 64)), moe)
+    assert d._grouped(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16, shape=(5, 64)), moe)
+    cpu32 = SimpleNamespace(is_cuda=False, dtype=torch.float32, shape=(5, 64))
+    assert d._grouped(cpu32, moe) and not d._grouped(SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(5, 64)), moe)
+    assert not torch.compile(lambda: d._grouped(cpu32, moe), fullgraph=True)()
     d.exact = True
     assert not d._grouped(rows(5), moe)
+
+
+def test_the_planner_counts_each_familys_experts():
+    """An MoE layer's bytes beyond the dense MLP (model/counts.py), from the experts themselves: per
+    routed row, in bf16, GPT-2's expert keeps its input, hidden and GELU (C + 2H) and SwiGLU's its
+    input, gate-and-up, SiLU and product (C + 4H), each plus the output row the routing weights
+    multiply; per token, the router's fp32 probabilities less the dense MLP's input and hidden
+    (GPT-2: C + 2 * 4C; Llama: C + 4 * its width, split over tp)."""
+    from braidtrain.model.counts import moe_activations
+
+    gpt = model_config("tiny", 256, moe_experts=4, moe_top_k=2, moe_every=1, moe_hidden=96)
+    C, H, E = gpt.n_embd, 96, 4
+    assert moe_activations(gpt, 1, False, True) == (2 * (C + 2 * H) + 2 * C, 4 * E - 2 * (C + 8 * C))
+    mix = model_config("mixtral-tiny", 256, moe_shared=1)
+    C, H, F_, E = mix.n_embd, mix.moe_width, mix.mlp_width, mix.moe_experts
+    shared = 2 * (C + 4 * H)
+    assert moe_activations(mix, 1, False, True) == (2 * (C + 4 * H) + 2 * C, 4 * E + shared - 2 * (C + 4 * F_))
+    assert moe_activations(mix, 2, False, True)[1] == 4 * E + 2 * (C + 4 * H / 2) - 2 * (C + 4 * F_ / 2)
+    assert moe_activations(mix, 1, False, False)[0] == 2 * moe_activations(mix, 1, False, True)[0]  # fp32 on the CPU

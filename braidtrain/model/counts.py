@@ -4,6 +4,7 @@
                                      passes through (FLOPs: 6 per such parameter, protocol.py)
     block_activations(cfg, tp, sp)   bytes a block keeps for its backward, per token: what autograd
                                      saves when the family's own block runs forward
+    moe_activations(cfg, tp, sp)     what an MoE layer keeps beyond that: per routed row, per token
 
 The second runs one block on fake tensors (no memory, no arithmetic: torch's FakeTensorMode) under
 the precision training uses -- bf16 autocast over fp32 weights for the GPU, fp32 for the CPU -- and
@@ -72,27 +73,37 @@ def _fake_mesh(tp: int):
     return SimpleNamespace(size=lambda axis: tp if axis == "tp" else 1, coord=lambda axis: 0, groups={"tp": group})
 
 
+def _kept(module, x, extra=(), bf16: bool = True) -> int:
+    """Bytes autograd keeps for module(x, *extra)'s backward, its weights not counted (on fake
+    tensors: call inside FakeTensorMode)."""
+    weights = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage._cdata not in weights:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        module(x, *extra)
+    return sum(seen.values())
+
+
+def _stage(cfg, tp: int, sp: bool, at: int):
+    """A stage of one block (block `at`) on a fake tp group (call inside FakeTensorMode)."""
+    return cfg.model(cfg, _fake_mesh(tp) if tp > 1 else None, sp, range(at, at + 1), first=False, last=False)
+
+
 def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool) -> int:
     """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        stage = cfg.model(cfg, _fake_mesh(tp) if tp > 1 else None, sp, range(1), first=False, last=False)
+        stage = _stage(cfg, tp, sp, 0)
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
-        extra = stage.block_inputs(torch.arange(T))
-        weights = {p.untyped_storage()._cdata for p in stage.parameters()}
-        seen = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage._cdata not in weights:
-                seen[storage._cdata] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            stage.blocks()[0](x, *extra)
-    return sum(seen.values())
+        return _kept(stage.blocks()[0], x, stage.block_inputs(torch.arange(T)), bf16)
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,3 +123,33 @@ def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True) -> f
     two = per_token(2, sp) + (HEAD_MERGE * dense.n_head * dense.head_dim / 2 if gpu else 0)
     whole = 2 * two - one  # bytes(k) = whole + (one - whole) / k, from bytes(1) and bytes(2)
     return whole + (one - whole) / tp
+
+
+@functools.lru_cache(maxsize=64)
+def moe_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True) -> tuple[float, float]:
+    """What one MoE layer keeps beyond the dense MLP that block_activations counted in its place:
+    (bytes per routed row -- what its expert saves, and its output kept for the routing weights --,
+    bytes per token of the sequence -- the router's fp32 probabilities and the shared experts', less
+    the dense MLP's), tp rank 0's. Traced as block_activations is: the family's own expert, shared
+    MLP and dense MLP, at two sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    at = next(i for i in range(cfg.n_layer) if cfg.is_moe(i))
+    dense_cfg = type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
+    C, T1, T2 = cfg.n_embd, 8 * max(tp, 2), 16 * max(tp, 2)
+    bpe = 2 if gpu else 4
+    with FakeTensorMode():
+        stage, dense = _stage(cfg, tp, sp, at), _stage(dense_cfg, tp, sp, at)
+        name, moe = next((n, m) for n, m in stage.named_modules() if isinstance(m, MoE))
+        mlp, expert = dense.get_submodule(name), next(iter(moe.experts.values()))
+
+        def slope(module, rows: bool):
+            def kept(T):
+                shape = (T, C) if rows else (1, T // tp if sp else T, C)
+                return _kept(module, torch.zeros(shape, requires_grad=True), bf16=gpu)
+            return (kept(T2) - kept(T1)) / (T2 - T1)
+
+        per_row = slope(expert, True) + C * bpe
+        per_token = (cfg.moe_experts * 4 / (tp if sp else 1) + (slope(moe.shared, False) if moe.shared else 0)
+                     - slope(mlp, False))
+    return per_row, per_token

@@ -345,29 +345,34 @@ def to_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.
     return out
 
 
-def _unfuse(got: dict) -> dict:
-    """transformers 5's fused experts (experts.gate_up_proj (E, 2H, C), experts.down_proj (E, C, H))
-    as the per-expert names it saves."""
+def _unfuse(got: dict, arch: str) -> dict:
+    """transformers 5's experts as they are in memory (mlp.gate, mlp.experts.gate_up_proj (E, 2H, C),
+    mlp.experts.down_proj (E, C, H)) as the per-expert names its save_pretrained writes."""
+    mix = arch == "MixtralForCausalLM"
     for key in [k for k in got if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
-        fused, at = got.pop(key), key.rsplit(".", 1)[0]
+        fused, layer = got.pop(key), key.split(".mlp.")[0]
+        at = f"{layer}.block_sparse_moe.experts" if mix else f"{layer}.mlp.experts"
+        if mix and f"{layer}.mlp.gate.weight" in got:
+            got[f"{layer}.block_sparse_moe.gate.weight"] = got.pop(f"{layer}.mlp.gate.weight")
         for e, w in enumerate(fused):
             if key.endswith("gate_up_proj"):
                 gate, up = w.chunk(2)
-                got[f"{at}.{e}.gate_proj.weight"], got[f"{at}.{e}.up_proj.weight"] = gate, up
+                got[f"{at}.{e}.{'w1' if mix else 'gate_proj'}.weight"] = gate
+                got[f"{at}.{e}.{'w3' if mix else 'up_proj'}.weight"] = up
             else:
-                got[f"{at}.{e}.down_proj.weight"] = w
+                got[f"{at}.{e}.{'w2' if mix else 'down_proj'}.weight"] = w
     return got
 
 
 def from_hf(tensors: dict[str, torch.Tensor], cfg: LlamaConfig, where: str) -> dict[str, torch.Tensor]:
     """Our tensors (unpadded vocabulary) from HF's, by the names to_hf writes; the registry checks
     names and shapes."""
-    got = _unfuse({k.removeprefix("model."): v for k, v in tensors.items()})
+    arch = architecture(cfg)
+    got = _unfuse({k.removeprefix("model."): v for k, v in tensors.items()}, arch)
     if cfg.tied:
         head = got.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, got.get("embed_tokens.weight", head)):
             raise UserError(f"{where}: lm_head.weight differs from embed_tokens.weight, but config.json ties them")
-    arch = architecture(cfg)
     with torch.device("meta"):
         names = [n for n, _ in Llama(cfg).named_parameters()]
     out = {n: got.pop(n) for n in names if not n.startswith("layers.") and n in got}

@@ -181,8 +181,10 @@ class MoE(nn.Module):
         self.loss_scale = 0.0
         # bias balancing: the per-expert bias (train.py moves it and keeps it in checkpoints)
         self.register_buffer("bias", torch.zeros(self.E), persistent=False)
-        # this step's figures, summed on the device over its training forwards (train.py reads and
-        # zeroes them once a step): forwards, assignments, aux, dropped, then routed and kept per expert
+        # a training forward's figures (`last`: forwards, assignments, aux, dropped, then routed and
+        # kept per expert), summed on the device over a step's training forwards in `stats` by the
+        # block (protocol.Block: not a recomputation's), read and zeroed once a step by train.py
+        self.register_buffer("last", torch.zeros(4 + 2 * self.E), persistent=False)
         self.register_buffer("stats", torch.zeros(4 + 2 * self.E), persistent=False)
 
     def forward(self, x):
@@ -195,8 +197,8 @@ class MoE(nn.Module):
         out = (y * (w * keep).unsqueeze(-1).to(y.dtype)).sum(1)
         if self.shared is not None:  # (on x as it came: under sp the shared MLP gathers its sequence)
             out = out + self.shared(x).reshape(N, shape[-1])
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self._record(aux, keep, idx, routed)  # (a training forward: not validation, sampling, a recomputation)
+        if self.training and torch.is_grad_enabled():  # (a training forward: not validation, sampling)
+            self._record(aux, keep, idx, routed)
         if torch.is_grad_enabled() and self.aux_coef and self.loss_scale and self.balance == "aux":
             out = AuxLoss.apply(out, self.aux_coef * N * aux, self.loss_scale)
         return out.view(shape)
@@ -206,7 +208,7 @@ class MoE(nn.Module):
         """(On the device, in place, without waiting for it: a captured step replays it.)"""
         kept = torch.zeros(self.E, device=idx.device).scatter_add_(0, idx.reshape(-1), keep.reshape(-1).float())
         one = torch.ones(1, device=idx.device)
-        self.stats.add_(torch.cat([one, one * keep.numel(), aux.detach().float().view(1),
+        self.last.copy_(torch.cat([one, one * keep.numel(), aux.detach().float().view(1),
                                    (keep.numel() - kept.sum()).view(1), routed, kept]))
 
 
@@ -265,13 +267,13 @@ class Dispatch:
 
     def _grouped(self, rows, moe) -> bool:
         """Outside exact mode, with rows to compute (a grouped GEMM of none raises; the loop keeps
-        the experts in the graph), on CUDA in bf16 with widths of whole 16-byte rows, or on the
-        CPU in fp32: one grouped GEMM."""
+        the experts in the graph): in bf16 with widths of whole 16-byte rows (CUDA's kernel needs
+        them), or on the CPU in fp32 outside torch.compile (whose grouped GEMM takes bf16 only)."""
         if not self.grouped or self.exact or rows.shape[0] == 0 or not hasattr(torch, "_grouped_mm"):
             return False
-        if rows.is_cuda:
-            return rows.dtype == torch.bfloat16 and rows.shape[-1] % 8 == 0 and moe.width % 8 == 0
-        return rows.dtype == torch.float32
+        if rows.dtype == torch.bfloat16:
+            return rows.shape[-1] % 8 == 0 and moe.width % 8 == 0
+        return not rows.is_cuda and rows.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
 def local_experts(moe) -> list:

@@ -27,6 +27,7 @@ learned positions) and to every block (`block_inputs`: Llama's rotary tables).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import ClassVar
 
@@ -367,8 +368,19 @@ class Block(nn.Module):
 
     def forward(self, x, *extra):
         if self.compiled is not None and torch.is_grad_enabled():  # training; eval, sampling: eager
-            return self.compiled(x, *extra)
-        return self.body(x, *extra)
+            out = self.compiled(x, *extra)
+        else:
+            out = self.body(x, *extra)
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            for moe in self.mixtures:  # a training forward, not a recomputation in the backward
+                moe.stats.add_(moe.last)
+        return out
+
+    @functools.cached_property
+    def mixtures(self) -> tuple:
+        """Its mixtures of experts, whose forward's figures (`last`) count in the step's (`stats`)
+        here, outside the compiled body (which cannot tell a recomputation)."""
+        return tuple(m for m in self.modules() if isinstance(m, MoE))
 
     def body(self, x, *extra):
         raise NotImplementedError
