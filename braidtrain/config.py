@@ -30,12 +30,14 @@ class Config:
     block_size: int | None = None
     n_kv_heads: int | None = None  # key/value heads (Llama's grouped-query attention)
     # a mixture of experts (model/moe.py): experts in place of the MLP of every moe_every-th block
-    moe_experts: int = 0  # 0: dense
-    moe_top_k: int = 2
-    moe_every: int = 1
-    moe_hidden: int = 0  # 0: the dense MLP's width, 4 n_embd
-    moe_capacity: float = 0.0  # capacity factor; 0: dropless
-    moe_aux: float = 0.01  # the load-balancing loss's coefficient
+    # (None: the preset's; the GPT-2 family's: dense, top 2 of the experts, every block, the MLP's
+    # width, dropless, an aux-loss coefficient of 0.01)
+    moe_experts: int | None = None  # 0: dense
+    moe_top_k: int | None = None
+    moe_every: int | None = None
+    moe_hidden: int | None = None  # 0: the dense MLP's width
+    moe_capacity: float | None = None  # capacity factor; 0: dropless
+    moe_aux: float | None = None  # the load-balancing loss's coefficient
     moe_router: str | None = None  # softmax-topk (default) | topk-softmax
     moe_balance: str | None = None  # aux (default: the loss above) | bias (DeepSeek-V3's, no loss term)
     moe_bias_rate: float | None = None  # bias balancing's step (default 0.001)

@@ -78,16 +78,15 @@ def export(run: str, out: str, fmt: str = "hf") -> Path:
     ckpt = run_path if (run_path / "meta.json").exists() else latest(run_path)
     params, meta = load_params(ckpt)
     cfg = saved_config(meta)
-    if cfg.moe_experts:
-        raise UserError(f"{ckpt} is a mixture of experts: braidtrain exports dense {cfg.family} models only")
     write_hf(params, cfg, meta["tokenizer"], Path(out))
     return ckpt
 
 
 def write_hf(params: dict[str, torch.Tensor], cfg, tokenizer: str, dest: Path) -> None:
+    config = hf_config(cfg, tokenizer)  # (first: it refuses what HF has no architecture for)
     dest.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(params, cfg), str(dest / "model.safetensors"), metadata={"format": "pt"})  # HF insists on "pt"
-    (dest / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer), indent=1) + "\n")
+    (dest / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
 def read_config(folder: str):

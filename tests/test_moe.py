@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
+from braidtrain.checkpoint import latest, load_model
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
@@ -280,6 +281,26 @@ def test_an_ep_run_logs_its_experts_and_resumes_at_ep_1(tmp_path, shakespeare):
     assert summary(two)["weights_sha256"] == summary(one)["weights_sha256"]
     braidtrain("plot", "--experts", two, "--out", tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 10_000
+    p = braidtrain("export", one, "--format", "hf", "--out", tmp_path / "hf", check=False)
+    assert_one_line_error(p, "GPT-2 mixture of experts has no HuggingFace architecture", "Mixtral")
+
+
+def test_a_mixtral_preset_trains_as_its_preset_and_exports_to_transformers(tmp_path, shakespeare):
+    """--model mixtral-tiny with no --moe-* flag is the preset's mixture (4 experts, top 2: its
+    figures in metrics.jsonl), and `export --format hf` writes a folder transformers loads as
+    MixtralForCausalLM with the run's weights."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    run, hf = tmp_path / "mix", tmp_path / "hf"
+    braidtrain("train", "--model", "mixtral-tiny", "--n-layer", "2", "--n-embd", "64", "-t", "64", "-b", "2", "-x", 2,
+               "--val-every", "0", "--sample-tokens", "0", "--no-progress", "-i", shakespeare, "--out", run)
+    assert len(metrics(run)[-1]["moe_load"]) == 4
+    braidtrain("export", run, "--format", "hf", "--out", hf)
+    model = transformers.MixtralForCausalLM.from_pretrained(str(hf))
+    assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
+    ours, _ = load_model(latest(run))
+    x = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x)[..., :256], model.eval()(x).logits, atol=1e-4, rtol=0)
 
 
 BAD = [  # (flags, words the one line must hold)

@@ -194,6 +194,9 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: GPTConfig, where: str) -> dic
 
 
 def hf_config(cfg: GPTConfig, eot: int) -> dict:
+    if cfg.moe_experts:
+        raise UserError("a GPT-2 mixture of experts has no HuggingFace architecture: braidtrain exports dense GPT-2 "
+                        "models, and the Llama family's mixtures as Mixtral or Qwen3-MoE")
     return {
         "architectures": list(ARCHITECTURES), "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on one GPU: mixtures of experts at ep 1 (from the repo root, data/shakespeare_gpt2 carried).
+#   1. gpt2-moe (GPT-2 experts, top 2 of 8), mixtral-small (SwiGLU experts at gpt2-moe's active size)
+#      and finemoe-small (64 experts of 512, top 8): eager, --compile, --compile --cuda-graph, capacity
+#      1.25 and dropless; tokens/s, MFU on the active parameters, host_s / step_s, peak memory
+#   2. a profile of the fine-grained preset's compiled step (benchmarks/profile_step.py)
+#   3. side by side with transformers' MixtralForCausalLM under torch.compile (bench train --torch
+#      hf-compile) at mixtral-small's shape, where this braidtrain has that yardstick
+# Usage: bash benchmarks/moe_speed_gpu.sh [1|2|3 ...]; SMOKE=1: tiny shapes on the CPU, to try the script
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+parts=${*:-1 2 3}
+q="--val-every 0 --sample-tokens 0 --no-progress"
+D=data/shakespeare_gpt2; shape="-b 8 -t 1024 -d 65536"; steps=10
+models="gpt2-moe mixtral-small finemoe-small"
+if [ -n "${SMOKE:-}" ]; then
+  D=data/shakespeare_bytes; shape="-b 2 -t 64 -d 256 --n-layer 2 --n-embd 64 --n-head 4"; steps=2
+  models="tiny-moe mixtral-tiny"
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
+python -c "import torch; print('torch', torch.__version__)"
+last() { python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1] + '/metrics.jsonl')][-1]; \
+print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in ('step', 'loss', 'tokens_per_s', 'mfu', 'mem_gb', 'host_s', 'step_s', 'moe_dropped', 'moe_load_max')})" "$1"; }
+model_flag() { [ -f braidtrain/configs/$1.toml ] && echo "--config $1" || echo "--model $1"; }
+
+if [[ " $parts " == *" 1 "* ]]; then
+  for m in $models; do
+    for run in "eager" "compile --compile" "graph --compile --cuda-graph" "graph-dropless --compile --cuda-graph --moe-capacity 0"; do
+      [ -n "${SMOKE:-}" ] && [[ $run == graph* ]] && continue  # (no CUDA graph on the CPU)
+      set -- $run; name=$1; shift
+      out=/tmp/moe_${m}_$name
+      python -m braidtrain train $(model_flag $m) -i $D $shape -x $steps $q "$@" --out $out 2>&1 | grep -iE "error|Traceback" | head -5
+      echo "$m $name: $(last $out)"
+      rm -rf $out
+    done
+  done
+fi
+
+if [[ " $parts " == *" 2 "* ]] && [ -z "${SMOKE:-}" ]; then
+  echo "== profile: finemoe-small --compile --cuda-graph"
+  python benchmarks/profile_step.py --model finemoe-small -i $D $shape --compile --cuda-graph $q 2>&1 | head -60
+  echo "== profile: mixtral-small --compile --cuda-graph"
+  python benchmarks/profile_step.py --model mixtral-small -i $D $shape --compile --cuda-graph $q 2>&1 | head -40
+fi
+
+if [[ " $parts " == *" 3 "* ]]; then
+  if python -m braidtrain bench train --help 2>&1 | grep -q "hf-compile"; then
+    m=mixtral-small; [ -n "${SMOKE:-}" ] && m=mixtral-tiny
+    python -m braidtrain bench train $(model_flag $m) -i $D $shape -x $steps --torch hf-compile --out /tmp/moe_bench 2>&1 | tail -15
+    rm -rf /tmp/moe_bench
+  else
+    echo "(bench train has no hf-compile yardstick in this tree)"
+  fi
+fi
