@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One call on one GPU: mixtures of experts at ep 1 (from the repo root, data/shakespeare_gpt2 carried).
 #   1. gpt2-moe (GPT-2 experts, top 2 of 8), mixtral-small (SwiGLU experts at gpt2-moe's active size)
-#      and finemoe-small (64 experts of 512, top 8): eager, --compile, --compile --cuda-graph, capacity
-#      1.25 and dropless; tokens/s, MFU on the active parameters, host_s / step_s, peak memory
+#      and finemoe-small (64 experts of 512, top 8) at -b 8 -t 1024 -d 65536: --compile --cuda-graph
+#      (gpt2-moe eager too, the host-bound baseline), dropless (the presets') and at capacity 1.25; tokens/s,
+#      MFU on the active parameters, host_s / step_s, peak memory
 #   2. a profile of the fine-grained preset's compiled step (benchmarks/profile_step.py)
 #   3. side by side with transformers' MixtralForCausalLM under torch.compile (bench train --torch
 #      hf-compile) at mixtral-small's shape, where this braidtrain has that yardstick
-# Usage: bash benchmarks/moe_speed_gpu.sh [1|2|3 ...]; SMOKE=1: tiny shapes on the CPU, to try the script
+# (0: GPT-2's exact bits, a check that a change left them alone.)
+# Usage: bash benchmarks/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU, to try the script
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 parts=${*:-1 2 3}
@@ -23,14 +25,30 @@ last() { python -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1] 
 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in ('step', 'loss', 'tokens_per_s', 'mfu', 'mem_gb', 'host_s', 'step_s', 'moe_dropped', 'moe_load_max')})" "$1"; }
 model_flag() { [ -f braidtrain/configs/$1.toml ] && echo "--config $1" || echo "--model $1"; }
 
+if [[ " $parts " == *" 0 "* ]] && [ -z "${SMOKE:-}" ]; then  # (0: not in the default parts)
+  echo "== GPT-2's exact bits: --config gpt2 -b 16 -t 1024 -d 131072 -x 3 --exact --compile"
+  python -m braidtrain train --config gpt2 -i $D -b 16 -t 1024 -d 131072 -x 3 --exact --compile $q --out /tmp/g_exact \
+    2>&1 | grep -iE "error|Traceback" | head -5
+  python -c "import json; print('gpt2 exact weights_sha256', json.load(open('/tmp/g_exact/summary.json'))['weights_sha256'])"
+  rm -rf /tmp/g_exact
+fi
+
+runs_of() {  # the runs of model $1: eager (the host-bound baseline) for the first, then compiled ones
+  case $1 in
+    gpt2-moe|tiny-moe) echo "eager|graph --compile --cuda-graph|graph-cap1.25 --compile --cuda-graph --moe-capacity 1.25" ;;
+    mixtral-small|mixtral-tiny) echo "graph --compile --cuda-graph|graph-cap1.25 --compile --cuda-graph --moe-capacity 1.25" ;;
+    *) echo "graph --compile --cuda-graph" ;;
+  esac
+}
 if [[ " $parts " == *" 1 "* ]]; then
   for m in $models; do
-    for run in "eager" "compile --compile" "graph --compile --cuda-graph" "graph-dropless --compile --cuda-graph --moe-capacity 0"; do
-      [ -n "${SMOKE:-}" ] && [[ $run == graph* ]] && continue  # (no CUDA graph on the CPU)
+    IFS='|' read -ra runs <<< "$(runs_of $m)"
+    for run in "${runs[@]}"; do
+      [ -n "${SMOKE:-}" ] && run=${run/ --cuda-graph/}  # (no CUDA graph on the CPU)
       set -- $run; name=$1; shift
       out=/tmp/moe_${m}_$name
       python -m braidtrain train $(model_flag $m) -i $D $shape -x $steps $q "$@" --out $out 2>&1 | grep -iE "error|Traceback" | head -5
-      echo "$m $name: $(last $out)"
+      echo "$m $name ($*): $(last $out)"
       rm -rf $out
     done
   done
