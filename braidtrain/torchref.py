@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node N -m braidtrain.torchref \
         --mode ddp|ddp-compile|fsdp2|hf|... --model gpt2 -i DATA -b 16 -t 1024 -d 131072 --steps 20 --json OUT
+    python -m braidtrain.torchref --mode hf ...     # one process: no torchrun needed
 
 The model is braidtrain's GPT with tp = 1 (torch's own modules, SDPA attention), initialised with
 the same seed, its logits going into torch's cross-entropy inside the module (not loss.py's
