@@ -96,7 +96,7 @@ if [[ $parts == *" d "* ]]; then
     rm -rf /tmp/llama_prof
   fi
   echo "== d. profile of one step: torch $yard"
-  fits 100 && python benchmarks/profile_step.py --torch $yard --model $m1 -i $WIDE $bt -d $d1 $dev \
+  fits 130 && python benchmarks/profile_step.py --torch $yard --model $m1 -i $WIDE $bt -d $d1 $dev \
     2>&1 | tee "$OUT/d_$yard.txt" | head -60
   echo "(d: $SECONDS s)"
 fi
