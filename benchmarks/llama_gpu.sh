@@ -36,7 +36,7 @@ fi
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 git log -1 --format='commit %h %s' 2>/dev/null
 t=$([ "${SMOKE:-0}" = 1 ] && echo 64 || echo 2048)
-# a part runs when the time left covers what it needs (seconds, measured on an H200 with some margin)
+# a part runs when the time left covers what it needs (seconds: estimates for an H200, not yet measured)
 fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
 
 if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then
