@@ -3,10 +3,14 @@ accuracy, bitwise repeatability, speed, memory.
 
     python benchmarks/loss_gpu.py            # from the repo root; meant to take under a minute
     python benchmarks/loss_gpu.py --configs  # also: time the fused pass at other (block, warps)
+    python benchmarks/loss_gpu.py --tokens 8192 --width 2048 --vocab 128256   # llama3.2-1b's head, b 4 x t 2048
     TRITON_INTERPRET=1 python benchmarks/loss_gpu.py --smoke   # tiny, on CPU: checks this script
 
-gpt2's head at B=16, T=1024: h (16384, 768) bf16 -- as under autocast -- w (50304, 768) fp32,
-V = 50257, upstream gradient g = 1/N (the training loop's loss / tokens):
+By default gpt2's head at B=16, T=1024: h (16384, 768) bf16 -- as under autocast -- w (50304, 768)
+fp32 (the vocabulary padded to a multiple of 128), V = 50257, upstream gradient g = 1/N (the
+training loop's loss / tokens); --tokens, --width, --vocab give another head. The torch rows are
+what a transformers model does under bf16 autocast (its lm_head in bf16, the logits made fp32 for
+the cross-entropy): `bench train --torch hf`'s loss, and under torch.compile hf-compile's:
   * relative error ||x - ref|| / ||ref|| of loss, dh, dw against an fp32 reference (fp32 h, no
     TF32), for ours and, as the yardstick, for eager torch in bf16 (ours must be within 1.5x of it);
   * 3 forward+backward runs: loss, dh, dw bitwise equal? (ours must be; torch's are reported);
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from braidtrain.model import loss as L  # noqa: E402
 from braidtrain.model.loss import head_loss  # noqa: E402
+from braidtrain.model.protocol import VOCAB_ALIGN  # noqa: E402
 
 NAMES = ("loss", "dh", "dw")
 HBM_TBPS = 4.8  # H200
@@ -84,13 +89,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", action="store_true", help="also time the fused pass at other (block, warps)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (with TRITON_INTERPRET=1)")
+    ap.add_argument("--tokens", type=int, default=16384, help="rows of h: b x t (default gpt2's 16 x 1024)")
+    ap.add_argument("--width", type=int, default=768, help="columns of h: n_embd (default gpt2's)")
+    ap.add_argument("--vocab", type=int, default=50257, help="the real vocabulary (default gpt2's)")
     a = ap.parse_args(argv)
     t_start = time.time()
     if a.smoke:
         device, (N, C, Vp, V) = torch.device("cpu"), (64, 32, 640, 600)
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU"
-        device, (N, C, Vp, V) = torch.device("cuda"), (16384, 768, 50304, 50257)
+        device, (N, C, Vp, V) = torch.device("cuda"), (a.tokens, a.width, -(-a.vocab // VOCAB_ALIGN) * VOCAB_ALIGN, a.vocab)
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     assert L.available(device, L._load_triton), "needs triton (and, on the CPU, TRITON_INTERPRET=1)"
     print(f"triton {L.triton.__version__}  N={N} C={C} Vp={Vp} V={V}  fused pass {L._config(V)}")

@@ -1,5 +1,6 @@
 """`braidtrain bench comm`: what the collectives of this machine and backend deliver.
-`braidtrain bench train`: braidtrain's layouts against torch DDP and FSDP2, side by side.
+`braidtrain bench train`: braidtrain's layouts against torch DDP and FSDP2, and against transformers'
+own model of the family (LlamaForCausalLM, GPT2LMHeadModel), side by side.
 
 Run under torchrun (one process a GPU, or CPU processes with gloo). For each operation and message
 size from --min-bytes to --max-bytes (x4 a row), after warm-up iterations, the mean time of
@@ -62,6 +63,7 @@ from braidtrain.errors import UserError
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
 GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on CUDA
 TORCH = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile")  # the yardsticks (torchref.py says what each compiles)
+HF = ("hf", "hf-compile")  # transformers' model of the family, eager and compiled (torchref.hf_model)
 LOSS_TOL = {"cpu": 1e-3, "cuda": 2e-2}  # final losses of variants within this (relative): fp32; bf16
 PIPE = ("pipe-1f1b", "pipe-interleaved")  # torch.distributed.pipelining's (pp = ranks), beside --layout '--pp N'
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
@@ -81,9 +83,10 @@ def add_parser(sub):
     c.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     c.add_argument("--json", dest="json_path", help="also write the rows to this file (rank 0)")
     c.add_argument("--device", help="cpu or cuda (default: the local GPU, else cpu)")
-    t = bsub.add_parser("train", help="braidtrain layouts against torch DDP (eager, compiled) and FSDP2, one job each")
+    t = bsub.add_parser("train", help="braidtrain layouts against torch DDP (eager, compiled), FSDP2 and "
+                                      "transformers' model, one job each")
     t.add_argument("--model", default="gpt2")
-    for k in ("--n-layer", "--n-head", "--n-embd"):
+    for k in ("--n-layer", "--n-head", "--n-embd", "--n-kv-heads"):
         t.add_argument(k, type=int)
     t.add_argument("--train-data", "-i", default="data/shakespeare_gpt2")
     t.add_argument("--batch-size", "-b", type=int, default=16)
@@ -97,8 +100,10 @@ def add_parser(sub):
                         "the first flag is a long one (repeatable; default: "
                         + "; ".join(LAYOUTS) + "; on CUDA also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH),
-                   help="torch variants, a subset of " + ",".join(TORCH + PIPE) + " ('' for none; default " + ",".join(TORCH) + ")")
-    t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
+                   help="torch variants, a subset of " + ",".join(TORCH + HF + PIPE) + " ('' for none; default "
+                        + ",".join(TORCH) + "); hf, hf-compile: transformers' model of the family (e.g. LlamaForCausalLM)")
+    t.add_argument("--baseline", help="the torch variant the ratios are against (default: ddp-compile if run, else "
+                                      "the first of --torch)")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
     t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
     t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (with --repeat, in DIR/round1, "
@@ -254,7 +259,7 @@ def run_comm(args) -> int:
 
 def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
     """(name, command, reader) of every variant: a reader turns the finished job into a row."""
-    model = ["--model", args.model] + [x for k in ("n_layer", "n_head", "n_embd") if getattr(args, k)
+    model = ["--model", args.model] + [x for k in ("n_layer", "n_head", "n_embd", "n_kv_heads") if getattr(args, k)
                                        for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     common = [*model, "-i", args.train_data, "-b", str(args.batch_size), "-t", str(args.seq_len), "-d", str(d)]
     device = ["--device", args.device] if args.device else []
@@ -321,11 +326,21 @@ def slowest(step_s: list[float]) -> float:
 def _check_train_args(args) -> None:
     """Every bad input a one-line UserError before any job starts (each layout parsed as `train` would)."""
     from braidtrain.cli import Parser, _train_parser, train_config
+    from braidtrain.model import registry
 
+    # the model and its shape flags, as every variant's job will build it
+    mcfg = registry.model_config(args.model, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_kv_heads")})
+    if args.seq_len > mcfg.block_size:
+        raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
+                        f"use -t {mcfg.block_size} or less")
     torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
-    bad = [m for m in torch_modes if m not in TORCH + PIPE]
+    bad = [m for m in torch_modes if m not in TORCH + HF + PIPE]
     if bad:
-        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + PIPE)}")
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + HF + PIPE)}")
+    if any(m in HF for m in torch_modes):
+        _check_hf(args.model)
+    if args.baseline is None:
+        args.baseline = "ddp-compile" if "ddp-compile" in torch_modes or not torch_modes else torch_modes[0]
     if torch_modes and args.baseline not in torch_modes:
         raise UserError(f"--baseline {args.baseline} is not among the torch variants run ({', '.join(torch_modes)})")
     for name in ("batch_size", "seq_len", "steps"):
@@ -346,6 +361,21 @@ def _check_train_args(args) -> None:
     if not Path(args.train_data).exists():
         raise UserError(f"no data at {args.train_data}: prepare it with `python -m braidtrain data prepare "
                         f"--corpus shakespeare --tokenizer gpt2 --out {args.train_data}`")
+
+
+def _check_hf(model: str) -> None:
+    """--torch hf: transformers installed, with the class of the model's family."""
+    from braidtrain.model import registry
+
+    arch = registry.family_of_preset(model).ARCHITECTURE
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"--torch hf trains transformers' {arch}: install the transformers package "
+                        f"(pip install transformers), or drop hf and hf-compile from --torch") from None
+    if not hasattr(transformers, arch):
+        raise UserError(f"--torch hf: transformers {transformers.__version__} has no {arch} (for --model {model}): "
+                        f"upgrade it, or drop hf and hf-compile from --torch")
 
 
 def run_train(args) -> int:

@@ -1,7 +1,8 @@
 """The yardstick of `braidtrain bench train`: the same model, data and optimizer through plain torch.
 
     python -m torch.distributed.run --nproc-per-node N -m braidtrain.torchref \
-        --mode ddp|ddp-compile|fsdp2 --model gpt2 -i DATA -b 16 -t 1024 -d 131072 --steps 20 --json OUT
+        --mode ddp|ddp-compile|fsdp2|hf|... --model gpt2 -i DATA -b 16 -t 1024 -d 131072 --steps 20 --json OUT
+    python -m braidtrain.torchref --mode hf ...     # one process: no torchrun needed
 
 The model is braidtrain's GPT with tp = 1 (torch's own modules, SDPA attention), initialised with
 the same seed, its logits going into torch's cross-entropy inside the module (not loss.py's
@@ -17,6 +18,13 @@ attention); ddp-compile is nanoGPT's recipe, torch.compile of the whole model (h
 cross-entropy included), then DDP; fsdp2-compile compiles each block (Module.compile), then
 shards it (torchtitan's order), the head and loss eager. braidtrain's own head and loss are
 loss.py's fused kernel in every layout; its --compile compiles each block.
+
+hf and hf-compile are someone else's implementation of the model: transformers' class of its
+family (LlamaForCausalLM, GPT2LMHeadModel; SDPA attention), holding braidtrain's initial weights
+(through the family's HuggingFace adapter, as `export --format hf` writes them), trained the way a
+user would: fp32 master weights, bf16 autocast on GPU, torch's fused AdamW, eager or
+torch.compile of the whole model (head and cross-entropy included); torch DDP only when there is
+more than one process. Its logits go into the same cross-entropy sum as the other modes'.
 
 pipe-1f1b and pipe-interleaved run torch.distributed.pipelining's Schedule1F1B and
 ScheduleInterleaved1F1B (2 chunks a rank) over all ranks (pp = world, dp = 1) on braidtrain's own
@@ -42,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from braidtrain import export
 from braidtrain.config import Config
 from braidtrain.layout import batch_plan
 from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
@@ -50,7 +59,7 @@ from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
-MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "pipe-1f1b", "pipe-interleaved")
+MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "hf", "hf-compile", "pipe-1f1b", "pipe-interleaved")
 
 
 class TorchLoss(torch.nn.Module):
@@ -61,14 +70,53 @@ class TorchLoss(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
 
+    def logits(self, x):
+        return self.gpt(x)  # (B, T, vocab): the real vocabulary
+
     def forward(self, x, y):
-        logits = self.gpt(x)  # (B, T, vocab): the real vocabulary
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+        return F.cross_entropy(self.logits(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
+
+
+class HFLoss(TorchLoss):
+    """A transformers model (hf_model) with the same cross-entropy sum."""
+
+    def logits(self, x):
+        return self.gpt(input_ids=x).logits
+
+
+def hf_model(mcfg, seed: int, device):
+    """transformers' model of mcfg's family (registry: its ARCHITECTURE, SDPA attention) on `device`,
+    holding braidtrain's initial weights of seed: our whole model built and initialised on the host
+    (tp = 1: every tensor full), handed over through the family's HF adapter -- the tensors and
+    config.json that `export --format hf` would write, without the round trip through a folder."""
+    import transformers
+
+    fam = registry.family_of(mcfg)
+    ours = registry.build(mcfg)
+    init_weights(ours, seed)
+    tensors = export.to_hf({n: p.detach() for n, p in ours.named_parameters()}, mcfg)
+    del ours
+    # no KV cache: it is training (the end-of-text id the config names plays no part in it)
+    config = transformers.AutoConfig.for_model(**fam.hf_config(mcfg, 0), attn_implementation="sdpa", use_cache=False)
+    with torch.device(device):  # built where it trains: HF's own initialisation is quick there, and overwritten next
+        model = getattr(transformers, fam.ARCHITECTURE)(config)
+    got = model.load_state_dict(tensors, strict=False)
+    # a tied head is the embedding's own tensor, which the adapter hands over once
+    state = model.state_dict(keep_vars=True)
+    given = {id(state[n]) for n in tensors if n in state}
+    untied = [n for n in got.missing_keys if id(state[n]) not in given]
+    if got.unexpected_keys or untied:
+        raise RuntimeError(f"{fam.ARCHITECTURE} did not take braidtrain's weights: missing {untied[:3]}, "
+                           f"unexpected {got.unexpected_keys[:3]}")
+    return model
 
 
 def build(mode, model, device, bf16):
     """The wrapped model and what its micro-steps need: (model, sync_context(last), autocast)."""
     rank = dist.get_rank()
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+    if mode.startswith("hf") and dist.get_world_size() == 1:  # one GPU: no DDP, as a user would run it
+        return (torch.compile(model) if mode == "hf-compile" else model), (lambda last: nullcontext()), autocast
     if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -86,11 +134,10 @@ def build(mode, model, device, bf16):
         return model, sync, nullcontext
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if mode == "ddp-compile":
+    if mode in ("ddp-compile", "hf-compile"):
         model = torch.compile(model)
     ids = [device.index if device.index is not None else rank] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
     return ddp, (lambda last: nullcontext() if last else ddp.no_sync()), autocast
 
 
@@ -154,12 +201,14 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
 
 
 def dense(a, mcfg, loader, plan, cfg, device, bf16):
-    """ddp*, fsdp2*: the model built, wrapped and given its optimizer; returns step(i) -> the loss."""
+    """ddp*, fsdp2*, hf*: the model built, wrapped and given its optimizer; returns step(i) -> the loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = registry.build(mcfg)
-    init_weights(model, cfg.seed)
-    model.to(device)
-    model = TorchLoss(model)
+    if a.mode.startswith("hf"):
+        model = HFLoss(hf_model(mcfg, cfg.seed, device))
+    else:
+        model = registry.build(mcfg)
+        init_weights(model, cfg.seed)
+        model = TorchLoss(model.to(device))
     net, sync, autocast = build(a.mode, model, device, bf16)  # FSDP2 replaces the parameters
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
@@ -193,7 +242,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(prog="braidtrain.torchref")
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--model", default="gpt2")
-    for k in ("--n-layer", "--n-head", "--n-embd"):
+    for k in ("--n-layer", "--n-head", "--n-embd", "--n-kv-heads"):
         p.add_argument(k, type=int)
     p.add_argument("-i", "--train-data", required=True)
     p.add_argument("-b", type=int, default=16)
@@ -207,7 +256,11 @@ def parse(argv=None):
 
 def setup(a):
     """The process group joined; (device, bf16, cfg, plan, model config, loader) for these arguments."""
-    dist.init_process_group("nccl" if torch.cuda.is_available() and a.device != "cpu" else "gloo")
+    backend = "nccl" if torch.cuda.is_available() and a.device != "cpu" else "gloo"
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(backend)
+    else:  # one process started by hand: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if a.device == "cpu" or not torch.cuda.is_available():
         device = torch.device("cpu")
     else:
@@ -217,7 +270,8 @@ def setup(a):
     plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if a.mode.startswith("pipe") else dist.get_world_size())
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
-    mcfg = registry.model_config(a.model, data.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd)
+    mcfg = registry.model_config(a.model, data.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
+                                 n_kv_heads=a.n_kv_heads)
     return device, device.type == "cuda", cfg, plan, mcfg, Loader(data, a.t, plan.seqs_per_step, cfg.seed)
 
 

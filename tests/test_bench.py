@@ -1,16 +1,21 @@
 """`braidtrain bench comm` on 2 gloo processes: every operation checked correct, nccl-tests' accounting.
 `braidtrain bench train` on 2 gloo processes: braidtrain (ZeRO-3) and torch DDP train the same
-model on the same data, so in fp32 their losses agree -- the benchmark compares like with like."""
+model on the same data, so in fp32 their losses agree -- the benchmark compares like with like; and
+on one, braidtrain's Llama against transformers' LlamaForCausalLM (`--torch hf`) holding its weights."""
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from helpers import braidtrain, forked
-from braidtrain import bench, cli
+from braidtrain import bench, cli, torchref
 from braidtrain.bench import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
+from braidtrain.model import registry
+from braidtrain.parallel.placement import init_weights
 
 
 def bench_train(*args, monkeypatch, capsys) -> SimpleNamespace:
@@ -69,6 +74,45 @@ def test_bench_train_against_torch(tmp_path, shakespeare, monkeypatch, capsys):
     assert all(isinstance(r["slowest"], float) for r in rows.values()) and "slowest" in p.stdout  # its maths: below
     assert "SM MHz" in p.stdout and not any("sm_mhz" in r for r in rows.values())  # no GPU, no samples
     assert "x ddp" in p.stdout
+
+
+def test_hf_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypatch, capsys):
+    """--torch hf: transformers' LlamaForCausalLM from braidtrain's initial weights, on the same
+    sequences with the same schedule and clipping: in fp32 its final loss is braidtrain's."""
+    pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    out = tmp_path / "train.json"
+    p = bench_train("--model", "llama3-tiny", "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",
+                    "--steps", "3", "--warmup", "1", "--nproc", "1", "--layout", "-z 0", "--torch", "hf",
+                    "--json", out, monkeypatch=monkeypatch, capsys=capsys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["braidtrain -z 0", "torch hf"] and "x hf" in p.stdout  # the baseline: the first of --torch
+    ours, theirs = rows["braidtrain -z 0"], rows["torch hf"]
+    assert theirs["ratio"] == 1.0 and theirs["tokens_per_s"] > 0
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (ours, theirs)  # well inside --loss-tol
+
+
+@pytest.mark.parametrize("preset, shape", [("llama3-tiny", {}), ("llama3-tiny", {"tie_embeddings": True}),
+                                           ("tiny", {"n_layer": 2})])
+def test_hf_yardstick_holds_braidtrain_weights(preset, shape):
+    """hf_model: transformers' class of the family (untied and tied Llama, GPT-2) computes the
+    logits braidtrain's model does from the same seed."""
+    pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    mcfg = registry.model_config(preset, 300, **shape)
+    ours = registry.build(mcfg)
+    init_weights(ours, 7)
+    theirs = torchref.hf_model(mcfg, 7, torch.device("cpu"))
+    assert type(theirs).__name__ == registry.family_of(mcfg).ARCHITECTURE and theirs.config._attn_implementation == "sdpa"
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))  # past llama3-tiny's 64 unscaled positions
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=x).logits, ours(x), atol=1e-5, rtol=0)
+
+
+def test_hf_yardstick_without_transformers_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "ddp,hf-compile"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "install the transformers package" in err and "LlamaForCausalLM" in err
 
 
 def test_median_row_over_rounds():
@@ -139,7 +183,10 @@ def test_gpu_load_counts_busy_gpus_only():
     (["train", "--steps", "3", "--warmup", "3"], "--warmup 3"), (["train", "-i", "no/such/data"], "no/such/data"),
     (["train", "-b", "0"], "--batch-size"), (["train", "--nproc", "-1"], "--nproc"),
     (["train", "--layout", "-z '1"], "No closing quotation"), (["train", "--layout", "-z 7"], "stage 7"),
-    (["train", "--repeat", "0"], "--repeat"), (["train", "--torch", "ddp", "--baseline", "fsdp2"], "--baseline fsdp2")])
+    (["train", "--repeat", "0"], "--repeat"), (["train", "--torch", "ddp", "--baseline", "fsdp2"], "--baseline fsdp2"),
+    (["train", "--model", "llama3-tiny", "-t", "64", "--torch", "hf,hf-jax"], "hf-jax"), (["train", "--model", "llama4"], "llama4"),
+    (["train", "--model", "llama3-tiny", "-t", "64", "--n-kv-heads", "3"], "n_kv_heads=3"),
+    (["train", "--model", "llama3-tiny", "-t", "512"], "-t 512")])
 def test_bench_bad_input_is_one_line(args, names):
     """One line that names what is wrong (not an error about something else, e.g. the missing default data)."""
     p = braidtrain("bench", *args, check=False)
