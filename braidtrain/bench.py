@@ -64,6 +64,7 @@ GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-g
 TORCH = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile")  # the yardsticks (torchref.py says what each compiles)
 LOSS_TOL = {"cpu": 1e-3, "cuda": 2e-2}  # final losses of variants within this (relative): fp32; bf16
 PIPE = ("pipe-1f1b", "pipe-interleaved")  # torch.distributed.pipelining's (pp = ranks), beside --layout '--pp N'
+FLOAT8 = ("ao-tensorwise", "ao-rowwise")  # torchao's float8 training, beside --layout '--compile --fp8 ...'
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
 SMI = ["nvidia-smi", "--query-gpu=utilization.gpu,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "200"]
 BUSY = 90  # bench train: nvidia-smi samples of GPUs at least this busy (%) count for "SM MHz" and "W"
@@ -97,7 +98,7 @@ def add_parser(sub):
                         "the first flag is a long one (repeatable; default: "
                         + "; ".join(LAYOUTS) + "; on CUDA also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH),
-                   help="torch variants, a subset of " + ",".join(TORCH + PIPE) + " ('' for none; default " + ",".join(TORCH) + ")")
+                   help="torch variants, a subset of " + ",".join(TORCH + PIPE + FLOAT8) + " ('' for none; default " + ",".join(TORCH) + ")")
     t.add_argument("--baseline", default="ddp-compile", help="the variant the ratios are against")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
     t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
@@ -323,9 +324,9 @@ def _check_train_args(args) -> None:
     from braidtrain.cli import Parser, _train_parser, train_config
 
     torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
-    bad = [m for m in torch_modes if m not in TORCH + PIPE]
+    bad = [m for m in torch_modes if m not in TORCH + PIPE + FLOAT8]
     if bad:
-        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + PIPE)}")
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + PIPE + FLOAT8)}")
     if torch_modes and args.baseline not in torch_modes:
         raise UserError(f"--baseline {args.baseline} is not among the torch variants run ({', '.join(torch_modes)})")
     for name in ("batch_size", "seq_len", "steps"):

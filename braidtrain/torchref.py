@@ -18,6 +18,10 @@ cross-entropy included), then DDP; fsdp2-compile compiles each block (Module.com
 shards it (torchtitan's order), the head and loss eager. braidtrain's own head and loss are
 loss.py's fused kernel in every layout; its --compile compiles each block.
 
+ao-tensorwise and ao-rowwise are ddp-compile with torchao's float8 training (its recipe of that
+name: convert_to_float8_training) on the blocks' linears, those --fp8 computes in float8: the
+yardstick of --fp8 (torchao is not a dependency: installed by hand where it is wanted).
+
 pipe-1f1b and pipe-interleaved run torch.distributed.pipelining's Schedule1F1B and
 ScheduleInterleaved1F1B (2 chunks a rank) over all ranks (pp = world, dp = 1) on braidtrain's own
 stages of the model (model.GPT with a block range; braidtrain's split for that schedule), the loss
@@ -50,7 +54,7 @@ from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
-MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "pipe-1f1b", "pipe-interleaved")
+MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "pipe-1f1b", "pipe-interleaved", "ao-tensorwise", "ao-rowwise")
 
 
 class TorchLoss(torch.nn.Module):
@@ -86,7 +90,16 @@ def build(mode, model, device, bf16):
         return model, sync, nullcontext
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if mode == "ddp-compile":
+    if mode.startswith("ao-"):  # torchao's float8 recipe on the linears --fp8 computes in float8
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
+
+        linears = {m for block in model.gpt.blocks() for m in block.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+        convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: m in linears,
+                                   config=Float8LinearConfig.from_recipe_name(mode.removeprefix("ao-")))
+    if mode == "ddp-compile" or mode.startswith("ao-"):
         model = torch.compile(model)
     ids = [device.index if device.index is not None else rank] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids)

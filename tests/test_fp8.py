@@ -1,9 +1,9 @@
 """--fp8 (model/fp8.py): scales, casts and the three float8 products against a plain reference
 written here -- float8 rounding done by hand in float64 (round to nearest even on the format's
 grid, saturating), never torch's float8 casts -- then the layers, the split backward of zero
-bubble, the refusals, and a small model trained on the CPU (torch 2.13's CPU runs
-torch._scaled_mm): close to the fp32 run, and under --exact bitwise across dp, ZeRO-3 and a
-zero-bubble pipeline, as without fp8."""
+bubble, the refusals, the planner's terms, and a small model trained on the CPU (torch 2.13's CPU
+runs torch._scaled_mm): close to the fp32 run (also rowwise under tp + sp), under --exact bitwise
+across dp, ZeRO-3 and a zero-bubble pipeline as without fp8, and a mixture under cp and ep."""
 
 from __future__ import annotations
 
@@ -253,6 +253,8 @@ def runs(shakespeare, tmp_path_factory):
         "fp8-dp2-z3": (2, EXACT + ["--fp8", "tensorwise", "-z", "3"]),
         "fp8-pp2-zb": (2, EXACT + ["--fp8", "tensorwise", "--pp", "2", "--pp-schedule", "zb"]),
         "rowwise-tp2-sp": (2, ["-d", "256", "-x", "4", "--fp8", "rowwise", "--tp", "2", "--sp"]),
+        "moe-cp2-ep2": (2, ["-d", "256", "-x", "4", "--fp8", "tensorwise", "--cp", "2", "--moe-experts", "4",
+                            "--ep", "2"]),
         "bad-recipe": (1, ["-x", "1", "--fp8", "columnwise"]),
     }
 
@@ -291,6 +293,13 @@ def test_rowwise_under_tensor_and_sequence_parallelism_trains(runs):
         assert abs(a - b) <= 0.01 * b, (got["losses"], ref["losses"])
     proc, _ = runs["rowwise-tp2-sp"]
     assert "fp8 rowwise" in proc.stdout + proc.stderr
+
+
+def test_a_mixture_trains_with_float8_under_context_and_expert_parallelism(runs):
+    got = result(runs, "moe-cp2-ep2")
+    assert got["losses"][-1] < got["losses"][0] - 0.01
+    proc, _ = runs["moe-cp2-ep2"]
+    assert "leaves the experts in fp32" in proc.stdout + proc.stderr
 
 
 def test_an_unknown_recipe_is_refused_in_one_line(runs):
