@@ -2,8 +2,9 @@
 written here -- float8 rounding done by hand in float64 (round to nearest even on the format's
 grid, saturating), never torch's float8 casts -- then the layers, the split backward of zero
 bubble, the refusals, the planner's terms, and a small model trained on the CPU (torch 2.13's CPU
-runs torch._scaled_mm): close to the fp32 run (also rowwise under tp + sp), under --exact bitwise
-across dp, ZeRO-3 and a zero-bubble pipeline as without fp8, and a mixture under cp and ep."""
+runs torch._scaled_mm): close to the fp32 run (also rowwise under tp + sp + recompute), under
+--exact bitwise across dp, ZeRO-3 and a zero-bubble pipeline as without fp8, and a mixture under
+cp and ep."""
 
 from __future__ import annotations
 
@@ -252,7 +253,7 @@ def runs(shakespeare, tmp_path_factory):
         "fp8": (1, EXACT + ["--fp8", "tensorwise"]),
         "fp8-dp2-z3": (2, EXACT + ["--fp8", "tensorwise", "-z", "3"]),
         "fp8-pp2-zb": (2, EXACT + ["--fp8", "tensorwise", "--pp", "2", "--pp-schedule", "zb"]),
-        "rowwise-tp2-sp": (2, ["-d", "256", "-x", "4", "--fp8", "rowwise", "--tp", "2", "--sp"]),
+        "rowwise-tp2-sp": (2, ["-d", "256", "-x", "4", "--fp8", "rowwise", "--tp", "2", "--sp", "--recompute"]),
         "moe-cp2-ep2": (2, ["-d", "256", "-x", "4", "--fp8", "tensorwise", "--cp", "2", "--moe-experts", "4",
                             "--ep", "2"]),
         "bad-recipe": (1, ["-x", "1", "--fp8", "columnwise"]),
@@ -287,7 +288,7 @@ def test_exact_mode_with_float8_is_bitwise_across_dp_zero_and_pipelines(runs, na
     assert result(runs, name) == result(runs, "fp8")
 
 
-def test_rowwise_under_tensor_and_sequence_parallelism_trains(runs):
+def test_rowwise_under_tensor_and_sequence_parallelism_and_recompute_trains(runs):
     got, ref = result(runs, "rowwise-tp2-sp"), result(runs, "fp32")
     for a, b in zip(got["losses"], ref["losses"]):
         assert abs(a - b) <= 0.01 * b, (got["losses"], ref["losses"])

@@ -167,7 +167,7 @@ class Float8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, recipe: Recipe, out_dtype: torch.dtype):
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K), row-major (the kernel's first operand)
         if recipe.rowwise:
             x8, sx = cast(x2, E4M3, -1)  # a scale per token, (M, 1)
             w8, sw = cast(w, E4M3, -1)  # per output feature, (N, 1)
@@ -187,7 +187,7 @@ class Float8Linear(torch.autograd.Function):
     def backward(ctx, gy):
         x8, sx, w8, sw = ctx.saved_tensors
         r = ctx.recipe
-        g = gy.reshape(-1, gy.shape[-1])  # (M, N)
+        g = gy.reshape(-1, gy.shape[-1]).contiguous()  # (M, N)
         dx = dw = None
         if _needed(ctx, 0):  # dX = dY W: dY per token (rowwise), W per input feature
             g8, sg = cast(g, r.grad, -1 if r.rowwise else None)
