@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# --fp8 on one H200, in one call (from the repo root; data/shakespeare_bytes carried, and wheels/ for
-# torchao's yardstick):
+# --fp8 on one H200 (from the repo root; data/shakespeare_bytes carried, and wheels/ for torchao's
+# yardstick), its parts in as few device calls as fit:
 #   3b, 1b  tokens/s of llama3.2-3b and llama3.2-1b, -b 4 -t 2048 -d 16384, --compile (the best
 #           one-GPU layout: ZeRO-0) in bf16, --fp8 tensorwise and --fp8 rowwise: one `bench train`
 #           a model, each variant its own job. The data: the byte corpus's ids spread over llama-3's
@@ -12,25 +12,25 @@
 #           --compile --cuda-graph --fp8 tensorwise (300 steps) against the eager run's losses. These
 #           six small runs share the GPU at once (no timing is read from them).
 #   ao      torchao's float8 (its tensorwise and rowwise recipes on the same linears, torch.compile
-#           of the whole model: braidtrain.torchref's ao-*) on llama3.2-3b beside braidtrain's
-#           --compile bf16, if wheels/torchao-*.whl is there (installed into a scratch folder,
-#           --no-deps); skipped, saying so, without it. Fetch it where there is a network:
+#           of the whole model: braidtrain.torchref's ao-*) on llama3.2-3b (or AO_MODEL) beside
+#           braidtrain's --compile bf16, if wheels/torchao-*.whl is there (installed into a scratch
+#           folder, --no-deps); skipped, saying so, without it. Fetch it where there is a network:
 #           `pip download --no-deps torchao==0.17.0 -d wheels/` (built for torch 2.11; wheels/ is
 #           git-ignored: carry it to the GPU machine).
-# A part whose usual time (EST below, H200 seconds) would take the call past LIMIT seconds (default
-# 560) is skipped, saying so: run it in a second call (`bash benchmarks/fp8_gpu.sh 1b ao`). The
-# default order does 3b and loss in one call of ~450 s, then 1b and ao in a second of ~450 s.
+# A part whose expected time (EST below, H200 seconds: estimates until a call has measured them)
+# would take the call past LIMIT seconds (default 560) is skipped, saying so, with the command that
+# runs it: by the estimates, 3b and loss in a first call (~440 s), 1b in a second, ao in a third.
 # Everything goes to $OUT (bench_*.json, loss_*.jsonl, fp8_loss.png, *.log, summary.txt); run
 # directories are deleted.
-# SMOKE=1: the same parts on the CPU with llama3-tiny and a small gpt2 shape, a few steps, no
-# --compile (the plumbing, in a few minutes).
+# SMOKE=1: the same parts on the CPU with llama3-tiny and tiny, a few steps, no --compile and no
+# CUDA graph (the plumbing: 3b, loss and 1b in ~6 minutes of a loaded 2-core VM; ao ~10 more).
 # Usage: OUT=/tmp/out bash benchmarks/fp8_gpu.sh [3b loss 1b ao]   (default: all four, in that order)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 SMOKE=${SMOKE:-0}
 parts=${*:-3b loss 1b ao}
-declare -A EST=([3b]=330 [loss]=110 [1b]=200 [ao]=260)  # seconds each part took, or is expected to take, on an H200
+declare -A EST=([3b]=330 [loss]=110 [1b]=200 [ao]=400)  # seconds each part took, or is expected to take, on an H200
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/fp8-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -132,7 +132,7 @@ EOF
     if [ -z "$whl" ]; then echo "== ao: skipped, no wheels/torchao-*.whl" | tee -a "$OUT/summary.txt"; continue; fi
     pip install -q --no-deps --target "$WORK/ao" "$whl" > "$OUT/ao_install.log" 2>&1 \
       || { echo "== ao: skipped, $whl did not install" | tee -a "$OUT/summary.txt"; continue; }
-    PYTHONPATH="$WORK/ao${PYTHONPATH:+:$PYTHONPATH}" bench ao $BIG --layout="$COMPILE $keep" \
+    PYTHONPATH="$WORK/ao${PYTHONPATH:+:$PYTHONPATH}" bench ao ${AO_MODEL:-$BIG} --layout="$COMPILE $keep" \
       --torch ao-tensorwise,ao-rowwise --baseline ao-tensorwise ;;
   *) echo "unknown part $part: use 3b, 1b, loss, ao" ;;
   esac
@@ -154,6 +154,7 @@ for name in ("3b", "1b", "ao"):
             print(f"{name}: {r['variant']}: FAILED {r['error']}")
             continue
         x = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x bf16" if base else ""
-        print(f"{name}: {r['variant']:<60} {r['tokens_per_s']:>9,.0f} tokens/s {x:>11}  {r['mem_gb']:.1f} GB  loss {r['loss']:.4f}")
+        mem = f"{r['mem_gb']:.1f} GB" if r.get("mem_gb") is not None else ""
+        print(f"{name}: {r['variant']:<60} {r['tokens_per_s']:>9,.0f} tokens/s {x:>11}  {mem:>8}  loss {r['loss']:.4f}")
 EOF
 echo "done in $SECONDS s"
