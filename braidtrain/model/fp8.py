@@ -30,9 +30,10 @@ of 0 (an all-zero tensor or row) takes the scale of a tiny amax and casts to zer
 amax gives a scale of 0 or NaN, so a non-finite input gives non-finite outputs (and the step is
 skipped, as ever), never finite garbage.
 
-What autograd keeps for the backward is float8 only (tensorwise: x and W once, 1 byte an
-element; rowwise: twice, 2 bytes), never the fp32 weight -- so ZeRO-3 releases a gathered block
-after its forward, as it does under bf16 autocast (parallel/zero.py sees what is saved).
+What autograd keeps for the backward is float8 only -- x and W once each, 1 byte an element
+(rowwise: the copies scaled for the backward; the forward's are transient) -- never the fp32
+weight, so ZeRO-3 releases a gathered block after its forward, as it does under bf16 autocast
+(parallel/zero.py sees what is saved).
 
 Where torch._scaled_mm does not run -- on CUDA, dims it rejects (K and N multiples of 16; the
 M of dW too) -- `emulated_mm` does the same product from the same float8 tensors in fp32 (each
