@@ -66,6 +66,7 @@ TORCH = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile")  # the yardsticks (torc
 HF = ("hf", "hf-compile")  # transformers' model of the family, eager and compiled (torchref.hf_model)
 LOSS_TOL = {"cpu": 1e-3, "cuda": 2e-2}  # final losses of variants within this (relative): fp32; bf16
 PIPE = ("pipe-1f1b", "pipe-interleaved")  # torch.distributed.pipelining's (pp = ranks), beside --layout '--pp N'
+FLOAT8 = ("ao-tensorwise", "ao-rowwise")  # torchao's float8 training, beside --layout '--compile --fp8 ...'
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
 SMI = ["nvidia-smi", "--query-gpu=utilization.gpu,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "200"]
 BUSY = 90  # bench train: nvidia-smi samples of GPUs at least this busy (%) count for "SM MHz" and "W"
@@ -100,7 +101,7 @@ def add_parser(sub):
                         "the first flag is a long one (repeatable; default: "
                         + "; ".join(LAYOUTS) + "; on CUDA also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH),
-                   help="torch variants, a subset of " + ",".join(TORCH + HF + PIPE) + " ('' for none; default "
+                   help="torch variants, a subset of " + ",".join(TORCH + HF + PIPE + FLOAT8) + " ('' for none; default "
                         + ",".join(TORCH) + "); hf, hf-compile: transformers' model of the family (e.g. LlamaForCausalLM)")
     t.add_argument("--baseline", help="the torch variant the ratios are against (default: ddp-compile if run, else "
                                       "the first of --torch)")
@@ -334,9 +335,9 @@ def _check_train_args(args) -> None:
         raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
                         f"use -t {mcfg.block_size} or less")
     torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
-    bad = [m for m in torch_modes if m not in TORCH + HF + PIPE]
+    bad = [m for m in torch_modes if m not in TORCH + HF + PIPE + FLOAT8]
     if bad:
-        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + HF + PIPE)}")
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + HF + PIPE + FLOAT8)}")
     if any(m in HF for m in torch_modes):
         _check_hf(args.model)
     if args.baseline is None:

@@ -122,6 +122,9 @@ def _train_parser(sub):
     g.add_argument("--fs-path", "-pf", help="shared folder for the rendezvous (fs)")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: the local GPU, else cpu)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"])
+    g.add_argument("--fp8", choices=["tensorwise", "rowwise"],
+                   help="the blocks' linear layers (attention, MLP) compute in float8 with dynamic scales, one per "
+                        "tensor or per row (a GPU of compute capability >= 8.9; the CPU through torch's CPU kernel)")
     g.add_argument("--timeout", type=float, help="seconds before a rendezvous or collective is declared hung")
     g.add_argument("--heartbeat-timeout", type=float,
                    help="seconds without a peer's heartbeat before the survivors write their flight logs and exit "

@@ -105,6 +105,7 @@ class Config:
     fs_path: str | None = None
     device: str | None = None
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    fp8: str | None = None  # tensorwise | rowwise: the blocks' linear layers in float8 (model/fp8.py)
     timeout: float = 300.0
     heartbeat_timeout: float = 30.0  # seconds of silence before a peer counts as lost; 0: no heartbeat
 
@@ -218,6 +219,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"unknown init method '{cfg.init_method}': use env, tcp, fs or mpi")
     if cfg.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"unknown dtype '{cfg.dtype}': use auto, fp32 or bf16")
+    if cfg.fp8 not in (None, "tensorwise", "rowwise"):
+        raise UserError(f"unknown fp8 recipe {cfg.fp8!r}: use tensorwise or rowwise (or leave it unset: no float8)")
     if cfg.timeout <= 0:
         raise UserError(f"timeout must be positive, got {cfg.timeout}")
     if cfg.wandb is not None and not cfg.wandb.strip():

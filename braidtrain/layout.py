@@ -2,7 +2,7 @@
 
     degrees   pp (pipeline stages) x dp (data-parallel replicas) x cp (context) x tp (tensor),
               outer to inner, = the world size; ep (expert) is carved from the dp*cp ranks
-    features  ZeRO stage, sp, exact, compile, CUDA graph, recompute, the schedule
+    features  ZeRO stage, sp, exact, compile, CUDA graph, recompute, the schedule, float8
 
 `make_layout` is the one place that decides whether a combination can run. `train` calls it
 (through `from_config`) before any process group forms, and `plan` calls it for every layout it
@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 
 from braidtrain.errors import UserError, divisors
+
+FP8_RECIPES = ("tensorwise", "rowwise")  # model/fp8.py's (named here: the layout is checked before torch loads)
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -51,6 +53,7 @@ class Layout:
     split: tuple = ()  # the blocks of each pipeline chunk (ranges), pp * virtual of them
     cp_impl: str = "ring"  # context parallelism's (parallel/context.py)
     cp_order: str = "zigzag"
+    fp8: str | None = None  # the blocks' linear layers in float8: tensorwise | rowwise (model/fp8.py)
 
     @property
     def world(self) -> int:
@@ -72,6 +75,7 @@ class Layout:
                           if getattr(self, a) > 1 or a == "dp")
         features = [f"ZeRO-{self.zero}"] + [n for n, on in (("exact", self.exact), ("recompute", self.recompute),
                                                              ("compile", self.compile), ("cuda-graph", self.cuda_graph)) if on]
+        features += [f"fp8 {self.fp8}"] if self.fp8 else []
         return axes + (" (sp)" if self.sp else "") + ", " + ", ".join(features)
 
 
@@ -102,7 +106,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                 pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, zero: int = 0, sp: bool = False,
                 exact: bool = False, compile: bool = False, cuda_graph: bool = False, recompute: bool = False,
                 schedule: str = "1f1b", virtual: int | None = None, split: list[int] | None = None,
-                cp_impl: str = "ring", cp_order: str = "zigzag", device: str = "cpu",
+                cp_impl: str = "ring", cp_order: str = "zigzag", fp8: str | None = None, device: str = "cpu",
                 world_name: str | None = None) -> Layout:
     """The validated layout, or the UserError of the first thing that cannot run. `model` is a
     model config (model/protocol.py); `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
@@ -125,6 +129,8 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                         f"time): drop it, or use --ep 1 without --exact")
     if ep > 1 and moe % ep:
         raise UserError(f"--ep {ep} does not divide --moe-experts {moe}: use ep in {divisors(moe)}")
+    if fp8 not in (None, *FP8_RECIPES):
+        raise UserError(f"unknown --fp8 recipe {fp8!r}: use {' or '.join(FP8_RECIPES)}")
     if sp and tp == 1:
         raise UserError("--sp splits the sequence over the tp ranks: it needs --tp 2 or more (or drop --sp)")
     if compile and tp > 1:
@@ -173,7 +179,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         if ep > 1 and not _pow2(batch.micro_steps):  # (the ep sources' subtrees: parallel/expert.Sourced)
             raise UserError(f"--exact with ep={ep} needs a power-of-two number of micro-steps per rank, got "
                             f"d/(b*t*dp) = {batch.micro_steps}: change -d")
-    ctx = dict(cp_impl=cp_impl, cp_order=cp_order)
+    ctx = dict(cp_impl=cp_impl, cp_order=cp_order, fp8=fp8)
     if pp == 1:
         return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch, **ctx)
     pipeline.check_split(model.n_layer, pp * v, split)
@@ -224,6 +230,28 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
                             f"{model.n_embd} / {model.n_head} = {model.head_dim}: change --n-head, or drop --exact")
 
 
+def check_fp8(recipe: str | None, device: str) -> None:
+    """--fp8 where the float8 kernel runs: a GPU of compute capability 8.9 or later, or a CPU whose
+    torch has torch._scaled_mm (2.13's does). Asked of the device a run trains on (from_config);
+    the planner weighs GPUs it does not have."""
+    if recipe is None:
+        return
+    import torch
+
+    from braidtrain.model import fp8
+
+    if fp8.available(device):
+        return
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        raise UserError(f"--fp8 needs a GPU of compute capability 8.9 or later (float8 tensor cores: Ada, Hopper); "
+                        f"this one is {major}.{minor}: drop --fp8")
+    if device == "cpu":
+        raise UserError(f"--fp8 on the CPU needs torch's CPU float8 matmul (torch._scaled_mm), which torch "
+                        f"{torch.__version__} lacks: drop --fp8, or use a torch that has it (2.13 does)")
+    raise UserError(f"--fp8 runs on CUDA GPUs and CPUs, not on {device}: drop --fp8")
+
+
 def from_config(cfg, world: int, model, device: str) -> Layout:
     """The layout a training Config asks for on `world` processes (train.py's one call)."""
     split = None
@@ -232,7 +260,10 @@ def from_config(cfg, world: int, model, device: str) -> Layout:
             split = [int(k) for k in cfg.pp_split.split(",")]
         except ValueError:
             raise UserError(f"--pp-split {cfg.pp_split!r}: give blocks per chunk as integers, e.g. 3,4,4,3") from None
-    return make_layout(world, model, seq_len=cfg.seq_len, batch_size=cfg.batch_size, total_batch=cfg.total_batch,
-                       pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
-                       compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, schedule=cfg.pp_schedule,
-                       virtual=cfg.pp_virtual, split=split, cp_impl=cfg.cp_impl, cp_order=cfg.cp_order, device=device)
+    lay = make_layout(world, model, seq_len=cfg.seq_len, batch_size=cfg.batch_size, total_batch=cfg.total_batch,
+                      pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
+                      compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, schedule=cfg.pp_schedule,
+                      virtual=cfg.pp_virtual, split=split, cp_impl=cfg.cp_impl, cp_order=cfg.cp_order, fp8=cfg.fp8,
+                      device=device)
+    check_fp8(lay.fp8, device)
+    return lay

@@ -81,13 +81,20 @@ Measured for tp on one H200 (2026-11-29, torch 2.11), through the tp code path w
 below torch's dense cross-entropy, used before loss.py (its terms then: 2.473), and the tp collectives come in the dtypes and numbers
 listed below; the division by tp itself awaits a machine of two or more GPUs.
 
+FP8 (--fp8): the blocks' linears keep float8 copies (1 byte an element) of their inputs and
+weights for the backward in place of bf16 ones (the layers term, traced through model/fp8.py; the
+weights term: 1 byte a linear weight element instead of 2), and their three products run at
+FP8_SPEEDUP's ratio over bf16's (flops_per_token). The casts around them (amax, scale, cast:
+memory-bound, fused into neighbouring kernels under --compile) are not counted.
+
 Per GPU: allocated = parameters + gradients + optimizer + activations (what
 torch.cuda.max_memory_allocated sees); total = allocated + communication buffers (NCCL's own per
 communicator -- the replica group's if dp > 1, the tp group's if tp > 1 -- outside torch's
 allocator) + overhead (CUDA context and workspaces, plus allocator slack).
 
 Step time = compute + exposed communication. Compute = flops_per_token(t) * d / (dp * tp *
-achieved FLOP/s), x 4/3 with recompute (a second forward). Collectives follow an alpha-beta model
+achieved FLOP/s), x 4/3 with recompute (a second forward); under --fp8 a block linear's FLOPs count
+1/FP8_SPEEDUP of themselves. Collectives follow an alpha-beta model
 per message: alpha + k * bytes / busbw, k = 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and
 all-gather, bytes the whole (reduced or gathered) tensor (the bus-bandwidth convention of
 nccl-tests). dp: the gradient buckets (this tp rank's shards, 4*P_tp bytes in all) over the replica
@@ -132,6 +139,10 @@ CONTEXT_BYTES = 1e9  # CUDA context, cuBLAS/cuDNN workspaces: outside torch's al
 ALLOCATOR_SLACK = 0.05  # fragmentation of the caching allocator, a fraction of what it holds
 NCCL_BYTES = 0.5e9  # NCCL's channel buffers per communicator (n > 1), outside torch's allocator
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# --fp8: torch._scaled_mm (e4m3) over bf16's matmul on one H200 (torch 2.11, M = 16384 tokens, the
+# forward product), at the smallest and the largest shape measured: ((K * N, speed-up), ...)
+FP8_SPEEDUP = {"tensorwise": ((768 * 3072, 1.54), (8192 * 8192, 1.88)),
+               "rowwise": ((768 * 3072, 1.30), (8192 * 8192, 1.84))}
 GB = 1e9  # what metrics.jsonl's mem_gb uses
 
 
@@ -187,23 +198,25 @@ def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> tuple[tuple
                  for entries, mods, _, _ in formed)
 
 
-def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False) -> float:
+def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False, fp8: str | None = None) -> float:
     """Bytes per token one block keeps for its backward (the docstring's layers term), traced from
-    the family's own block (model/counts.py): the part every tp rank holds whole, plus the rest
-    divided by tp."""
+    the family's own block (model/counts.py; its linears in float8 under fp8): the part every tp
+    rank holds whole, plus the rest divided by tp."""
     from braidtrain.model.counts import block_activations
 
-    return block_activations(cfg, tp, sp, gpu=not cpu)
+    return block_activations(cfg, tp, sp, gpu=not cpu, fp8=fp8)
 
 
-def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False) -> dict:
+def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False,
+                     fp8: str | None = None, P8: int = 0) -> dict:
     """Named terms (see the module docstring), so each can be calibrated on its own; `peak` is
     what they add up to at the worst moment, the start of the backward pass. P: the parameters
-    this rank holds (P_tp) -- under recompute, those whose bf16 copies stay (bf16_kept)."""
+    this rank holds (P_tp) -- under recompute, those whose bf16 copies stay (bf16_kept); P8: those
+    of them that --fp8 keeps in float8 instead (fp8_params)."""
     scale = 2 if cpu else 1  # fp32 on the CPU
     tbh = t * b * cfg.n_embd * scale
     rows = tp if sp else 1  # the residual stream holds t/tp rows under sp
-    layer = layer_activation(cfg, tp, sp, cpu) * b * t
+    layer = layer_activation(cfg, tp, sp, cpu, fp8) * b * t
     if tp == 1:
         logits = b * t * cfg.padded_vocab * LOGITS * scale
     else:
@@ -213,7 +226,7 @@ def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp
         "block_recomputed": layer if recompute else 0,
         "head": ACT_HEAD_LN * tbh / rows + ACT_HEAD_IN * tbh,
         "logits": logits,
-        "weights_bf16": 0 if cpu else 2 * P,
+        "weights_bf16": (0 if cpu else 2 * (P - P8)) + P8,
     }
     # a block rebuilt by recompute lives after the logits' gradients are gone: the larger counts
     transient = max(terms["logits"], terms["block_recomputed"])
@@ -246,6 +259,35 @@ def tp_messages(cfg, b: int, t: int, sp: bool, cpu: bool = False) -> dict:
     return {"layer_fwd": layer_fwd, "layer_bwd": layer_bwd, "ends": ends}
 
 
+def fp8_speedup(recipe: str, k: int, n: int) -> float:
+    """A float8 product's speed over bf16's for a (K in, N out) weight: FP8_SPEEDUP interpolated in
+    log(K * N) between the shapes measured, held at the nearer one beyond them."""
+    (lo, r_lo), (hi, r_hi) = FP8_SPEEDUP[recipe]
+    f = min(1.0, max(0.0, math.log(k * n / lo) / math.log(hi / lo)))
+    return r_lo + f * (r_hi - r_lo)
+
+
+def flops_per_token(s: "Setup", tp: int = 1) -> float:
+    """Training FLOPs per token at bf16's rate: the model's, with each block linear's 6 * K * N under
+    --fp8 counted 1/fp8_speedup of itself, at its shape on a tp rank."""
+    from braidtrain.model.counts import counts
+
+    total = s.cfg.flops_per_token(s.t)
+    if s.fp8:
+        for n, k, dim in (w for block in counts(s.cfg)["linear"] for w in block):
+            local = (k, n // tp) if dim == 0 else (k // tp, n)  # column-parallel splits the outputs, row the inputs
+            total -= 6 * n * k * (1 - 1 / fp8_speedup(s.fp8, *local))
+    return total
+
+
+def fp8_params(s: "Setup", tp: int, blocks) -> int:
+    """Elements of the blocks' float8 weights (their linears', this tp rank's) under --fp8, else 0."""
+    from braidtrain.model.counts import counts
+
+    linear = counts(s.cfg)["linear"]
+    return sum(n * k for i in blocks for n, k, _ in linear[i]) // tp if s.fp8 else 0
+
+
 @dataclass(frozen=True)
 class Setup:
     cfg: object  # GPTConfig
@@ -261,6 +303,7 @@ class Setup:
     tp_busbw: float | None = None  # GB/s, the tp group's inside a node; None: busbw
     gpus_per_node: int | None = None  # None: every GPU in one node
     node_busbw: float = 40.0  # GB/s of a collective whose group spans nodes (InfiniBand, per GPU)
+    fp8: str | None = None  # --fp8's recipe: the blocks' linears in float8
 
 
 @dataclass(frozen=True)
@@ -418,7 +461,8 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     embed = sum(k for kind, k in buckets if kind == "embed")  # (gathered all micro-step under ZeRO-3)
     state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
     kept = bf16_kept(cfg, tp, P, counts["block"], True) if lay.recompute else P
-    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp)  # a rank's t/cp tokens
+    P8 = fp8_params(s, tp, range(1 if lay.recompute else cfg.n_layer))  # (recompute: one block's at a time)
+    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8)  # a rank's t/cp tokens
     if cfg.moe_experts:
         act["moe"] = moe_bytes(s, lay)
         act["peak"] += act["moe"]
@@ -434,7 +478,7 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     mem["total"] = sum(mem.values())
 
     micro = max(1, s.d // (lay.b * s.t * lay.dp))
-    compute = cfg.flops_per_token(s.t) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
+    compute = flops_per_token(s, tp) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
     fwd = compute / micro * (1 / 4 if lay.recompute else 1 / 3)  # the forward is 1 of 3 (of 4) passes
     bwd = compute / micro - fwd
     # ZeRO-3 gathers the blocks again for the backward only where it reads the fp32 parameters:
@@ -593,7 +637,7 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     L = layout_of(s, lay, s.d)
     split, m, chunks = L.split, L.batch.micro_steps, len(L.split)
     t = s.t // cp  # a rank's tokens of each sequence
-    terms = activation_bytes(cfg, lay.b, t, lay.recompute, s.cpu, 0, tp, lay.sp)  # pp = 1's, per micro-batch
+    terms = activation_bytes(cfg, lay.b, t, lay.recompute, s.cpu, 0, tp, lay.sp, s.fp8)  # pp = 1's, per micro-batch
     per_block = terms["layers"] / cfg.n_layer
     ring = ring_bytes(s, lay) if cp > 1 else {"ring_out": 0, "ring_scores": 0}
     one_ring = ring["ring_out"] / (1 if lay.recompute else cfg.n_layer)  # one block's
@@ -602,7 +646,7 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     size = lambda c: sum(map(kept, split[c])) + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)  # noqa: E731
     flops = pipeline.flop_cost(cfg, s.t, chunks)
     whole = sum(flops(c, r) for c, r in enumerate(split))
-    micro_s = cfg.flops_per_token(s.t) * lay.b * s.t / (tp * cp * s.tflops * 1e12)  # one micro-batch, the whole model
+    micro_s = flops_per_token(s, tp) * lay.b * s.t / (tp * cp * s.tflops * 1e12)  # one micro-batch, the whole model
     f = [flops(c, r) / whole * micro_s / 3 for c, r in enumerate(split)]
     b = [x * (1 if lay.schedule == "zb" else 2) + (x if lay.recompute else 0) for x in f]
     cost = {"F": f, "B": b, "W": f}
@@ -623,8 +667,9 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         rebuilt = terms["block_recomputed"] + (one_ring + moe * any(map(cfg.is_moe, held)) if lay.recompute else 0)
         held_p = P - experts + experts // lay.ep
         kept = bf16_kept(cfg, tp, held_p, param_counts(cfg, tp)["block"], chunks - 1 in mine) if lay.recompute else held_p
+        P8 = fp8_params(s, tp, held[:1] if lay.recompute else held)
         act = {"live": sim["peak"], "block_recomputed": rebuilt, "ring_scores": ring["ring_scores"],
-               "weights_bf16": 0 if s.cpu else 2 * kept}
+               "weights_bf16": (0 if s.cpu else 2 * (kept - P8)) + P8}
         act["peak"] = sum(act.values())
         mem = {k: state[k] for k in ("params", "grads", "optimizer")}
         mem["activations"] = act["peak"]
@@ -853,7 +898,7 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
     if mem_gb is None:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world if cpu else torch.cuda.mem_get_info()[1]
         mem_gb = mem / GB
-    s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu,
+    s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu, fp8=cfg.fp8,
               gpus_per_node=gpus_per_node)
     rows = plan(s)["rows"]
     for e in (e for e in rows if e["fits"]):

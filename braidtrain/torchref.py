@@ -26,6 +26,10 @@ user would: fp32 master weights, bf16 autocast on GPU, torch's fused AdamW, eage
 torch.compile of the whole model (head and cross-entropy included); torch DDP only when there is
 more than one process. Its logits go into the same cross-entropy sum as the other modes'.
 
+ao-tensorwise and ao-rowwise are ddp-compile with torchao's float8 training (its recipe of that
+name: convert_to_float8_training) on the blocks' linears, those --fp8 computes in float8: the
+yardstick of --fp8 (torchao is not a dependency: installed by hand where it is wanted).
+
 pipe-1f1b and pipe-interleaved run torch.distributed.pipelining's Schedule1F1B and
 ScheduleInterleaved1F1B (2 chunks a rank) over all ranks (pp = world, dp = 1) on braidtrain's own
 stages of the model (model.GPT with a block range; braidtrain's split for that schedule), the loss
@@ -59,7 +63,8 @@ from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
-MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "hf", "hf-compile", "pipe-1f1b", "pipe-interleaved")
+MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "hf", "hf-compile", "pipe-1f1b", "pipe-interleaved",
+         "ao-tensorwise", "ao-rowwise")
 
 
 class TorchLoss(torch.nn.Module):
@@ -134,7 +139,16 @@ def build(mode, model, device, bf16):
         return model, sync, nullcontext
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if mode in ("ddp-compile", "hf-compile"):
+    if mode.startswith("ao-"):  # torchao's float8 recipe on the linears --fp8 computes in float8
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
+
+        linears = {m for block in model.gpt.blocks() for m in block.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+        convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: m in linears,
+                                   config=Float8LinearConfig.from_recipe_name(mode.removeprefix("ao-")))
+    if mode in ("ddp-compile", "hf-compile") or mode.startswith("ao-"):
         model = torch.compile(model)
     ids = [device.index if device.index is not None else rank] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids)

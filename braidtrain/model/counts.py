@@ -1,9 +1,11 @@
 """A model's counts, from the model itself: what the planner and MFU use, never a formula typed apart.
 
     counts(cfg)                      parameters; per block and for the head, the parameters a token
-                                     passes through (FLOPs: 6 per such parameter, protocol.py)
+                                     passes through (FLOPs: 6 per such parameter, protocol.py); per
+                                     block the shapes of its tp linears (--fp8's float8 products)
     block_activations(cfg, tp, sp)   bytes a block keeps for its backward, per token: what autograd
-                                     saves when the family's own block runs forward
+                                     saves when the family's own block runs forward (with --fp8's
+                                     float8 linears: model/fp8.py)
     moe_activations(cfg, tp, sp)     what an MoE layer keeps beyond that: per routed row, per token
 
 The second runs one block on fake tensors (no memory, no arithmetic: torch's FakeTensorMode) under
@@ -30,6 +32,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
+from braidtrain.model.fp8 import RECIPES
+from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
 from braidtrain.model.moe import MoE
 
 HEAD_MERGE = 2  # bytes per channel of the attention output, on the GPU (bf16): see the docstring
@@ -38,7 +42,9 @@ HEAD_MERGE = 2  # bytes per channel of the attention output, on the GPU (bf16): 
 @functools.lru_cache(maxsize=64)
 def counts(cfg) -> dict:
     """{"params": all, "blocks": [per block, the parameters a token passes through], "head": the
-    final norm's and the head's}: from the whole model at tp = 1 on the meta device."""
+    final norm's and the head's, "linear": [per block, (out, in, the dim tp splits) of each weight of
+    its column- and row-parallel linears: what --fp8 computes in float8 (Stage.use_fp8)]}: from the
+    whole model at tp = 1 on the meta device."""
     with torch.device("meta"):
         model = cfg.model(cfg)
     share = {}  # parameter -> the share of tokens through it: k/E for an expert's
@@ -50,8 +56,10 @@ def counts(cfg) -> dict:
     used = lambda ps: sum(p.numel() * share.get(p, 1.0) for p in ps)  # noqa: E731
     head = used(p for n, p in model.named_parameters() if n in model.head_names() and p not in lookups)
     head += model.head_weight().numel() if cfg.tied else 0  # the tied head's matmul (the table is a lookup too)
+    linear = [tuple((*m.weight.shape, 0 if isinstance(m, ColumnParallelLinear) else 1) for m in block.modules()
+                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))) for block in model.blocks()]
     return {"params": sum(p.numel() for p in model.parameters()),
-            "blocks": [used(block.parameters()) for block in model.blocks()], "head": head}
+            "blocks": [used(block.parameters()) for block in model.blocks()], "head": head, "linear": linear}
 
 
 class _FakeComm:
@@ -96,26 +104,28 @@ def _stage(cfg, tp: int, sp: bool, at: int):
     return cfg.model(cfg, _fake_mesh(tp) if tp > 1 else None, sp, range(at, at + 1), first=False, last=False)
 
 
-def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool) -> int:
+def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None) -> int:
     """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         stage = _stage(cfg, tp, sp, 0)
+        if fp8:
+            stage.use_fp8(RECIPES[fp8])
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
         return _kept(stage.blocks()[0], x, stage.block_inputs(torch.arange(T)), bf16)
 
 
 @functools.lru_cache(maxsize=256)
-def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True) -> float:
+def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True, fp8: str | None = None) -> float:
     """Bytes one block keeps for its backward per token of a micro-batch, on tp rank 0 (a dense
     block: a mixture's extra is the planner's moe_layer_bytes). gpu: bf16 autocast (and the head
-    merge's copy, HEAD_MERGE), else fp32."""
+    merge's copy, HEAD_MERGE), else fp32. fp8: the linears in float8, with that recipe."""
     dense = cfg if not cfg.moe_experts else type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
     t1, t2 = 8 * max(tp, 2), 16 * max(tp, 2)
 
     def per_token(k, s):
-        return (_saved(dense, k, s, t2, gpu) - _saved(dense, k, s, t1, gpu)) / (t2 - t1)
+        return (_saved(dense, k, s, t2, gpu, fp8) - _saved(dense, k, s, t1, gpu, fp8)) / (t2 - t1)
 
     one = per_token(1, False) + (HEAD_MERGE * dense.n_head * dense.head_dim if gpu else 0)
     if tp == 1:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from braidtrain.model import fp8
 from braidtrain.model.attention import causal_attention
 
 SEQ = 1  # the sequence dim of a (B, T, C) activation
@@ -147,7 +148,13 @@ def gather_last_dim(x, group):
 
 # -- layers ------------------------------------------------------------------------------------------
 # They subclass nn.Linear / nn.Embedding, holding only the local shard, so that at tp=1 they are
-# exactly those modules (same parameters, same numerics, same default init).
+# exactly those modules (same parameters, same numerics, same default init). A linear layer's
+# `fp8` is None (F.linear) or a float8 recipe (model/fp8.py), which the stage sets for the blocks'
+# layers under --fp8 (protocol.Stage.use_fp8).
+
+def _linear(x, weight, bias, recipe):
+    return F.linear(x, weight, bias) if recipe is None else fp8.linear(x, weight, bias, recipe)
+
 
 class ColumnParallelLinear(nn.Linear):
     """y = x W^T + b with W split along the output features (tensor dim 0 of the (out, in) weight):
@@ -167,11 +174,12 @@ class ColumnParallelLinear(nn.Linear):
         self.group, self.sp, self.gather_output = group, sp, gather_output
         split = ShardSpec(0, "packed", 1, tuple(packed)) if packed else ShardSpec(0, "contiguous")
         self.tp_split = {"weight": split, "bias": split}
+        self.fp8 = None
 
     def forward(self, x):
         if self.group is None:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(enter_tp(x, self.group, self.sp), self.weight, self.bias)
+            return _linear(x, self.weight, self.bias, self.fp8)
+        y = _linear(enter_tp(x, self.group, self.sp), self.weight, self.bias, self.fp8)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
 
@@ -189,11 +197,12 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features // tp, out_features, bias=bias)
         self.group, self.sp = group, sp
         self.tp_split = {"weight": ShardSpec(1, "contiguous"), "bias": REPLICATED}
+        self.fp8 = None
 
     def forward(self, x):
         if self.group is None:
-            return F.linear(x, self.weight, self.bias)
-        y = leave_tp(F.linear(x, self.weight), self.group, self.sp)
+            return _linear(x, self.weight, self.bias, self.fp8)
+        y = leave_tp(_linear(x, self.weight, None, self.fp8), self.group, self.sp)
         return y if self.bias is None else y + self.bias
 
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from braidtrain.errors import UserError, divisors
-from braidtrain.model.layers import enter_tp, gather_last_dim, vocab_parallel_cross_entropy
+from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, enter_tp, gather_last_dim,
+                                     vocab_parallel_cross_entropy)
 from braidtrain.model.loss import head_loss
 from braidtrain.model.counts import counts
 from braidtrain.model.moe import BALANCES, ROUTERS, Dispatch, MoE
@@ -297,6 +298,16 @@ class Stage(nn.Module):
         torch's attention is already deterministic."""
         for block in self.blocks():
             block.attention().deterministic = True
+
+    def use_fp8(self, recipe) -> None:
+        """--fp8: the blocks' column- and row-parallel linears (attention's projections, the MLP)
+        compute their three products in float8 (model/fp8.py's recipe). The embedding, the head,
+        the norms and the router stay as they are, and so do a mixture's experts (plain nn.Linear
+        run by the dispatch's grouped GEMM, which has no float8 path yet)."""
+        for block in self.blocks():
+            for m in block.modules():
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    m.fp8 = recipe
 
     def compile_blocks(self) -> None:
         """--compile: each block becomes one torch.compile'd function, for training (grad
