@@ -24,6 +24,7 @@
 # directories are deleted.
 # SMOKE=1: the same parts on the CPU with llama3-tiny and tiny, a few steps, no --compile and no
 # CUDA graph (the plumbing: 3b, loss and 1b in ~6 minutes of a loaded 2-core VM; ao ~10 more).
+# RECIPES='tensorwise': the 3b and 1b parts with that recipe only (a shorter call).
 # Usage: OUT=/tmp/out bash benchmarks/fp8_gpu.sh [3b loss 1b ao]   (default: all four, in that order)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -80,7 +81,8 @@ bench() {  # bench NAME MODEL [bench train args]: one model's variants, the tabl
   echo "exit $? ($SECONDS s in)"; grep -vE "^\[|Warning|warn" "$OUT/$name.log" | tail -12
 }
 keep="--on-save-error continue"
-three=(--layout="$COMPILE $keep" --layout="$COMPILE --fp8 tensorwise $keep" --layout="$COMPILE --fp8 rowwise $keep")
+three=(--layout="$COMPILE $keep")  # bf16, then each recipe of RECIPES (default both)
+for r in ${RECIPES:-tensorwise rowwise}; do three+=(--layout="$COMPILE --fp8 $r $keep"); done
 
 for part in $parts; do
   case $part in

@@ -13,6 +13,7 @@
 # Usage: bash benchmarks/llama_gpu.sh [a b c d]   (default: all; a part is skipped, saying so, when
 #        fewer seconds are left of BUDGET (default 540) than it needs)
 #        SMOKE=1 bash benchmarks/llama_gpu.sh   the same steps on the CPU at tiny sizes (checks this script)
+# A_COMPILE=1: part a runs braidtrain's --compile layout too (without it, its best: --cuda-graph).
 # Writes its log and each part's JSON to $OUT (default /tmp/llama_gpu); deletes every run directory.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -58,7 +59,7 @@ fi
 if [[ $parts == *" a "* ]]; then
   echo "== a. $m1 $bt -d $d1: braidtrain against transformers' LlamaForCausalLM + torch.compile"
   fits 250 && python -m braidtrain bench train --model $m1 -i $WIDE $bt -d $d1 $steps $dev \
-    --layout "$graph" --layout "$comp" --torch $yard --json "$OUT/a_bench.json"
+    --layout "$graph" ${A_COMPILE:+--layout "$comp"} --torch $yard --json "$OUT/a_bench.json"
   echo "(a: exit $?, $SECONDS s)"
 fi
 

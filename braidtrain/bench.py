@@ -339,7 +339,7 @@ def _check_train_args(args) -> None:
     if bad:
         raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + HF + PIPE + FLOAT8)}")
     if any(m in HF for m in torch_modes):
-        _check_hf(args.model)
+        _check_hf(mcfg, args.model)
     if args.baseline is None:
         args.baseline = "ddp-compile" if "ddp-compile" in torch_modes or not torch_modes else torch_modes[0]
     if torch_modes and args.baseline not in torch_modes:
@@ -364,11 +364,15 @@ def _check_train_args(args) -> None:
                         f"--corpus shakespeare --tokenizer gpt2 --out {args.train_data}`")
 
 
-def _check_hf(model: str) -> None:
-    """--torch hf: transformers installed, with the class of the model's family."""
+def _check_hf(mcfg, model: str) -> None:
+    """--torch hf: a dense model (the yardstick loads per-expert tensors into no mixture), transformers
+    installed, with the class of the model's architecture."""
     from braidtrain.model import registry
 
-    arch = registry.family_of_preset(model).ARCHITECTURE
+    if mcfg.moe_experts:
+        raise UserError(f"--torch hf: {model} is a mixture of experts; the hf yardsticks train dense models: "
+                        f"drop hf and hf-compile from --torch")
+    arch = registry.family_of(mcfg).hf_config(mcfg, 0)["architectures"][0]
     try:
         import transformers
     except ImportError:

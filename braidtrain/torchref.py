@@ -90,7 +90,7 @@ class HFLoss(TorchLoss):
 
 
 def hf_model(mcfg, seed: int, device):
-    """transformers' model of mcfg's family (registry: its ARCHITECTURE, SDPA attention) on `device`,
+    """transformers' model of mcfg's architecture (its family's hf_config says which; SDPA) on `device`,
     holding braidtrain's initial weights of seed: our whole model built and initialised on the host
     (tp = 1: every tensor full), handed over through the family's HF adapter -- the tensors and
     config.json that `export --format hf` would write, without the round trip through a folder."""
@@ -102,16 +102,18 @@ def hf_model(mcfg, seed: int, device):
     tensors = export.to_hf({n: p.detach() for n, p in ours.named_parameters()}, mcfg)
     del ours
     # no KV cache: it is training (the end-of-text id the config names plays no part in it)
-    config = transformers.AutoConfig.for_model(**fam.hf_config(mcfg, 0), attn_implementation="sdpa", use_cache=False)
+    hf = fam.hf_config(mcfg, 0)
+    arch = hf["architectures"][0]
+    config = transformers.AutoConfig.for_model(**hf, attn_implementation="sdpa", use_cache=False)
     with torch.device(device):  # built where it trains: HF's own initialisation is quick there, and overwritten next
-        model = getattr(transformers, fam.ARCHITECTURE)(config)
+        model = getattr(transformers, arch)(config)
     got = model.load_state_dict(tensors, strict=False)
     # a tied head is the embedding's own tensor, which the adapter hands over once
     state = model.state_dict(keep_vars=True)
     given = {id(state[n]) for n in tensors if n in state}
     untied = [n for n in got.missing_keys if id(state[n]) not in given]
     if got.unexpected_keys or untied:
-        raise RuntimeError(f"{fam.ARCHITECTURE} did not take braidtrain's weights: missing {untied[:3]}, "
+        raise RuntimeError(f"{arch} did not take braidtrain's weights: missing {untied[:3]}, "
                            f"unexpected {got.unexpected_keys[:3]}")
     return model
 

@@ -93,16 +93,17 @@ def test_hf_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypat
 
 
 @pytest.mark.parametrize("preset, shape", [("llama3-tiny", {}), ("llama3-tiny", {"tie_embeddings": True}),
-                                           ("tiny", {"n_layer": 2})])
+                                           ("llama3-tiny", {"qk_norm": True}), ("tiny", {"n_layer": 2})])
 def test_hf_yardstick_holds_braidtrain_weights(preset, shape):
-    """hf_model: transformers' class of the family (untied and tied Llama, GPT-2) computes the
+    """hf_model: transformers' class of the model (untied and tied Llama, Qwen3, GPT-2) computes the
     logits braidtrain's model does from the same seed."""
     pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
     mcfg = registry.model_config(preset, 300, **shape)
     ours = registry.build(mcfg)
     init_weights(ours, 7)
     theirs = torchref.hf_model(mcfg, 7, torch.device("cpu"))
-    assert type(theirs).__name__ == registry.family_of(mcfg).ARCHITECTURE and theirs.config._attn_implementation == "sdpa"
+    arch = {"tiny": "GPT2LMHeadModel"}.get(preset, "Qwen3ForCausalLM" if shape.get("qk_norm") else "LlamaForCausalLM")
+    assert type(theirs).__name__ == arch and theirs.config._attn_implementation == "sdpa"
     x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))  # past llama3-tiny's 64 unscaled positions
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=x).logits, ours(x), atol=1e-5, rtol=0)
@@ -186,7 +187,8 @@ def test_gpu_load_counts_busy_gpus_only():
     (["train", "--repeat", "0"], "--repeat"), (["train", "--torch", "ddp", "--baseline", "fsdp2"], "--baseline fsdp2"),
     (["train", "--model", "llama3-tiny", "-t", "64", "--torch", "hf,hf-jax"], "hf-jax"), (["train", "--model", "llama4"], "llama4"),
     (["train", "--model", "llama3-tiny", "-t", "64", "--n-kv-heads", "3"], "n_kv_heads=3"),
-    (["train", "--model", "llama3-tiny", "-t", "512"], "-t 512")])
+    (["train", "--model", "llama3-tiny", "-t", "512"], "-t 512"),
+    (["train", "--model", "mixtral-tiny", "-t", "64", "--torch", "hf"], "mixtral-tiny is a mixture of experts")])
 def test_bench_bad_input_is_one_line(args, names):
     """One line that names what is wrong (not an error about something else, e.g. the missing default data)."""
     p = braidtrain("bench", *args, check=False)
