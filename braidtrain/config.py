@@ -99,6 +99,7 @@ class Config:
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     timeout: float = 300.0
     heartbeat_timeout: float = 30.0  # seconds of silence before a peer counts as lost; 0: no heartbeat
+    live_recovery: bool = False  # a lost data-parallel rank: the survivors go on in-process (live.py)
 
     def to_toml(self) -> str:
         lines = []

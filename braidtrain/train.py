@@ -119,7 +119,7 @@ class Trainer:
         if step + 1 < cfg.max_steps:  # while the GPU works: the next step's tokens
             self.next_tokens = step + 1, self.host_tokens(step + 1)
         self.collect_garbage(step)
-        loss = reduce_loss(self.comm, self.mesh, losses) / batch.total_tokens
+        loss = self.reduce_loss(losses) / batch.total_tokens
         dt = time.time() - t0
         tps = batch.total_tokens / dt
         peak = peak_flops(self.device, self.bf16)
@@ -144,6 +144,10 @@ class Trainer:
         if self.mcfg.moe_experts:
             rec.update(self.moe_metrics())
         return rec
+
+    def reduce_loss(self, losses: list[torch.Tensor]) -> float:
+        """The step's loss sum over every rank (passes.reduce_loss)."""
+        return reduce_loss(self.comm, self.mesh, losses)
 
     def moe_metrics(self) -> dict:
         """This step's mixture-of-experts figures over every rank and MoE layer (model/moe.py):
@@ -378,7 +382,11 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def train(cfg: Config) -> dict:
-    trainer = Trainer(cfg)
+    if cfg.live_recovery:
+        from braidtrain.live import LiveTrainer, check_config
+
+        check_config(cfg)
+    trainer = LiveTrainer(cfg) if cfg.live_recovery else Trainer(cfg)
     try:
         return trainer.run()
     finally:
