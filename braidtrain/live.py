@@ -44,6 +44,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -159,7 +160,10 @@ class _Done:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    """The error's first line, without gloo's source location and advice."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0]
+    return text[:300]
 
 
 def _is_transport(e: BaseException) -> bool:
@@ -338,11 +342,11 @@ class LiveTrainer(Trainer):
         silent for the timeout (seen by this rank's guard, else since this recovery began)."""
         where = self.guard.where.get(p)
         if where and where[0] == socket.gethostname() and _gone(where[1]):
-            return f"rank {p}'s process {where[1]} exited"
+            return f"its process, pid {where[1]}, exited"
         now = time.monotonic()
         last = self.guard.seen.get(p, since.setdefault(p, now))
         if now - last > self.cfg.heartbeat_timeout:
-            return f"rank {p} sent no heartbeat for {now - last:.1f} s (frozen or dead)"
+            return f"no heartbeat for {now - last:.1f} s: frozen or dead"
         return None
 
     def end(self, p: int) -> None:
