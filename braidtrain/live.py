@@ -61,6 +61,7 @@ from braidtrain.fault import EXIT_PEER_LOST, MEMBERSHIP
 from braidtrain.mesh import build_mesh
 from braidtrain.parallel import schedule
 from braidtrain.parallel.buckets import Q
+from braidtrain.parallel.exact import TreeSum
 from braidtrain.train import Trainer
 
 TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "socket")
@@ -83,7 +84,12 @@ def check_config(cfg) -> None:
     if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         raise UserError("--live-recovery under one torchrun of several workers: its agent stops them all when one "
                         "fails; start one process per rank with -pi tcp or -pi fs (scripts/live.sh)")
+    if cfg.join and (cfg.init_method != "tcp" or not cfg.process_rank):
+        raise UserError("--join replaces a lost rank of a running job: give -pi tcp -ps ADDRESS (the job's), its -pn and "
+                        "the lost rank's -pr (not 0: rank 0 hosts the store)")
     if cfg.zero:
+        if cfg.join:
+            raise UserError(f"--join needs the job's state whole on a peer: ZeRO-0, not ZeRO-{cfg.zero}")
         if os.environ.get("RANK", "0") == "0" and cfg.process_rank in (None, 0):
             print(f"braidtrain: note: --live-recovery keeps ZeRO-0's state only (every rank holds all of it); with "
                   f"ZeRO-{cfg.zero} a lost rank's shard is gone, so a loss falls back to the checkpoint restart",
@@ -186,14 +192,90 @@ def _gone(pid: int) -> bool:
             return False
 
 
+def joiner_build(cfg):
+    """The parts of a run for a process that joins a running job in place of lost rank -pr (build.py's
+    order, minus what the job already did): the store, then -- once the members admit it at a step
+    boundary (LiveTrainer.admit) -- the process group and mesh over the new members, the model and
+    engine laid out as the job's (its buckets padded for the job's first dp: the same flat buffers),
+    the guard. The state comes afterwards, from a peer (LiveTrainer.sync_state)."""
+    from braidtrain import build as b
+    from braidtrain.comm import Comm, Group
+    from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
+    from braidtrain.fault import Guard
+    from braidtrain.layout import from_config
+    from braidtrain.model import registry
+    from braidtrain.optim import AdamW
+    from braidtrain.parallel import placement
+    from braidtrain.parallel.engine import Engine
+    from braidtrain.runtime import find_runtime
+
+    rt = find_runtime(cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
+                      gpus_per_node=cfg.gpus_per_node, server=cfg.server, device=cfg.device, timeout_s=cfg.timeout)
+    train_files = resolve_files(cfg.train_data, "train")
+    val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
+    tok_name, vocab = data_tokenizer(train_files, cfg.tokenizer)
+    mcfg = registry.model_config(cfg.model, vocab, **b.model_fields(cfg))
+    lay = from_config(cfg, rt.world_size, mcfg, rt.device.type)  # the job's first layout: its slots
+    store, prefix = rt._connect()
+    launch = dist.PrefixStore(prefix, store)
+    rt.store, rt.launch_store = dist.PrefixStore("app", dist.PrefixStore("0", launch)), launch
+    rt._store_addr = (store.host, store.port, f"{prefix}/0/app")
+    store.set_timeout(timedelta(seconds=cfg.timeout))
+    me = rt.rank
+    rt.store.set(f"live/join/{me}", str(os.getpid()))
+    print(f"braidtrain: rank {me}: asked to join the job at {cfg.server}; waiting for a step boundary", file=sys.stderr,
+          flush=True)
+    deadline = time.monotonic() + cfg.timeout
+    while not rt.store.check([f"live/joined/{me}"]):
+        if time.monotonic() > deadline:
+            raise UserError(f"rank {me}: the job at {cfg.server} did not admit this process within {cfg.timeout:g} s "
+                            f"(is rank {me} still one of its members? has the run ended?)")
+        time.sleep(0.1)
+    adm = json.loads(rt.store.get(f"live/joined/{me}"))
+    if "refused" in adm:
+        raise UserError(f"rank {me}: the job refused it: {adm['refused']}")
+    ids, n = adm["members"], len(adm["members"])
+    if cfg.exact:
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.set_num_threads(1)
+    dist.init_process_group(rt.backend, store=dist.PrefixStore(f"live/{adm['epoch']}/pg", rt.store), rank=ids.index(me),
+                            world_size=n, timeout=timedelta(seconds=cfg.timeout))
+    rt.world_size, rt._owns_group = n, True
+    comm = Comm(rt.device)
+    mesh = build_mesh(me, n, comm, new_group=rt.new_group, members=ids)
+    parts = b.make_parts(mcfg, mesh, lay, cfg.sp)
+    for part in parts:
+        placement.init_weights(part, cfg.seed)  # (overwritten by the peer's state)
+        part.to(rt.device)
+    job = Group("replica", tuple(range(lay.dp)), me, None, comm, "replica")  # the buckets' padding: the job's
+    laid = dataclasses.replace(mesh, groups={**mesh.groups, "replica": job, "expert": job})
+    engine = Engine(parts, laid, comm, zero=0, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
+    engine.world = mesh.groups["world"]
+    for bk in engine.buckets:
+        bk.group = mesh.groups[bk.group.axis]
+    opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    out = b.Path(adm["out"])
+    guard = Guard(rt, comm, out / "flight", adm["session"], cfg.heartbeat_timeout)
+    guard.start()
+    train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
+    loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
+    val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
+    cfg.max_steps = adm["max_steps"]
+    run = b.Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
+                adm["run_id"], None, guard, None, cfg.dtype == "bf16", start_step=adm["step"])
+    run.admission = adm
+    return run
+
+
 class LiveTrainer(Trainer):
     """The training loop with live recovery (module docstring). Ranks keep their numbers; `ids`
     are the members now, in process-group order."""
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        self.on = cfg.live_recovery and self.rt.world_size > 1
-        self.ids = list(range(self.rt.world_size))
+        super().__init__(cfg, joiner_build(cfg) if cfg.join else None)
+        self.on = cfg.live_recovery and (self.rt.world_size > 1 or cfg.join)
+        self.ids = list(range(self.layout.dp))
         self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, cfg.batch_size
         self.M = self.D * self.m  # micro-batches of a step
         self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.ids}  # id -> its global micro-batches
@@ -211,6 +293,10 @@ class LiveTrainer(Trainer):
                 self.applied = True
 
             self.opt.update = tracked
+        self.joined: dict = {}  # ranks admitted at the next change, and at which step
+        if cfg.join:
+            adm = self.built.admission
+            self.arrive(adm["epoch"], adm["members"], adm["step"])
 
     # -- the watch threads' side (fault.Guard) ---------------------------------------------------
     def peer_lost(self, verdict: str) -> bool:
@@ -239,6 +325,8 @@ class LiveTrainer(Trainer):
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
+        if self.on and len(self.ids) < self.D:
+            self.boundary(step)
         while True:
             count, self.applied = self.opt.step_count, False
             try:
@@ -263,7 +351,13 @@ class LiveTrainer(Trainer):
 
     def _run(self) -> dict:
         try:
-            return super()._run()
+            summary = super()._run()
+            if self.on and self.rt.is_main:  # a joiner still waiting will not be admitted now
+                for r in range(self.D):
+                    if r not in self.ids and self.rt.store.check([f"live/join/{r}"]):
+                        self.rt.store.set(f"live/joined/{r}", json.dumps({"refused": f"the run ended at step "
+                                                                                     f"{self.cfg.max_steps}"}))
+            return summary
         except Exception as e:  # outside a step (a checkpoint save, validation): no live recovery there
             if self.on and _is_transport(e):
                 self.fall_back(f"a peer was lost outside a training step ({_first_line(e)})")
@@ -308,9 +402,7 @@ class LiveTrainer(Trainer):
         if self.rt.is_main:
             change = {"epoch": e + 1, "step": step + 1, "members": ids, "lost": lost, "what": what,
                       "pids": decision["pids"], "cause": cause, "time": time.time(), "recover_s": secs}
-            (self.out / "flight").mkdir(parents=True, exist_ok=True)
-            with open(self.out / "flight" / MEMBERSHIP, "a") as f:
-                f.write(json.dumps(change) + "\n")
+            self.record(change)
             print(f"braidtrain: live recovery at step {step + 1}: {what} ({secs:.1f} s)", flush=True)
         self.report = {"world_size": len(ids), "recover_s": secs}
         return target
@@ -363,6 +455,64 @@ class LiveTrainer(Trainer):
         self.guard._publish(f"rank {self.rt.rank}: {why}")
         self.guard.fatal(f"peer lost: {why}; falling back to the checkpoint restart", EXIT_PEER_LOST)
 
+    # -- joiners ---------------------------------------------------------------------------------
+    def boundary(self, step: int) -> None:
+        """Before a step, while ranks are missing: rank 0 schedules the processes asking to join
+        (live/join/RANK) for the step after next (live/grow/EPOCH): by then every member has read it,
+        the step after this one being one they all take part in."""
+        store, e = self.rt.store, self.epoch
+        if self.rt.is_main and not self.joined:
+            asking = [r for r in range(self.D) if r not in self.ids and store.check([f"live/join/{r}"])]
+            if asking and step + 2 < self.cfg.max_steps:
+                store.compare_set(f"live/grow/{e}", "", json.dumps({"step": step + 2, "add": asking}))
+        if not self.joined and store.check([f"live/grow/{e}"]):
+            self.joined = json.loads(store.get(f"live/grow/{e}"))
+        if self.joined and step >= self.joined["step"]:
+            self.grow(step)
+
+    def grow(self, step: int) -> None:
+        """The scheduled joiners in: admitted (live/joined/RANK: the new members, epoch, step and run),
+        the world rebuilt over all, and the state sent from process-group rank 0, checked by sha256."""
+        t0, e, add, store = time.time(), self.epoch, self.joined["add"], self.rt.store
+        ids = sorted(self.ids + add)
+        pids = {}
+        if self.rt.is_main:
+            for r in add:
+                pids[r] = int(store.get(f"live/join/{r}"))
+                store.set(f"live/joined/{r}", json.dumps({
+                    "epoch": e + 1, "members": ids, "step": step, "out": str(self.out), "session": self.guard.session,
+                    "run_id": self.built.run_id, "max_steps": self.cfg.max_steps}))
+                store.delete_key(f"live/join/{r}")
+        for r in add:
+            self.guard.where.pop(r, None)  # (the lost process's host:pid; the joiner posts its own)
+        self.rebuild(e + 1, ids)
+        digest = self.sync_state(0)
+        secs = time.time() - t0
+        what = (f"rank{'s' if len(add) > 1 else ''} {','.join(map(str, add))} joined (pid "
+                f"{','.join(str(pids.get(r, '?')) for r in add)}); ranks {','.join(map(str, ids))} go on, world "
+                f"{len(ids) - len(add)} -> {len(ids)}, the state from rank {ids[0]} (sha256 {digest[:12]}) at step {step + 1}")
+        if self.rt.is_main:
+            self.record({"epoch": e + 1, "step": step + 1, "members": ids, "lost": {}, "joined": add, "what": what,
+                         "pids": pids, "time": time.time(), "recover_s": secs})
+            print(f"braidtrain: live: {what} ({secs:.1f} s)", flush=True)
+        self.report = {"world_size": len(ids), "join_s": secs}
+
+    def arrive(self, epoch: int, ids: list[int], step: int) -> None:
+        """A joiner's side of grow(): it is a member from `step` on; its state is rank ids[0]'s."""
+        with self.lock:
+            self.ids, self.epoch = ids, epoch
+        self.guard.watch(ids)
+        self.redivide()
+        digest = self.sync_state(0)
+        print(f"braidtrain: rank {self.rt.rank}: joined at step {step + 1}, the state from rank {ids[0]} "
+              f"(sha256 {digest[:12]}, checked)", file=sys.stderr, flush=True)
+
+    def record(self, change: dict) -> None:
+        """One membership change, appended to RUN/flight/membership.jsonl (doctor reads it)."""
+        (self.out / "flight").mkdir(parents=True, exist_ok=True)
+        with open(self.out / "flight" / MEMBERSHIP, "a") as f:
+            f.write(json.dumps(change) + "\n")
+
     # -- the new world ---------------------------------------------------------------------------
     def rebuild(self, epoch: int, ids: list[int]) -> None:
         """The process group, mesh and engine's groups over `ids`, and the step's work divided
@@ -390,11 +540,31 @@ class LiveTrainer(Trainer):
         rt.world_size = n
         self.layout = self.built.layout = dataclasses.replace(self.layout, dp=n)
         with self.lock:
-            self.ids, self.epoch = ids, epoch
+            self.ids, self.epoch, self.joined = ids, epoch, {}
             self.comm.abort.clear()
             self.noticed, self.recovering = None, False
         self.guard.watch(ids)
-        self.divide()
+        self.redivide()
+
+    def redivide(self) -> None:
+        """The step's work over the members now: each slot its own rank's, as the job began -- then
+        the engine's own paths -- or, with slots missing, divided (divide)."""
+        if self.ids != list(range(self.D)):
+            self.divide()
+            return
+        if not self.degraded:
+            return
+        p, e = self.passes, self.engine
+        self.degraded = False
+        self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.ids}
+        self.tokens = torch.zeros((2, self.batch.seqs_per_rank, self.cfg.seq_len), dtype=torch.long, device=self.device)
+        p.tokens, self.next_tokens = self.tokens, (None, None)
+        p.__dict__.pop("train_step", None), p.__dict__.pop("validate", None)
+        if e.exact:
+            e.trees = {b: TreeSum(e._recycle) for b in e.buckets}
+            if e.tied.head is not None:
+                e.tied.head = TreeSum(e._recycle)
+            e.__dict__.pop("_exact_reduce", None)
 
     def divide(self) -> None:
         """Each member keeps its slot's micro-batches and takes a contiguous share of the slots
@@ -510,7 +680,7 @@ class LiveTrainer(Trainer):
             h.update(t.detach().cpu().numpy().tobytes())
         return h.hexdigest()
 
-    def sync_state(self, src: int) -> None:
+    def sync_state(self, src: int) -> str:
         """Every member takes the state of process-group rank `src` (broadcast), checked against
         its sha256: one line and the restart path if a copy differs."""
         world = self.mesh.groups["world"]
@@ -523,3 +693,4 @@ class LiveTrainer(Trainer):
         got = self.digest()
         if got != want:
             self.fall_back(f"the state received from rank {self.ids[src]} has sha256 {got[:12]}, not its {want[:12]}")
+        return got

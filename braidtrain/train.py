@@ -71,9 +71,9 @@ def gc_by_hand():
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, built=None):
         self.mc = evaluate.read_evalfile(cfg.eval_data) if cfg.eval_data else None  # (a bad file fails first)
-        run = self.built = build(cfg)
+        run = self.built = built or build(cfg)  # (built: a live recovery's joiner, live.py)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
         self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
