@@ -36,9 +36,10 @@ def ref(tmp_path_factory, shakespeare) -> Path:
     return out
 
 
-def by_hand(nproc: int, args: list, fault: str, tmp: Path) -> tuple[dict[int, int], dict[int, int], str, str]:
+def by_hand(nproc: int, args: list, fault: str, tmp: Path, join: int | None = None) -> tuple[dict, dict, str, str]:
     """nproc ranks of `braidtrain train ARGS --live-recovery -pi tcp`, each forked by the fork server
-    (tests/forkserver.py); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
+    (tests/forkserver.py), and with `join` a process asking to join in place of that rank (key
+    "join"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -46,8 +47,9 @@ def by_hand(nproc: int, args: list, fault: str, tmp: Path) -> tuple[dict[int, in
     out.touch(), err.touch()
     target = ["-m", "braidtrain", "train", *map(str, args), "--live-recovery", "-pi", "tcp", "-ps", f"127.0.0.1:{port}",
               "-pn", str(nproc)]
-    ranks = {r: _start(dict(target=[*target, "-pr", str(r)], cwd=str(ROOT), out=str(out), err=str(err), fsize=None,
-                            env=dict(env(), BRAIDTRAIN_FAULT=fault))) for r in range(nproc)}
+    how = {r: ["-pr", str(r)] for r in range(nproc)} | ({"join": ["-pr", str(join), "--join"]} if join is not None else {})
+    ranks = {r: _start(dict(target=[*target, *flags], cwd=str(ROOT), out=str(out), err=str(err), fsize=None,
+                            env=dict(env(), BRAIDTRAIN_FAULT=fault))) for r, flags in how.items()}
     codes = {}
     try:
         for r, (conn, f, pid) in ranks.items():
@@ -68,14 +70,19 @@ def membership(run: Path) -> list[dict]:
     return [json.loads(l) for l in (run / "flight" / "membership.jsonl").read_text().splitlines() if l.strip()]
 
 
-def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int) -> None:
+def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, joined: int | None = None) -> None:
     """Every step logged once, the lost rank's step redone by the three others -- the processes that
-    started -- and the final weights the uninterrupted run's."""
+    started -- (and the world grown back at step `joined`), and the final weights the uninterrupted run's."""
     recs = metrics(run)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in recs] == [r["loss"] for r in metrics(ref)]
     assert [r["step"] for r in recs if "recover_s" in r] == [step] and recs[step - 1]["world_size"] == 3
-    (change,) = membership(run)
+    assert [r["step"] for r in recs if "join_s" in r] == ([joined] if joined else [])
+    change, *grown = membership(run)
+    if joined:
+        (grow,) = grown
+        assert grow["members"] == [0, 1, 2, 3] and grow["joined"] == [lost] and grow["step"] == joined
+        assert grow["pids"] == {str(lost): pids["join"]} and recs[joined - 1]["world_size"] == 4
     survivors = [r for r in range(4) if r != lost]
     assert change["members"] == survivors and list(change["lost"]) == [str(lost)] and change["step"] == step
     assert {int(r): p for r, p in change["pids"].items()} == {r: pids[r] for r in survivors}
@@ -111,6 +118,20 @@ def test_frozen_rank_is_found_by_the_heartbeat_and_replaced(tmp_path, shakespear
     assert "fault injected: SIGSTOP" in err
     assert "live recovery at step 3: rank 1 lost (no heartbeat for" in out, out
     check_went_on(run, ref, pids, lost=1, step=3)
+
+
+def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
+    """Rank 2 killed at step 3 while a fifth process asks to join in its place: the three others
+    redo step 3, admit it two steps later (step 6), send it their state (sha256 checked) and go on
+    as four -- ending, like the others, with the uninterrupted run's weights."""
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill:rank=2:step=3", tmp_path, join=2)
+    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0}, err[-5000:]
+    assert "rank 2: joined at step 6, the state from rank 0 (sha256" in err and "checked)" in err, err[-3000:]
+    assert "live: rank 2 joined (pid" in out, out
+    check_went_on(run, ref, pids, lost=2, step=3, joined=6)
+    assert (run / "checkpoints" / f"step_{STEPS:08d}" / "rank_00002.safetensors").is_file()  # the joiner's part
+    assert "membership change 2 at step 6: rank 2 joined" in braidtrain("doctor", run).stdout
 
 
 def test_the_redone_steps_tree_is_exact_modes():
@@ -157,6 +178,7 @@ def test_the_redone_steps_tree_is_exact_modes():
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "2"], "--live-recovery needs data parallelism alone, got --tp 2"),
     (["--heartbeat-timeout", "0"], "--live-recovery finds frozen ranks by the heartbeat"),
+    (["--join"], "--join replaces a lost rank of a running job: give -pi tcp"),
 ])
 def test_layouts_live_recovery_cannot_keep_are_refused(tmp_path, shakespeare, flags, words):
     p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", "--live-recovery", *flags,
