@@ -282,6 +282,7 @@ class LiveTrainer(Trainer):
         self.epoch, self.degraded, self.recovering, self.noticed = 0, False, False, None
         self.lock = threading.Lock()
         self.applied = False  # this step's update was applied on this rank
+        self.arriving = False  # a joiner, taking its state
         self.report = None  # the first step after a change: what to say when it is done
         if self.on:
             self.comm.abort = threading.Event()
@@ -503,7 +504,9 @@ class LiveTrainer(Trainer):
             self.ids, self.epoch = ids, epoch
         self.guard.watch(ids)
         self.redivide()
+        self.arriving = True
         digest = self.sync_state(0)
+        self.arriving = False
         print(f"braidtrain: rank {self.rt.rank}: joined at step {step + 1}, the state from rank {ids[0]} "
               f"(sha256 {digest[:12]}, checked)", file=sys.stderr, flush=True)
 
@@ -692,5 +695,8 @@ class LiveTrainer(Trainer):
         self.opt.step_count = step_count
         got = self.digest()
         if got != want:
-            self.fall_back(f"the state received from rank {self.ids[src]} has sha256 {got[:12]}, not its {want[:12]}")
+            why = f"the state received from rank {self.ids[src]} has sha256 {got[:12]}, not its {want[:12]}"
+            if self.arriving:  # a joiner that got a bad copy leaves: the others lose it like any rank
+                self.guard.fatal(f"joining: {why}", EXIT_PEER_LOST)
+            self.fall_back(why)
         return got
