@@ -50,6 +50,7 @@ import socket
 import sys
 import threading
 import time
+import tomllib
 from datetime import timedelta
 
 import torch
@@ -64,6 +65,8 @@ from braidtrain.parallel.buckets import Q
 from braidtrain.parallel.exact import TreeSum
 from braidtrain.train import Trainer
 
+OWN = {"process_rank", "join", "out", "resume", "start_over", "progress", "server", "fs_path", "init_method",
+       "timeout", "heartbeat_timeout", "max_steps", "device"}  # a joiner's settings that may differ from the job's
 TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "socket")
 _leaked = []  # the process groups given up: never destroyed (their threads may wait on a dead peer)
 
@@ -222,12 +225,18 @@ def joiner_build(cfg):
     rt._store_addr = (store.host, store.port, f"{prefix}/0/app")
     store.set_timeout(timedelta(seconds=cfg.timeout))
     me = rt.rank
+    job, mine = (tomllib.loads(t) for t in (rt.store.get("live/config").decode(), cfg.to_toml()))  # (waits for it)
+    differ = [k for k in sorted(set(job) | set(mine)) if k not in OWN and job.get(k) != mine.get(k)]
+    if differ:
+        what = ", ".join(f"{k} {mine.get(k)} (the job's: {job.get(k)})" for k in differ)
+        raise UserError(f"--join with flags other than the job's: {what}; give it the job's flags")
     rt.store.set(f"live/join/{me}", str(os.getpid()))
     print(f"braidtrain: rank {me}: asked to join the job at {cfg.server}; waiting for a step boundary", file=sys.stderr,
           flush=True)
     deadline = time.monotonic() + cfg.timeout
     while not rt.store.check([f"live/joined/{me}"]):
         if time.monotonic() > deadline:
+            rt.store.delete_key(f"live/join/{me}")
             raise UserError(f"rank {me}: the job at {cfg.server} did not admit this process within {cfg.timeout:g} s "
                             f"(is rank {me} still one of its members? has the run ended?)")
         time.sleep(0.1)
@@ -295,6 +304,8 @@ class LiveTrainer(Trainer):
 
             self.opt.update = tracked
         self.joined: dict = {}  # ranks admitted at the next change, and at which step
+        if self.on and self.rt.is_main:
+            self.rt.store.set("live/config", cfg.to_toml())  # what a joiner checks its flags against
         if cfg.join:
             adm = self.built.admission
             self.arrive(adm["epoch"], adm["members"], adm["step"])

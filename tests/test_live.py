@@ -36,10 +36,11 @@ def ref(tmp_path_factory, shakespeare) -> Path:
     return out
 
 
-def by_hand(nproc: int, args: list, fault: str, tmp: Path, join: int | None = None) -> tuple[dict, dict, str, str]:
+def by_hand(nproc: int, args: list, fault: str, tmp: Path, join: int | None = None,
+            bad: list | None = None) -> tuple[dict, dict, str, str]:
     """nproc ranks of `braidtrain train ARGS --live-recovery -pi tcp`, each forked by the fork server
     (tests/forkserver.py), and with `join` a process asking to join in place of that rank (key
-    "join"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
+    "join"), and with `bad` flags one asking to join for rank 3 with them too (key "bad"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -48,6 +49,7 @@ def by_hand(nproc: int, args: list, fault: str, tmp: Path, join: int | None = No
     target = ["-m", "braidtrain", "train", *map(str, args), "--live-recovery", "-pi", "tcp", "-ps", f"127.0.0.1:{port}",
               "-pn", str(nproc)]
     how = {r: ["-pr", str(r)] for r in range(nproc)} | ({"join": ["-pr", str(join), "--join"]} if join is not None else {})
+    how |= {"bad": ["-pr", "3", "--join", *bad]} if bad else {}
     ranks = {r: _start(dict(target=[*target, *flags], cwd=str(ROOT), out=str(out), err=str(err), fsize=None,
                             env=dict(env(), BRAIDTRAIN_FAULT=fault))) for r, flags in how.items()}
     codes = {}
@@ -123,10 +125,13 @@ def test_frozen_rank_is_found_by_the_heartbeat_and_replaced(tmp_path, shakespear
 def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
     """Rank 2 killed at step 3 while a fifth process asks to join in its place: the three others
     redo step 3, admit it two steps later (step 6), send it their state (sha256 checked) and go on
-    as four -- ending, like the others, with the uninterrupted run's weights."""
+    as four -- ending, like the others, with the uninterrupted run's weights. A joiner with other
+    flags (--seed) is refused in one line before it asks."""
     run = tmp_path / "run"
-    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill:rank=2:step=3", tmp_path, join=2)
-    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0}, err[-5000:]
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill:rank=2:step=3", tmp_path, join=2,
+                                    bad=["--seed", "7"])
+    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0, "bad": 2}, err[-5000:]
+    assert "--join with flags other than the job's: seed 7 (the job's: 1337); give it the job's flags" in err, err[-3000:]
     assert "rank 2: joined at step 6, the state from rank 0 (sha256" in err and "checked)" in err, err[-3000:]
     assert "live: rank 2 joined (pid" in out, out
     check_went_on(run, ref, pids, lost=2, step=3, joined=6)
