@@ -36,10 +36,10 @@ def ref(tmp_path_factory, shakespeare) -> Path:
     return out
 
 
-def by_hand(nproc: int, args: list, fault: str, tmp: Path, join: int | None = None,
+def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | None = None,
             bad: list | None = None) -> tuple[dict, dict, str, str]:
     """nproc ranks of `braidtrain train ARGS --live-recovery -pi tcp`, each forked by the fork server
-    (tests/forkserver.py), and with `join` a process asking to join in place of that rank (key
+    (tests/forkserver.py) -- `fault`: BRAIDTRAIN_FAULT, or each rank's -- and with `join` a process asking to join in place of that rank (key
     "join"), and with `bad` flags one asking to join for rank 3 with them too (key "bad"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,7 +51,8 @@ def by_hand(nproc: int, args: list, fault: str, tmp: Path, join: int | None = No
     how = {r: ["-pr", str(r)] for r in range(nproc)} | ({"join": ["-pr", str(join), "--join"]} if join is not None else {})
     how |= {"bad": ["-pr", "3", "--join", *bad]} if bad else {}
     ranks = {r: _start(dict(target=[*target, *flags], cwd=str(ROOT), out=str(out), err=str(err), fsize=None,
-                            env=dict(env(), BRAIDTRAIN_FAULT=fault))) for r, flags in how.items()}
+                            env=dict(env(), BRAIDTRAIN_FAULT=fault if isinstance(fault, str) else fault.get(r, ""))))
+             for r, flags in how.items()}
     codes = {}
     try:
         for r, (conn, f, pid) in ranks.items():
@@ -120,6 +121,22 @@ def test_frozen_rank_is_found_by_the_heartbeat_and_replaced(tmp_path, shakespear
     assert "fault injected: SIGSTOP" in err
     assert "live recovery at step 3: rank 1 lost (no heartbeat for" in out, out
     check_went_on(run, ref, pids, lost=1, step=3)
+
+
+def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
+    """Rank 2 killed at step 3, then rank 1 frozen at step 6: 4 -> 3 -> 2 ranks, the orphaned slots'
+    micro-batches divided among the two left, the uninterrupted run's weights."""
+    run = tmp_path / "run"
+    faults = {2: "kill:rank=2:step=3", 1: "stop:rank=1:step=6"}
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], faults, tmp_path)
+    assert codes == {0: 0, 1: -signal.SIGKILL, 2: -signal.SIGKILL, 3: 0}, err[-5000:]
+    first, second = membership(run)
+    assert (first["step"], first["members"], second["step"], second["members"]) == (3, [0, 1, 3], 6, [0, 3])
+    assert {int(r): p for r, p in second["pids"].items()} == {0: pids[0], 3: pids[3]}
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r.get("world_size") for r in recs if "recover_s" in r] == [3, 2]
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
 def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
