@@ -17,11 +17,11 @@ summary; exit 1 if any trial failed.
 SIGKILLs or SIGSTOPs a random rank other than 0 (rank 0 hosts the rendezvous store) at a random
 step; the survivors must finish in the processes they started in, every step logged once, with the
 uninterrupted run's weights. Timed: the fault to the completion of the step it interrupted (rank
-0's "live: step N completed" line). --against-restart also runs each trial's fault on today's
+0's "live: step N completed" line). --against-restart K also runs the first K trials' faults on today's
 restart path (torchrun, --max-restarts 0, then a new torchrun with --resume auto, same world) and
 times the same thing there: the "resumed from" line plus the redone steps' step_s up to that step.
 
-    python benchmarks/chaos.py --live --trials 20 [--against-restart]
+    python benchmarks/chaos.py --live --trials 20 [--against-restart K]
 """
 
 from __future__ import annotations
@@ -140,11 +140,11 @@ def live_main(a) -> int:
         rows = []
         fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
         for k in range(a.trials):
-            r = live_trial(k, rnd, a.data, work, want, a.against_restart)
+            r = live_trial(k, rnd, a.data, work, want, k < a.against_restart)
             rows.append(r)
             print(f"trial {k}: {r['fault']}, ZeRO-0, world {r['world']}: "
                   f"{'bitwise equal, survivors the same processes' if r['ok'] else 'FAILED'}; fault to that step "
-                  f"completed {fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if a.against_restart else ""),
+                  f"completed {fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
                   flush=True)
             if not r["ok"]:
                 print((work / f"live{k}.log").read_text()[-3000:], file=sys.stderr)
@@ -168,7 +168,8 @@ def main() -> int:
     ap.add_argument("--data", default="data/shakespeare_bytes")
     ap.add_argument("--json", help="also write the trials here")
     ap.add_argument("--live", action="store_true", help="live recovery (scripts/live.sh) instead of the restart")
-    ap.add_argument("--against-restart", action="store_true", help="--live: time each fault on the restart path too")
+    ap.add_argument("--against-restart", type=int, default=0, metavar="K",
+                    help="--live: time the first K trials' faults on the restart path too")
     a = ap.parse_args()
     if a.live:
         return live_main(a)

@@ -326,7 +326,8 @@ class LiveTrainer(Trainer):
     def poll(self, client) -> None:
         """(The heartbeat thread, every beat.) Another member began a recovery: abort our waits too."""
         e = self.epoch
-        if self.noticed is not None and not self.recovering and time.monotonic() - self.noticed > 2 * self.cfg.heartbeat_timeout:
+        late = self.noticed is not None and time.monotonic() - self.noticed > 2 * self.cfg.heartbeat_timeout
+        if late and not self.recovering:
             self.fall_back("this rank did not get back from where it waited (not a collective it can abandon)")
         if not self.comm.abort.is_set() and client.check([f"live/{e}/abort"]):
             cause = client.get(f"live/{e}/abort").decode()
@@ -502,7 +503,8 @@ class LiveTrainer(Trainer):
         secs = time.time() - t0
         what = (f"rank{'s' if len(add) > 1 else ''} {','.join(map(str, add))} joined (pid "
                 f"{','.join(str(pids.get(r, '?')) for r in add)}); ranks {','.join(map(str, ids))} go on, world "
-                f"{len(ids) - len(add)} -> {len(ids)}, the state from rank {ids[0]} (sha256 {digest[:12]}) at step {step + 1}")
+                f"{len(ids) - len(add)} -> {len(ids)}, the state from rank {ids[0]} (sha256 {digest[:12]}) "
+                f"at step {step + 1}")
         if self.rt.is_main:
             self.record({"epoch": e + 1, "step": step + 1, "members": ids, "lost": {}, "joined": add, "what": what,
                          "pids": pids, "time": time.time(), "recover_s": secs})

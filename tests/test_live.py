@@ -15,8 +15,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,8 +37,9 @@ def ref(tmp_path_factory, shakespeare) -> Path:
 def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | None = None,
             bad: list | None = None) -> tuple[dict, dict, str, str]:
     """nproc ranks of `braidtrain train ARGS --live-recovery -pi tcp`, each forked by the fork server
-    (tests/forkserver.py) -- `fault`: BRAIDTRAIN_FAULT, or each rank's -- and with `join` a process asking to join in place of that rank (key
-    "join"), and with `bad` flags one asking to join for rank 3 with them too (key "bad"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
+    (tests/forkserver.py) -- `fault`: BRAIDTRAIN_FAULT, or each rank's -- and with `join` a process
+    asking to join in place of that rank (key "join"), and with `bad` flags one asking to join for
+    rank 3 with them too (key "bad"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
