@@ -74,6 +74,8 @@ _leaked = []  # the process groups given up: never destroyed (their threads may 
 def check_config(cfg) -> None:
     """--live-recovery's one-line refusals, before anything starts; ZeRO 1-3 go back to the
     restart path with a note."""
+    if cfg.join and not cfg.live_recovery:
+        raise UserError("--join adds a process to a job that runs with --live-recovery: give both")
     others = [f"--{a} {getattr(cfg, a)}" for a in ("pp", "cp", "tp", "ep") if getattr(cfg, a) != 1]
     if others:
         raise UserError(f"--live-recovery needs data parallelism alone, got {' '.join(others)}: losing one of "

@@ -382,7 +382,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def train(cfg: Config) -> dict:
-    if cfg.live_recovery:
+    if cfg.live_recovery or cfg.join:
         from braidtrain.live import LiveTrainer, check_config
 
         check_config(cfg)

@@ -200,10 +200,12 @@ def test_the_redone_steps_tree_is_exact_modes():
     (["--tp", "2"], "--live-recovery needs data parallelism alone, got --tp 2"),
     (["--heartbeat-timeout", "0"], "--live-recovery finds frozen ranks by the heartbeat"),
     (["--join"], "--join replaces a lost rank of a running job: give -pi tcp"),
+    (["--join", "--no-live"], "--join adds a process to a job that runs with --live-recovery: give both"),
 ])
 def test_layouts_live_recovery_cannot_keep_are_refused(tmp_path, shakespeare, flags, words):
-    p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", "--live-recovery", *flags,
-                   check=False)
+    live = [] if "--no-live" in flags else ["--live-recovery"]
+    flags = [f for f in flags if f != "--no-live"]
+    p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", *live, *flags, check=False)
     assert p.returncode == 2 and words in p.stderr, p.stderr[-2000:]
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
 
