@@ -86,9 +86,9 @@ def check_config(cfg) -> None:
     if cfg.device not in (None, "cpu") or (cfg.device is None and torch.cuda.is_available()):
         raise UserError("--live-recovery runs on CPU (gloo) only: NCCL's communicators would have to be aborted, "
                         "which is not built; drop --live-recovery (or use --device cpu)")
-    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        raise UserError("--live-recovery under one torchrun of several workers: its agent stops them all when one "
-                        "fails; start one process per rank with -pi tcp or -pi fs (scripts/live.sh)")
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise UserError("--live-recovery under torchrun: its agents stop (and restart) every worker when one fails; "
+                        "start one process per rank with -pi tcp or -pi fs instead (scripts/live.sh)")
     if cfg.join and (cfg.init_method != "tcp" or not cfg.process_rank):
         raise UserError("--join replaces a lost rank of a running job: give -pi tcp -ps ADDRESS (the job's), its -pn and "
                         "the lost rank's -pr (not 0: rank 0 hosts the store)")
