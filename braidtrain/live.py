@@ -236,13 +236,17 @@ def joiner_build(cfg):
     print(f"braidtrain: rank {me}: asked to join the job at {cfg.server}; waiting for a step boundary", file=sys.stderr,
           flush=True)
     deadline = time.monotonic() + cfg.timeout
-    while not rt.store.check([f"live/joined/{me}"]):
-        if time.monotonic() > deadline:
-            rt.store.delete_key(f"live/join/{me}")
-            raise UserError(f"rank {me}: the job at {cfg.server} did not admit this process within {cfg.timeout:g} s "
-                            f"(is rank {me} still one of its members? has the run ended?)")
-        time.sleep(0.1)
-    adm = json.loads(rt.store.get(f"live/joined/{me}"))
+    try:
+        while not rt.store.check([f"live/joined/{me}"]):
+            if time.monotonic() > deadline:
+                rt.store.delete_key(f"live/join/{me}")
+                raise UserError(f"rank {me}: the job at {cfg.server} did not admit this process within "
+                                f"{cfg.timeout:g} s (is rank {me} still one of its members?)")
+            time.sleep(0.1)
+        adm = json.loads(rt.store.get(f"live/joined/{me}"))
+    except dist.DistError:
+        raise UserError(f"rank {me}: the job's store at {cfg.server} went away before it admitted this process "
+                        f"(the run ended, or its rank 0 was lost)") from None
     if "refused" in adm:
         raise UserError(f"rank {me}: the job refused it: {adm['refused']}")
     ids, n = adm["members"], len(adm["members"])
@@ -368,8 +372,8 @@ class LiveTrainer(Trainer):
         try:
             summary = super()._run()
             if self.on and self.rt.is_main:  # a joiner still waiting will not be admitted now
-                for r in range(self.D):
-                    if r not in self.ids and self.rt.store.check([f"live/join/{r}"]):
+                for r in range(1, self.D):
+                    if self.rt.store.check([f"live/join/{r}"]):
                         self.rt.store.set(f"live/joined/{r}", json.dumps({"refused": f"the run ended at step "
                                                                                      f"{self.cfg.max_steps}"}))
             return summary
