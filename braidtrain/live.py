@@ -398,7 +398,7 @@ class LiveTrainer(Trainer):
             self.guard.dump(f"live recovery: {cause}", self.out / "flight" / f"live-{e}" / f"rank_{me:05d}.jsonl")
             done = step + 1 if self.applied else step
             store.set(f"live/{e}/here/{me}", json.dumps({"done": done, "pid": os.getpid()}))
-            decision = self.agree(e, t0)
+            decision = self.agree(e)
         except Exception as x:  # the store is gone with rank 0, or never agreed
             self.fall_back(f"live recovery failed ({_first_line(x)})")
         ids, lost = decision["members"], {int(k): v for k, v in decision["lost"].items()}
@@ -426,10 +426,10 @@ class LiveTrainer(Trainer):
         self.report = {"world_size": len(ids), "recover_s": secs}
         return target
 
-    def agree(self, e: int, t0: float) -> dict:
+    def agree(self, e: int) -> dict:
         """The next membership: once every member is here (live/E/here/RANK) or lost, the first
         to see it writes it (compare_set: one decision, read by all)."""
-        store, key, me = self.rt.store, f"live/{e}/next", self.rt.rank
+        store, key = self.rt.store, f"live/{e}/next"
         deadline, since = time.monotonic() + self.cfg.timeout, {}
         while time.monotonic() < deadline:
             if store.check([key]):
