@@ -433,13 +433,14 @@ class LiveTrainer(Trainer):
         deadline, since = time.monotonic() + self.cfg.timeout, {}
         while time.monotonic() < deadline:
             if store.check([key]):
-                return json.loads(store.get(key))
+                decision = json.loads(store.get(key))
+                for p in decision["lost"]:  # (after the decision: its reasons are the ones seen before)
+                    self.end(int(p))
+                return decision
             here = {p: json.loads(store.get(f"live/{e}/here/{p}")) for p in self.ids
                     if store.check([f"live/{e}/here/{p}"])}
             lost = {p: why for p in self.ids if p not in here and (why := self.lost(p, since))}
             if len(here) + len(lost) == len(self.ids):
-                for p in lost:
-                    self.end(p)
                 decision = {"members": [p for p in self.ids if p in here], "lost": lost,
                             "done": {p: h["done"] for p, h in here.items()},
                             "pids": {p: h["pid"] for p, h in here.items()}}
