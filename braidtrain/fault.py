@@ -273,6 +273,7 @@ def crash_reason(e: BaseException) -> str:
 FAULT_KINDS = {
     "kill": "SIGKILL this rank in the middle of the step (after its first micro-batch's forward)",
     "stop": "SIGSTOP (freeze) this rank at the same point",
+    "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed (--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",

@@ -307,6 +307,9 @@ class LiveTrainer(Trainer):
             def tracked(*a, **k):
                 update(*a, **k)
                 self.applied = True
+                if self.fault and self.fault.kind == "kill-late" and self.comm.step == self.fault.step:
+                    self.fault._announce(f"SIGKILL pid {os.getpid()} after the update")
+                    os.kill(os.getpid(), signal.SIGKILL)
 
             self.opt.update = tracked
         self.joined: dict = {}  # ranks admitted at the next change, and at which step

@@ -138,6 +138,20 @@ def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
+def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref):
+    """Rank 3 killed at step 4 after every rank applied the step's update, in the step's last
+    collective (the loss's): the survivors find they all did it, so step 4 is not done again --
+    logged without its loss -- and the weights are still the uninterrupted run's."""
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill-late:rank=3:step=4", tmp_path)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
+    assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
+    recs, want = metrics(run), metrics(ref)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]
+    assert [r["loss"] for i, r in enumerate(recs) if i != 3] == [r["loss"] for i, r in enumerate(want) if i != 3]
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+
+
 def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
     """Rank 2 killed at step 3 while a fifth process asks to join in its place: the three others
     redo step 3, admit it two steps later (step 6), send it their state (sha256 checked) and go on
