@@ -50,23 +50,22 @@ import socket
 import sys
 import threading
 import time
-import tomllib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from braidtrain.comm import Aborted, pairwise_sum
+from braidtrain.comm import Aborted
 from braidtrain.errors import UserError
 from braidtrain.fault import EXIT_PEER_LOST, MEMBERSHIP
+from braidtrain.join import build_joiner
 from braidtrain.mesh import build_mesh
 from braidtrain.parallel import schedule
 from braidtrain.parallel.buckets import Q
 from braidtrain.parallel.exact import TreeSum
+from braidtrain.parallel.slots import LiveTree, forest, reduce_forests, shares, sum_by_number
 from braidtrain.train import Trainer
 
-OWN = {"process_rank", "join", "out", "resume", "start_over", "progress", "server", "fs_path", "init_method",
-       "timeout", "heartbeat_timeout", "max_steps", "device"}  # a joiner's settings that may differ from the job's
 TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "socket")
 _leaked = []  # the process groups given up: never destroyed (their threads may wait on a dead peer)
 
@@ -102,69 +101,6 @@ def check_config(cfg) -> None:
         cfg.live_recovery = False
 
 
-def forest(micros) -> list[tuple[int, int]]:
-    """The complete subtrees (level, index) that a rank holding these leaves sums locally: what
-    LiveTree leaves behind, sorted."""
-    nodes = set()
-    for g in micros:
-        level, i = 0, g
-        while (level, i ^ 1) in nodes:
-            nodes.remove((level, i ^ 1))
-            level, i = level + 1, i >> 1
-        nodes.add((level, i))
-    return sorted(nodes)
-
-
-def fold(pieces: dict, n_leaves: int):
-    """The root of the tree over n_leaves leaves from disjoint complete subtrees (level, index) ->
-    tensor, added in place as parallel/exact.py's TreeSum adds: node = left + right."""
-    def node(level, i):
-        if (level, i) in pieces:
-            return pieces.pop((level, i))
-        if level == 0 or i << level >= n_leaves:
-            return None
-        left, right = node(level - 1, 2 * i), node(level - 1, 2 * i + 1)
-        if right is None:
-            return left
-        return left.add_(right)
-
-    return node(max(0, (n_leaves - 1).bit_length()), 0)
-
-
-class LiveTree:
-    """A bucket's micro-batch tree whose leaves are the rank's global micro-batch numbers (`micros`,
-    by local number): siblings add as soon as both are here, as in TreeSum; total() leaves the
-    complete subtrees (forest(micros)) for the reduction to fold with the other ranks'."""
-
-    def __init__(self, engine, micros: list[int], pending: dict):
-        self.e, self.micros, self.pending = engine, micros, pending
-        self.nodes: dict[tuple[int, int], torch.Tensor] = {}
-        self.leaves = 0
-
-    def add(self, micro: int, leaf: torch.Tensor) -> None:
-        self.leaves += 1
-        level, i, node = 0, self.micros[micro], leaf
-        while (level, i ^ 1) in self.nodes:
-            other = self.nodes.pop((level, i ^ 1))
-            left, right = (other, node) if i & 1 else (node, other)
-            left.add_(right)
-            self.e._recycle(right)
-            level, i, node = level + 1, i >> 1, left
-        self.nodes[(level, i)] = node
-
-    def total(self, n: int) -> torch.Tensor:
-        """A buffer the reduction fills with the whole step's sum; the subtrees wait in `pending`."""
-        assert self.leaves == n == len(self.micros), (self.leaves, n, len(self.micros))
-        root = self.e._take(next(iter(self.nodes.values())).numel())
-        self.pending[id(root)] = self.nodes
-        self.nodes, self.leaves = {}, 0
-        return root
-
-    def clear(self) -> None:
-        self.nodes.clear()
-        self.leaves = 0
-
-
 class _Done:
     def wait(self):
         pass
@@ -197,98 +133,12 @@ def _gone(pid: int) -> bool:
             return False
 
 
-def joiner_build(cfg):
-    """The parts of a run for a process that joins a running job in place of lost rank -pr (build.py's
-    order, minus what the job already did): the store, then -- once the members admit it at a step
-    boundary (LiveTrainer.admit) -- the process group and mesh over the new members, the model and
-    engine laid out as the job's (its buckets padded for the job's first dp: the same flat buffers),
-    the guard. The state comes afterwards, from a peer (LiveTrainer.sync_state)."""
-    from braidtrain import build as b
-    from braidtrain.comm import Comm, Group
-    from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
-    from braidtrain.fault import Guard
-    from braidtrain.layout import from_config
-    from braidtrain.model import registry
-    from braidtrain.optim import AdamW
-    from braidtrain.parallel import placement
-    from braidtrain.parallel.engine import Engine
-    from braidtrain.runtime import find_runtime
-
-    rt = find_runtime(cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
-                      gpus_per_node=cfg.gpus_per_node, server=cfg.server, device=cfg.device, timeout_s=cfg.timeout)
-    train_files = resolve_files(cfg.train_data, "train")
-    val_files = resolve_files(cfg.val_data or cfg.train_data, "val")
-    tok_name, vocab = data_tokenizer(train_files, cfg.tokenizer)
-    mcfg = registry.model_config(cfg.model, vocab, **b.model_fields(cfg))
-    lay = from_config(cfg, rt.world_size, mcfg, rt.device.type)  # the job's first layout: its slots
-    store, prefix = rt._connect()
-    launch = dist.PrefixStore(prefix, store)
-    rt.store, rt.launch_store = dist.PrefixStore("app", dist.PrefixStore("0", launch)), launch
-    rt._store_addr = (store.host, store.port, f"{prefix}/0/app")
-    store.set_timeout(timedelta(seconds=cfg.timeout))
-    me = rt.rank
-    job, mine = (tomllib.loads(t) for t in (rt.store.get("live/config").decode(), cfg.to_toml()))  # (waits for it)
-    differ = [k for k in sorted(set(job) | set(mine)) if k not in OWN and job.get(k) != mine.get(k)]
-    if differ:
-        what = ", ".join(f"{k} {mine.get(k)} (the job's: {job.get(k)})" for k in differ)
-        raise UserError(f"--join with flags other than the job's: {what}; give it the job's flags")
-    rt.store.set(f"live/join/{me}", str(os.getpid()))
-    print(f"braidtrain: rank {me}: asked to join the job at {cfg.server}; waiting for a step boundary", file=sys.stderr,
-          flush=True)
-    deadline = time.monotonic() + cfg.timeout
-    try:
-        while not rt.store.check([f"live/joined/{me}"]):
-            if time.monotonic() > deadline:
-                rt.store.delete_key(f"live/join/{me}")
-                raise UserError(f"rank {me}: the job at {cfg.server} did not admit this process within "
-                                f"{cfg.timeout:g} s (is rank {me} still one of its members?)")
-            time.sleep(0.1)
-        adm = json.loads(rt.store.get(f"live/joined/{me}"))
-    except dist.DistError:
-        raise UserError(f"rank {me}: the job's store at {cfg.server} went away before it admitted this process "
-                        f"(the run ended, or its rank 0 was lost)") from None
-    if "refused" in adm:
-        raise UserError(f"rank {me}: the job refused it: {adm['refused']}")
-    ids, n = adm["members"], len(adm["members"])
-    if cfg.exact:
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        torch.set_num_threads(1)
-    dist.init_process_group(rt.backend, store=dist.PrefixStore(f"live/{adm['epoch']}/pg", rt.store), rank=ids.index(me),
-                            world_size=n, timeout=timedelta(seconds=cfg.timeout))
-    rt.world_size, rt._owns_group = n, True
-    comm = Comm(rt.device)
-    mesh = build_mesh(me, n, comm, new_group=rt.new_group, members=ids)
-    parts = b.make_parts(mcfg, mesh, lay, cfg.sp)
-    for part in parts:
-        placement.init_weights(part, cfg.seed)  # (overwritten by the peer's state)
-        part.to(rt.device)
-    job = Group("replica", tuple(range(lay.dp)), me, None, comm, "replica")  # the buckets' padding: the job's
-    laid = dataclasses.replace(mesh, groups={**mesh.groups, "replica": job, "expert": job})
-    engine = Engine(parts, laid, comm, zero=0, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
-    engine.world = mesh.groups["world"]
-    for bk in engine.buckets:
-        bk.group = mesh.groups[bk.group.axis]
-    opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    out = b.Path(adm["out"])
-    guard = Guard(rt, comm, out / "flight", adm["session"], cfg.heartbeat_timeout)
-    guard.start()
-    train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
-    loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
-    val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
-    cfg.max_steps = adm["max_steps"]
-    run = b.Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
-                adm["run_id"], None, guard, None, cfg.dtype == "bf16", start_step=adm["step"])
-    run.admission = adm
-    return run
-
-
 class LiveTrainer(Trainer):
     """The training loop with live recovery (module docstring). Ranks keep their numbers; `ids`
     are the members now, in process-group order."""
 
     def __init__(self, cfg):
-        super().__init__(cfg, joiner_build(cfg) if cfg.join else None)
+        super().__init__(cfg, build_joiner(cfg) if cfg.join else None)
         self.on = cfg.live_recovery and (self.rt.world_size > 1 or cfg.join)
         self.ids = list(range(self.layout.dp))
         self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, cfg.batch_size
@@ -595,11 +445,7 @@ class LiveTrainer(Trainer):
     def divide(self) -> None:
         """Each member keeps its slot's micro-batches and takes a contiguous share of the slots
         nobody holds now; the engine, the passes and the loss then work by global number."""
-        ids, m = self.ids, self.m
-        orphans = [g for s in range(self.D) if s not in ids for g in range(s * m, (s + 1) * m)]
-        q, r = divmod(len(orphans), len(ids))
-        cuts = [k * q + min(k, r) for k in range(len(ids) + 1)]
-        self.plan = {i: list(range(i * m, (i + 1) * m)) + orphans[cuts[k] : cuts[k + 1]] for k, i in enumerate(ids)}
+        self.plan = shares(self.ids, self.D, self.m)
         self.keys = {i: forest(g) for i, g in self.plan.items()}
         mine = self.plan[self.rt.rank]
         self.degraded = True
@@ -623,17 +469,7 @@ class LiveTrainer(Trainer):
         return torch.stack((torch.cat(xs), torch.cat(ys)))
 
     def by_number(self, values: list[torch.Tensor], plan: dict, total: int) -> float:
-        """Values of numbered pieces (this rank's, in plan order) from every member, summed by a
-        pairwise tree in global order (what reduce_loss does when each rank holds one slot)."""
-        k = max(len(g) for g in plan.values())
-        mine = torch.zeros(k, dtype=torch.float64, device=self.device)
-        if values:
-            mine[: len(values)] = torch.stack(values).double()
-        rows = self.comm.gather_rows(mine, self.mesh.groups["world"])
-        whole = torch.zeros(total, dtype=torch.float64, device=self.device)
-        for r, i in enumerate(self.ids):
-            whole[plan[i]] = rows[r, : len(plan[i])]
-        return pairwise_sum(whole).item()
+        return sum_by_number(self.comm, self.mesh.groups["world"], self.ids, values, plan, total)
 
     def reduce_loss(self, losses: list[torch.Tensor]) -> float:
         if not self.degraded:
@@ -641,30 +477,11 @@ class LiveTrainer(Trainer):
         return self.by_number(losses, self.plan, self.M)
 
     def exact_reduce(self, b, grad, out, full, scratch):
-        """Exact mode's reduction after a change (in place of Engine._exact_reduce): every rank's
-        complete subtrees of `grad`'s bucket, sliced by rank (one all-to-all), each slice folded
-        along the one tree over the step's micro-batches, the slices all-gathered into `out`."""
-        nodes, group, P = self.pending.pop(id(grad)), self.mesh.groups["world"], grad.numel()
-        n, keys = group.size, self.keys
-        mine = [nodes[k] for k in keys[self.rt.rank]]
-        S = -(-P // n)
-        send = torch.zeros(n, len(mine), S, device=grad.device)
-        for j in range(n):
-            lo, hi = j * S, min(P, (j + 1) * S)
-            for c, t in enumerate(mine):
-                send[j, c, : max(0, hi - lo)] = t[lo:hi]
-        counts = [len(keys[i]) for i in self.ids]
-        recv = torch.empty(sum(counts), S, device=grad.device)
-        self.comm.all_to_all_v(recv, send.view(n * len(mine), S), counts, [len(mine)] * n, group).wait()
-        row, pieces = 0, {}
-        for i in self.ids:
-            for k in keys[i]:
-                pieces[k], row = recv[row], row + 1
-        part = fold(pieces, self.M)
-        whole = torch.empty(n * S, device=grad.device)
-        self.comm.all_gather(whole, part.contiguous(), group).wait()
-        out.copy_(whole[:P])
-        for t in mine:
+        """Exact mode's reduction after a change (in place of Engine._exact_reduce): the members'
+        subtrees of `grad`'s bucket summed along the step's one tree (slots.reduce_forests)."""
+        nodes = self.pending.pop(id(grad))
+        reduce_forests(self.comm, self.mesh.groups["world"], self.ids, self.keys, self.rt.rank, nodes, self.M, out)
+        for t in nodes.values():
             self.engine._recycle(t)
         return _Done()
 

@@ -173,7 +173,7 @@ def test_the_redone_steps_tree_is_exact_modes():
     """However the micro-batches of a step fall on ranks, each rank's complete subtrees (LiveTree)
     folded together give TreeSum's root over them all, bit for bit -- and not when one leaf is
     taken twice or the tree is not the one of the uninterrupted run."""
-    from braidtrain.live import LiveTree, fold, forest
+    from braidtrain.parallel.slots import LiveTree, fold, forest
     from braidtrain.parallel.exact import TreeSum
 
     class Pool:  # the engine's buffer pool, as LiveTree and TreeSum use it
