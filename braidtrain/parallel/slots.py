@@ -6,9 +6,9 @@ ones rank r reads). When ranks are missing, the others share the orphaned slots'
 the micro-batches (parallel/exact.py), and the loss's pairwise tree in global order. Each rank sums
 the complete subtrees of what it ran (LiveTree), the ranks' subtrees meet by slices (reduce_forests):
 
-      rank 0: slot 0 (0 1 2 3) + (12 13)      rank 2: slot 2 (8 9 10 11) + (14)
-      rank 1: slot 1 (4 5 6 7) + (15)         (slot 3 lost: its 12..15 shared out)
-      subtrees: (0-3) (12-13) | (4-7) (15) | (8-11) (14)  --fold-->  ((0-3 4-7) (8-11 (12-13 (14 15))))
+      rank 0: slot 0 (0 1 2 3) + (12 13)      rank 2: slot 2 (8 9 10 11) + (15)
+      rank 1: slot 1 (4 5 6 7) + (14)         (slot 3 lost: its 12..15 shared out)
+      subtrees: (0-3) (12-13) | (4-7) (14) | (8-11) (15)  --fold-->  ((0-3 4-7) (8-11 (12-13 (14 15))))
 
 IEEE addition is commutative, so a node's bits depend only on the tree's shape, never on which
 rank added it.
