@@ -463,9 +463,9 @@ class _AllWorks:
     def __init__(self, works):
         self.works = works
 
-    def wait(self):
+    def wait(self, timeout=None):
         for w in self.works:
-            w.wait()
+            w.wait() if timeout is None else w.wait(timeout)
         return True
 
     def is_completed(self):
