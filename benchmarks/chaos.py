@@ -11,6 +11,17 @@ on any dp and ZeRO stage). Timed: the fault to the survivors' exit, and to the r
 summary; exit 1 if any trial failed.
 
     python benchmarks/chaos.py --trials 10 [--seed 0] [--data data/shakespeare_bytes]
+
+--live: live recovery instead (braidtrain/live.py). Each trial starts 4 ranks with scripts/live.sh
+(one process each, -pi tcp, --live-recovery, ZeRO-0: the stage whose state every rank holds) and
+SIGKILLs or SIGSTOPs a random rank other than 0 (rank 0 hosts the rendezvous store) at a random
+step; the survivors must finish in the processes they started in, every step logged once, with the
+uninterrupted run's weights. Timed: the fault to the completion of the step it interrupted (rank
+0's "live: step N completed" line). --against-restart K also runs the first K trials' faults on today's
+restart path (torchrun, --max-restarts 0, then a new torchrun with --resume auto, same world) and
+times the same thing there: the "resumed from" line plus the redone steps' step_s up to that step.
+
+    python benchmarks/chaos.py --live --trials 20 [--against-restart K]
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -66,13 +78,101 @@ def trial(k: int, rnd: random.Random, data: str, work: Path, want: str) -> dict:
             "to_resumed_s": ev2["resumed from"] - t0 if t0 and "resumed from" in ev2 else None}
 
 
+LIVE_D = 2048  # 2 micro-batches a rank at dp 4: a lost rank's two go to two of the three others
+
+
+def live_args(data: str, run: Path) -> list:
+    args = [a if a != str(D) else str(LIVE_D) for a in MODEL]
+    return [*args, "-i", data, "--out", run]
+
+
+def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, against: bool) -> dict:
+    kind, rank, step = rnd.choice(["kill", "stop"]), rnd.randrange(1, 4), rnd.randrange(4, STEPS + 1)  # (as trial())
+    run = work / f"live{k}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NPROC="4",
+               BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}")
+    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, live_args(data, run))], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    (work / f"live{k}.log").write_text(p.stdout + p.stderr)
+    t0 = re.search(r"fault injected: .* at step \d+ \(t=([\d.]+)\)", p.stderr)
+    t1 = re.search(rf"live: step {step} completed by ranks ([\d,]+) \(t=([\d.]+)\)", p.stdout)
+    pids = {int(r): int(x) for r, x in re.findall(r"live.sh: rank (\d+): pid (\d+)", p.stderr)}
+    summary, changes = run / "summary.json", run / "flight" / "membership.jsonl"
+    got = json.loads(summary.read_text())["weights_sha256"] if summary.is_file() else None
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").is_file() else []
+    moved = [json.loads(l) for l in changes.read_text().splitlines()] if changes.is_file() else []
+    same_pids = len(moved) == 1 and {int(r): x for r, x in moved[0]["pids"].items()} == \
+        {r: x for r, x in pids.items() if r != rank}
+    r = {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": 0, "world": "4 -> 3",
+         "ok": p.returncode == 0 and got == want and steps == list(range(1, STEPS + 1)) and same_pids,
+         "same_pids": same_pids, "live_s": float(t1.group(2)) - float(t0.group(1)) if t0 and t1 else None}
+    if against:
+        r["restart_s"] = restart_time(k, kind, rank, step, data, work)
+    return r
+
+
+def restart_time(k: int, kind: str, rank: int, step: int, data: str, work: Path) -> float | None:
+    """Today's path for the same fault: seconds from the fault to the end of the step it interrupted."""
+    run = work / f"restart{k}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    args = [*live_args(data, run)]
+    _, ev1 = torchrun(4, args, dict(env, BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}"), work / f"restart{k}-a.log")
+    rc, ev2 = torchrun(4, [*args, "--resume", "auto"], env, work / f"restart{k}-b.log")
+    t0 = ev1.get("fault injected")
+    if rc or not t0 or "resumed from" not in ev2:
+        return None
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    after = recs[max(i for i, x in enumerate(recs) if "load_s" in x):]
+    return ev2["resumed from"] - t0 + sum(x["step_s"] for x in after if x["step"] <= step)
+
+
+def live_main(a) -> int:
+    rnd = random.Random(a.seed)
+    with tempfile.TemporaryDirectory(prefix="braidtrain-chaos-") as tmp:
+        work = Path(tmp)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        rc, _ = torchrun(2, live_args(a.data, work / "ref"), env, work / "ref.log")
+        if rc:
+            print((work / "ref.log").read_text()[-3000:], file=sys.stderr)
+            return 1
+        want = json.loads((work / "ref" / "summary.json").read_text())["weights_sha256"]
+        rows = []
+        fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
+        for k in range(a.trials):
+            r = live_trial(k, rnd, a.data, work, want, k < a.against_restart)
+            rows.append(r)
+            print(f"trial {k}: {r['fault']}, ZeRO-0, world {r['world']}: "
+                  f"{'bitwise equal, survivors the same processes' if r['ok'] else 'FAILED'}; fault to that step "
+                  f"completed {fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
+                  flush=True)
+            if not r["ok"]:
+                print((work / f"live{k}.log").read_text()[-3000:], file=sys.stderr)
+    passed = sum(r["ok"] for r in rows)
+    for kind in ("kill", "stop"):
+        for key, what in (("live_s", "live"), ("restart_s", "restart path")):
+            t = sorted(r[key] for r in rows if r["fault"].startswith(kind) and r.get(key) is not None)
+            if t:
+                print(f"{kind}: fault to the interrupted step completed, {what}: median {t[len(t) // 2]:.1f} s, "
+                      f"max {t[-1]:.1f} s ({len(t)} trials)")
+    print(f"{passed} of {len(rows)} trials bitwise equal to the uninterrupted run, in the same processes")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if passed == len(rows) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default="data/shakespeare_bytes")
     ap.add_argument("--json", help="also write the trials here")
+    ap.add_argument("--live", action="store_true", help="live recovery (scripts/live.sh) instead of the restart")
+    ap.add_argument("--against-restart", type=int, default=0, metavar="K",
+                    help="--live: time the first K trials' faults on the restart path too")
     a = ap.parse_args()
+    if a.live:
+        return live_main(a)
     rnd = random.Random(a.seed)
     with tempfile.TemporaryDirectory(prefix="braidtrain-chaos-") as tmp:
         work = Path(tmp)

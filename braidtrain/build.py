@@ -258,6 +258,9 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float, s
 BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}  # a checkpoint's layout from before pp, cp, ep
 
 
+PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join")  # how a process runs, not what it trains
+
+
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     """'world_size 4 -> 2, zero 1 -> 3, ...': how this run differs from the one that saved."""
     layout = {**BEFORE, **meta["layout"]}
@@ -265,7 +268,7 @@ def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
     diff += [f"{k} {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(saved) | set(mine))
-             if k not in now and k not in ("resume", "start_over") and saved.get(k) != mine.get(k)]
+             if k not in now and k not in PROCESS_ONLY and saved.get(k) != mine.get(k)]
     return ", ".join(diff)
 
 

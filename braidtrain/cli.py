@@ -129,6 +129,12 @@ def _train_parser(sub):
     g.add_argument("--heartbeat-timeout", type=float,
                    help="seconds without a peer's heartbeat before the survivors write their flight logs and exit "
                         "(default 30; 0: off)")
+    g.add_argument("--live-recovery", action="store_true", default=None,
+                   help="when a data-parallel rank dies or freezes, the others go on without a restart, taking over "
+                        "its sequences (ZeRO-0; start the ranks with -pi tcp/fs: scripts/live.sh)")
+    g.add_argument("--join", action="store_true", default=None,
+                   help="--live-recovery: join the running job (-pi tcp -ps, its -pn) in place of lost rank -pr, "
+                        "taking the state from a peer at a step boundary")
     g = p.add_argument_group("llm.c flags accepted for compatibility and ignored")
     for flag in ("-s", "-h", "-f", "-w", "-k", "-a", "-ge"):
         g.add_argument(flag, dest=f"ignored_{flag[1:]}", metavar="X")

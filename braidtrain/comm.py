@@ -33,6 +33,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -154,7 +155,10 @@ class Handle:
         if self.done:
             return
         if self.work is not None:
-            self.work.wait()
+            if self.comm.abort is None:
+                self.work.wait()
+            else:
+                _wait_abortable(self.work, self.comm.abort)
         if self.join is not None:
             stream, event = self.join
             stream.wait_event(event)
@@ -180,6 +184,7 @@ class Comm:
         self.ready = torch.cuda.Event() if self.cuda else None  # recorded on the compute stream, waited for by side
         self.spare: list[tuple] = []  # timing event pairs already read, to record again
         self.replay_rec: Record | None = None  # the open flight record of a replayed graph
+        self.abort: "threading.Event | None" = None  # live recovery (live.py): set, waits give up (Aborted)
 
     # -- the step ------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -433,15 +438,34 @@ class Comm:
         return out.view(group.size, -1)
 
 
+class Aborted(RuntimeError):
+    """A wait given up because a peer was lost (live recovery: Comm.abort was set)."""
+
+
+def _wait_abortable(work, abort) -> None:
+    """work.wait(), in slices of 0.1 s, giving up (Aborted) once `abort` is set: a collective that
+    waits on a lost peer may never end, and live recovery must get this thread back."""
+    while True:
+        if abort.is_set() and not work.is_completed():
+            raise Aborted("a peer was lost: this collective was abandoned")
+        try:
+            work.wait(timedelta(seconds=0.1))
+            return
+        except RuntimeError:
+            if work.is_completed():  # done meanwhile, or failed itself (a peer's connection closed)
+                work.wait()
+                return
+
+
 class _AllWorks:
     """Several works (a batch of point-to-point ops) waited on as one."""
 
     def __init__(self, works):
         self.works = works
 
-    def wait(self):
+    def wait(self, timeout=None):
         for w in self.works:
-            w.wait()
+            w.wait() if timeout is None else w.wait(timeout)
         return True
 
     def is_completed(self):

@@ -78,6 +78,8 @@ class Guard:
         self.threads: list[threading.Thread] = []
         self.saved_signals = None
         self.clean = False
+        self.live = None  # live recovery (live.py): a lost peer is its to handle, while it can
+        self.members: list[int] | None = None  # the ranks of the world now, when live recovery changed it
 
     # -- life cycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,14 +123,27 @@ class Guard:
             os.close(self.wake_r)
             self.saved_signals = None
 
+    def watch(self, members: list[int]) -> None:
+        """Watch these ranks from now on (live recovery changed the world): the ring over them."""
+        ring = sorted(members)
+        i = ring.index(self.rt.rank)
+        watched = [ring[(i + k) % len(ring)] for k in range(1, min(len(ring), WATCHERS + 1))]
+        now = time.monotonic()
+        self.seen = {p: now for p in watched}
+        self.watched, self.members = watched, list(members)
+
     # -- flight log -------------------------------------------------------------------------------
-    def dump(self, reason: str) -> Path:
+    def header(self, reason: str) -> dict:
+        h = {"flight": 1, "rank": self.rt.rank, "world_size": self.rt.world_size, "step": self.comm.step,
+             "attempt": self.rt.attempt, "session": self.session, "time": time.time(), "reason": reason,
+             "next_seq": self.comm.seq, "pid": os.getpid()}
+        return h if self.members is None else {**h, "members": self.members}
+
+    def dump(self, reason: str, path: Path | None = None) -> Path:
         with self.lock:
-            header = {"flight": 1, "rank": self.rt.rank, "world_size": self.rt.world_size, "step": self.comm.step,
-                      "attempt": self.rt.attempt, "session": self.session, "time": time.time(), "reason": reason,
-                      "next_seq": self.comm.seq, "pid": os.getpid()}
-            self.comm.dump(str(self.path), header)
-            return self.path
+            path = path or self.path
+            self.comm.dump(str(path), self.header(reason))
+            return path
 
     def fatal(self, reason: str, code: int) -> None:
         """Write the flight log, say why in one line, and leave now (the main thread may be stuck)."""
@@ -144,7 +159,6 @@ class Guard:
     # -- the two threads --------------------------------------------------------------------------
     def _beat(self) -> None:
         """Store I/O only; may block on a frozen store (the watch thread then sees store_ok age)."""
-        keys = {p: f"hb/{p}" for p in self.watched}
         present, last, client = set(), {}, None
         while not self.stop.wait(self.interval):
             try:
@@ -154,16 +168,18 @@ class Guard:
                 for p in [p for p in self.watched if p not in self.where and client.check([f"hb/pid/{p}"])]:
                     host, pid = client.get(f"hb/pid/{p}").decode().rsplit(":", 1)
                     self.where[p] = host, int(pid)
-                present |= {p for p in self.watched if p not in present and client.check([keys[p]])}
+                present |= {p for p in self.watched if p not in present and client.check([f"hb/{p}"])}
                 watched = [p for p in self.watched if p in present]
                 now = time.monotonic()
-                for p, v in zip(watched, client.multi_get([keys[p] for p in watched]) if watched else []):
+                for p, v in zip(watched, client.multi_get([f"hb/{p}" for p in watched]) if watched else []):
                     if v == b"done":
                         self.done.add(p)
                     elif v != last.get(p):
                         last[p], self.seen[p] = v, now
                 if client.check(["hb/abort"]):
                     self.abort = client.get("hb/abort").decode()
+                if self.live is not None:
+                    self.live.poll(client)
                 self.store_ok = time.monotonic()
             except Exception:  # the store is gone or slow: reconnect next time; the judge counts
                 client = None
@@ -186,6 +202,9 @@ class Guard:
                 if self.abort:
                     self.fatal(f"peer lost: {self.abort}", EXIT_PEER_LOST)
                 verdict = self._verdict()
+                if verdict and self.live is not None and time.monotonic() - self.store_ok <= self.timeout \
+                        and self.live.peer_lost(verdict):
+                    continue  # live recovery handles it (the store, its means, still answers)
                 if verdict:
                     self._publish(f"rank {self.rt.rank} saw: {verdict}")
                     self._end_frozen()
@@ -254,6 +273,7 @@ def crash_reason(e: BaseException) -> str:
 FAULT_KINDS = {
     "kill": "SIGKILL this rank in the middle of the step (after its first micro-batch's forward)",
     "stop": "SIGSTOP (freeze) this rank at the same point",
+    "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed (--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",
@@ -361,15 +381,35 @@ def _desc(r: dict) -> str:
     return f"{r['op']} {r['group']}, step {r['step']}" + (f", {r['what']}" if r.get("what") else "")
 
 
+MEMBERSHIP = "membership.jsonl"  # in RUN/flight: each change of the world that live recovery made (live.py)
+
+
 def diagnose(run: Path) -> list[str]:
-    """What the flight logs of a run say, as lines of text: who stopped where, or who disagreed."""
+    """What the flight logs of a run say, as lines of text: who stopped where, or who disagreed --
+    after the membership changes that live recovery made, each with what its survivors' logs say
+    (RUN/flight/live-EPOCH/), when there are any."""
     flight = Path(run) / "flight"
     if not flight.is_dir():
         raise UserError(f"{run}: no flight/ folder (no rank of this run has failed, been signalled or lost a peer)")
+    out = []
+    if (flight / MEMBERSHIP).is_file():
+        for line in (flight / MEMBERSHIP).read_text().splitlines():
+            if line.strip():
+                c = json.loads(line)
+                out.append(f"membership change {c['epoch']} at step {c['step']}: {c['what']}")
+                folder = flight / f"live-{c['epoch'] - 1}"
+                if folder.is_dir() and any(folder.glob("rank_*.jsonl")):
+                    out += [f"  {l}" for l in _diagnose_logs(folder)]
+    if out and not any(flight.glob("rank_*.jsonl")):
+        return out
+    return out + _diagnose_logs(flight)
+
+
+def _diagnose_logs(flight: Path) -> list[str]:
     headers, records, out = read_logs(flight)
     any_h = next(iter(headers.values()))
     world = any_h["world_size"]
-    silent = [r for r in range(world) if r not in headers]
+    silent = [r for r in any_h.get("members", range(world)) if r not in headers]
     out.insert(0, f"flight logs of {_when(any_h['session'])} (attempt {any_h['attempt']}, world size {world}): "
                   f"{len(headers)} written" + (f", none from {_ranks(silent)}" if silent else ""))
     by_reason: dict[str, list[int]] = {}

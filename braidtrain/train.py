@@ -72,9 +72,9 @@ def gc_by_hand():
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, built=None):
         self.mc = evaluate.read_evalfile(cfg.eval_data) if cfg.eval_data else None  # (a bad file fails first)
-        run = self.built = build(cfg)
+        run = self.built = built or build(cfg)  # (built: a live recovery's joiner, live.py)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
         self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
@@ -144,7 +144,7 @@ class Trainer:
         if step + 1 < cfg.max_steps:  # while the GPU works: the next step's tokens
             self.next_tokens = step + 1, self.host_tokens(step + 1)
         self.collect_garbage(step)
-        loss = reduce_loss(self.comm, self.mesh, losses) / batch.total_tokens
+        loss = self.reduce_loss(losses) / batch.total_tokens
         dt = time.time() - t0
         tps = batch.total_tokens / dt
         peak = peak_flops(self.device, self.bf16)
@@ -169,6 +169,10 @@ class Trainer:
         if self.mcfg.moe_experts:
             rec.update(self.moe_metrics(skipped))
         return rec
+
+    def reduce_loss(self, losses: list[torch.Tensor]) -> float:
+        """The step's loss sum over every rank (passes.reduce_loss)."""
+        return reduce_loss(self.comm, self.mesh, losses)
 
     def moe_metrics(self, skipped: bool) -> dict:
         """This step's mixture-of-experts figures (parallel/expert.py step_figures); with
@@ -400,7 +404,11 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def train(cfg: Config) -> dict:
-    trainer = Trainer(cfg)
+    if cfg.live_recovery or cfg.join:
+        from braidtrain.live import LiveTrainer, check_config
+
+        check_config(cfg)
+    trainer = LiveTrainer(cfg) if cfg.live_recovery else Trainer(cfg)
     try:
         return trainer.run()
     finally:

@@ -1,0 +1,230 @@
+"""Live recovery (--live-recovery, braidtrain/live.py): 4 ranks started by hand (-pi tcp), one of
+them killed (SIGKILL) or frozen (SIGSTOP) in the middle of a step by the BRAIDTRAIN_FAULT hook. The
+others must go on in the same processes -- the pids that finish are the pids that started -- redo
+that step with the lost rank's micro-batches divided among them, log every step once, and end, in
+--exact, with the weights of a run that never lost a rank. The kill goes through scripts/live.sh
+(the launch path users take); the freeze through the tests' fork server. Plus the tree that makes
+the redone step exact, against parallel/exact.py's, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, SMALL, _start, braidtrain, env, metrics, summary
+
+D, STEPS = 2048, 8  # 4 micro-batches of b 2 x t 64 per rank at dp 4: a lost rank's 4 go 2, 1, 1 to three
+COMMON = [*SMALL, "-d", D, "-x", STEPS, "--exact", "--heartbeat-timeout", 3, "--timeout", 60]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory, shakespeare) -> Path:
+    """The run that never lost a rank (one process: exact mode's bits are dp's too)."""
+    out = tmp_path_factory.mktemp("live") / "ref"
+    braidtrain("train", *COMMON, "-i", shakespeare, "--out", out)
+    return out
+
+
+def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | None = None,
+            bad: list | None = None) -> tuple[dict, dict, str, str]:
+    """nproc ranks of `braidtrain train ARGS --live-recovery -pi tcp`, each forked by the fork server
+    (tests/forkserver.py) -- `fault`: BRAIDTRAIN_FAULT, or each rank's -- and with `join` a process
+    asking to join in place of that rank (key "join"), and with `bad` flags one asking to join for
+    rank 3 with them too (key "bad"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, err = tmp / "out.txt", tmp / "err.txt"
+    out.touch(), err.touch()
+    target = ["-m", "braidtrain", "train", *map(str, args), "--live-recovery", "-pi", "tcp", "-ps", f"127.0.0.1:{port}",
+              "-pn", str(nproc)]
+    how = {r: ["-pr", str(r)] for r in range(nproc)} | ({"join": ["-pr", str(join), "--join"]} if join is not None else {})
+    how |= {"bad": ["-pr", "3", "--join", *bad]} if bad else {}
+    ranks = {r: _start(dict(target=[*target, *flags], cwd=str(ROOT), out=str(out), err=str(err), fsize=None,
+                            env=dict(env(), BRAIDTRAIN_FAULT=fault if isinstance(fault, str) else fault.get(r, ""))))
+             for r, flags in how.items()}
+    codes = {}
+    try:
+        for r, (conn, f, pid) in ranks.items():
+            conn.settimeout(240)
+            codes[r] = int(f.readline() or -9)
+    finally:
+        for conn, f, pid in ranks.values():
+            if pid and not f.closed:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            f.close(), conn.close()
+    return {r: pid for r, (_, _, pid) in ranks.items()}, codes, out.read_text(), err.read_text()
+
+
+def membership(run: Path) -> list[dict]:
+    return [json.loads(l) for l in (run / "flight" / "membership.jsonl").read_text().splitlines() if l.strip()]
+
+
+def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, joined: int | None = None) -> None:
+    """Every step logged once, the lost rank's step redone by the three others -- the processes that
+    started -- (and the world grown back at step `joined`), and the final weights the uninterrupted run's."""
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in recs] == [r["loss"] for r in metrics(ref)]
+    assert [r["step"] for r in recs if "recover_s" in r] == [step] and recs[step - 1]["world_size"] == 3
+    assert [r["step"] for r in recs if "join_s" in r] == ([joined] if joined else [])
+    change, *grown = membership(run)
+    if joined:
+        (grow,) = grown
+        assert grow["members"] == [0, 1, 2, 3] and grow["joined"] == [lost] and grow["step"] == joined
+        assert grow["pids"] == {str(lost): pids["join"]} and recs[joined - 1]["world_size"] == 4
+    survivors = [r for r in range(4) if r != lost]
+    assert change["members"] == survivors and list(change["lost"]) == [str(lost)] and change["step"] == step
+    assert {int(r): p for r, p in change["pids"].items()} == {r: pids[r] for r in survivors}
+    assert summary(run)["step"] == STEPS
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+    report = braidtrain("doctor", run).stdout
+    assert f"membership change 1 at step {step}: rank {lost} lost" in report, report
+    assert f"rank {lost} stopped after collective #" in report and "wrote no flight log" in report, report
+
+
+def test_killed_rank_is_replaced_by_the_others_in_flight(tmp_path, shakespeare, ref):
+    """scripts/live.sh starts 4 ranks; rank 2 is SIGKILLed in the middle of step 5. The others see
+    its connections close, agree without it and redo step 5 -- no restart, no step lost."""
+    run = tmp_path / "run"
+    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, COMMON), "-i", str(shakespeare), "--out", str(run)],
+                       cwd=ROOT, env=dict(env(), NPROC="4", BRAIDTRAIN_FAULT="kill:rank=2:step=5"), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert "fault injected: SIGKILL" in p.stderr
+    pids = {int(r): int(pid) for r, pid in re.findall(r"live.sh: rank (\d+): pid (\d+)", p.stderr)}
+    exits = {int(r): int(c) for r, c in re.findall(r"live.sh: rank (\d+) \(pid \d+\) exited (\d+)", p.stderr)}
+    assert exits == {0: 0, 1: 0, 2: 137, 3: 0}, p.stderr[-3000:]
+    assert "live recovery at step 5: rank 2 lost (its process" in p.stdout, p.stdout
+    check_went_on(run, ref, pids, lost=2, step=5)
+
+
+def test_frozen_rank_is_found_by_the_heartbeat_and_replaced(tmp_path, shakespeare, ref):
+    """Rank 1 frozen (SIGSTOP) at step 3, heartbeat timeout 3 s: the others give up waiting for it,
+    end it (it would wake into a world that went on) and redo step 3 among themselves."""
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "stop:rank=1:step=3", tmp_path)
+    assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0, 3: 0}, err[-5000:]
+    assert "fault injected: SIGSTOP" in err
+    assert "live recovery at step 3: rank 1 lost (no heartbeat for" in out, out
+    check_went_on(run, ref, pids, lost=1, step=3)
+
+
+def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
+    """Rank 2 killed at step 3, then rank 1 frozen at step 6: 4 -> 3 -> 2 ranks, the orphaned slots'
+    micro-batches divided among the two left, the uninterrupted run's weights."""
+    run = tmp_path / "run"
+    faults = {2: "kill:rank=2:step=3", 1: "stop:rank=1:step=6"}
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], faults, tmp_path)
+    assert codes == {0: 0, 1: -signal.SIGKILL, 2: -signal.SIGKILL, 3: 0}, err[-5000:]
+    first, second = membership(run)
+    assert (first["step"], first["members"], second["step"], second["members"]) == (3, [0, 1, 3], 6, [0, 3])
+    assert {int(r): p for r, p in second["pids"].items()} == {0: pids[0], 3: pids[3]}
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r.get("world_size") for r in recs if "recover_s" in r] == [3, 2]
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+
+
+def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref):
+    """Rank 3 killed at step 4 after every rank applied the step's update, in the step's last
+    collective (the loss's): the survivors find they all did it, so step 4 is not done again --
+    logged without its loss -- and the weights are still the uninterrupted run's."""
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill-late:rank=3:step=4", tmp_path)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
+    assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
+    recs, want = metrics(run), metrics(ref)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]
+    assert [r["loss"] for i, r in enumerate(recs) if i != 3] == [r["loss"] for i, r in enumerate(want) if i != 3]
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+
+
+def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
+    """Rank 2 killed at step 3 while a fifth process asks to join in its place: the three others
+    redo step 3, admit it two steps later (step 6), send it their state (sha256 checked) and go on
+    as four -- ending, like the others, with the uninterrupted run's weights. A joiner with other
+    flags (--seed) is refused in one line before it asks."""
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill:rank=2:step=3", tmp_path, join=2,
+                                    bad=["--seed", "7"])
+    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0, "bad": 2}, err[-5000:]
+    assert "--join with flags other than the job's: seed 7 (the job's: 1337); give it the job's flags" in err, err[-3000:]
+    assert "rank 2: joined at step 6, the state from rank 0 (sha256" in err and "checked)" in err, err[-3000:]
+    assert "live: rank 2 joined (pid" in out, out
+    check_went_on(run, ref, pids, lost=2, step=3, joined=6)
+    assert (run / "checkpoints" / f"step_{STEPS:08d}" / "rank_00002.safetensors").is_file()  # the joiner's part
+    assert "membership change 2 at step 6: rank 2 joined" in braidtrain("doctor", run).stdout
+
+
+def test_the_redone_steps_tree_is_exact_modes():
+    """However the micro-batches of a step fall on ranks, each rank's complete subtrees (LiveTree)
+    folded together give TreeSum's root over them all, bit for bit -- and not when one leaf is
+    taken twice or the tree is not the one of the uninterrupted run."""
+    from braidtrain.parallel.slots import LiveTree, fold, forest
+    from braidtrain.parallel.exact import TreeSum
+
+    class Pool:  # the engine's buffer pool, as LiveTree and TreeSum use it
+        def _recycle(self, buf):
+            pass
+
+        def _take(self, n):
+            return torch.empty(n)
+
+    rnd, n = random.Random(0), 16
+    leaves = [torch.randn(1000) * 10 ** rnd.uniform(-3, 3) for _ in range(n)]
+    whole = TreeSum(lambda b: None)
+    for i in rnd.sample(range(n), n):
+        whole.add(i, leaves[i].clone())
+    want = whole.total(n)
+    for trial in range(20):
+        cuts = sorted(rnd.sample(range(1, n), rnd.randrange(1, 5)))
+        order = list(range(n)) if trial % 2 else rnd.sample(range(n), n)
+        shares = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+        pieces, pending = {}, {}
+        for share in shares:
+            tree = LiveTree(Pool(), share, pending)
+            for k in rnd.sample(range(len(share)), len(share)):
+                tree.add(k, leaves[share[k]].clone())
+            root = tree.total(len(share))
+            nodes = pending.pop(id(root))
+            assert sorted(nodes) == forest(share)
+            pieces.update(nodes)
+        got = fold(pieces, n)
+        assert torch.equal(got, want), (trial, shares)
+    flat = leaves[0].clone()
+    for x in leaves[1:]:
+        flat += x  # the sum in arrival order: another tree, other bits
+    assert not torch.equal(flat, want)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "2"], "--live-recovery needs data parallelism alone, got --tp 2"),
+    (["--heartbeat-timeout", "0"], "--live-recovery finds frozen ranks by the heartbeat"),
+    (["--join"], "--join replaces a lost rank of a running job: give -pi tcp"),
+    (["--join", "--no-live"], "--join adds a process to a job that runs with --live-recovery: give both"),
+])
+def test_layouts_live_recovery_cannot_keep_are_refused(tmp_path, shakespeare, flags, words):
+    live = [] if "--no-live" in flags else ["--live-recovery"]
+    flags = [f for f in flags if f != "--no-live"]
+    p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", *live, *flags, check=False)
+    assert p.returncode == 2 and words in p.stderr, p.stderr[-2000:]
+    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+
+
+def test_zero_1_to_3_fall_back_to_the_restart_in_one_line(tmp_path, shakespeare):
+    p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "-z", 2, "--out", tmp_path / "r", "--live-recovery")
+    assert "note: --live-recovery keeps ZeRO-0's state only" in p.stderr and "falls back to the checkpoint restart" \
+        in p.stderr, p.stderr
