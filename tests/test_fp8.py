@@ -126,7 +126,7 @@ def test_scaled_mm_is_the_product_of_the_decoded_operands(rowwise, path):
     b8, sb = fp8.cast(b, torch.float8_e4m3fn, dims[1])
     want = ref_dequant(a, torch.float8_e4m3fn, dims[0]) @ ref_dequant(b, torch.float8_e4m3fn, dims[1]).T
     if path == "kernel":
-        assert fp8.CPU_KERNEL, "this torch's CPU has no torch._scaled_mm (the CLI then refuses --fp8 on the CPU)"
+        assert fp8.available("cpu"), "this torch's CPU has no torch._scaled_mm (the CLI then refuses --fp8 on the CPU)"
         got = fp8.scaled_mm(a8, sa, b8.t(), sb.t() if rowwise else sb, torch.float32)
     else:
         got = fp8.emulated_mm(a8, sa, b8.t(), sb.t() if rowwise else sb, torch.float32)

@@ -101,7 +101,18 @@ def _cpu_kernel() -> bool:
         return False
 
 
-CPU_KERNEL = _cpu_kernel()  # (a plain constant: compiled code reads it without tracing the probe)
+# Probed when --fp8 is first asked for on the CPU (available(), from the layout's check), not at
+# import: a float8 product on the CPU changes which kernels later fp32 matmuls get (exact mode's
+# pinned bits moved when the probe ran at import). A plain value after that: compiled code reads it
+# without tracing the probe.
+CPU_KERNEL = None
+
+
+def _cpu_runs() -> bool:
+    global CPU_KERNEL
+    if CPU_KERNEL is None:
+        CPU_KERNEL = _cpu_kernel()
+    return CPU_KERNEL
 
 
 def available(device_type: str) -> bool:
@@ -109,14 +120,14 @@ def available(device_type: str) -> bool:
     Ada, Hopper, Blackwell). CPU: CPU_KERNEL (torch 2.13 has it)."""
     if device_type == "cuda":
         return hasattr(torch, "_scaled_mm") and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    return device_type == "cpu" and CPU_KERNEL
+    return device_type == "cpu" and _cpu_runs()
 
 
 def _kernel_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Would torch._scaled_mm take these operands? (Shapes are static: no sync, and torch.compile
     sees one branch.)"""
     if a.device.type == "cpu":
-        return CPU_KERNEL
+        return _cpu_runs()
     return a.device.type == "cuda" and a.shape[1] % KERNEL_ALIGN == 0 and b.shape[1] % KERNEL_ALIGN == 0
 
 
