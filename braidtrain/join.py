@@ -51,6 +51,9 @@ def build_joiner(cfg):
     tok_name, vocab = data_tokenizer(train_files, cfg.tokenizer)
     mcfg = registry.model_config(cfg.model, vocab, **b.model_fields(cfg))
     lay = from_config(cfg, rt.world_size, mcfg, rt.device.type)  # the job's first layout: its slots
+    if mcfg.moe_experts and mcfg.moe_balance == "bias":
+        raise UserError("--join does not receive the experts' balancing biases (--moe-balance bias) from its peer yet: "
+                        "restart the job from its checkpoint instead")
     store, prefix = rt._connect()
     launch = dist.PrefixStore(prefix, store)
     rt.store, rt.launch_store = dist.PrefixStore("app", dist.PrefixStore("0", launch)), launch
@@ -108,7 +111,8 @@ def build_joiner(cfg):
     val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     cfg.max_steps = adm["max_steps"]
     run = b.Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
-                adm["run_id"], None, guard, None, cfg.dtype == "bf16", start_step=adm["step"])
+                adm["run_id"], None, torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=rt.device), guard, None,
+                cfg.dtype == "bf16", start_step=adm["step"])
     run.admission = adm
     return run
 
