@@ -364,6 +364,10 @@ class Comm:
         return self._launch("all_gather", group, out, lambda g: _all_gather(out, inp, group=g, async_op=True),
                             inline=inline)
 
+    def broadcast(self, t, group: Group, src: int) -> Handle:
+        """Process-group rank `src`'s t on every member of group (in place)."""
+        return self._launch("broadcast", group, t, lambda g: dist.broadcast(t, src, group=g, async_op=True))
+
     def all_to_all(self, out, inp, group: Group) -> Handle:
         if group.pg is None:
             out.copy_(inp)

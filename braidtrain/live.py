@@ -528,7 +528,7 @@ class LiveTrainer(Trainer):
         its sha256: one line and the restart path if a copy differs."""
         world = self.mesh.groups["world"]
         for t in self.state():
-            self.comm._launch("broadcast", world, t, lambda g, t=t: dist.broadcast(t, src, group=g, async_op=True)).wait()
+            self.comm.broadcast(t, world, src).wait()
         box = [(self.opt.step_count, self.digest())]
         self.comm._sync("broadcast_object", world, lambda: dist.broadcast_object_list(box, src=src))  # (src: a
         step_count, want = box[0]  # process-group rank; the mesh's groups name ranks by their own numbers)
