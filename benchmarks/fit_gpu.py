@@ -56,7 +56,7 @@ def main(argv):
     mfu = timed[0]["mfu"] and timed[0]["mfu"] / timed[0]["tokens_per_s"] * tps
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / plan.GB if torch.cuda.is_available() else 0.0
     setup = plan.Setup(trainer.mcfg, 1, gpu_gb, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
-                       cpu=trainer.device.type == "cpu")
+                       cpu=trainer.device.type == "cpu", fp8=cfg.fp8, compile=cfg.compile)
     candidate = plan.Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute)
     e = plan.estimate(setup, candidate)
     st = e["state"]  # on the CPU mem_gb is the model state between steps (plan_cli.check compares the same)

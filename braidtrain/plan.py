@@ -76,6 +76,9 @@ the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt
     weights  2*P_tp: autocast's bf16 copies of the weights, cached for the forward and saved for
              the backward (also under ZeRO-3: releasing a gathered fp32 bucket does not free them)
 On the CPU (fp32, no autocast) the per token x channel terms count twice and there are no bf16 copies.
+--compile: the layers term is traced through torch.compile's own partition of the block (inductor's
+min-cut, which rebuilds cheap pointwise results in the backward instead of keeping them: SwiGLU's
+product, the norms' bf16 outputs), not through eager autograd (model/counts.py).
 Measured for tp on one H200 (2026-11-29, torch 2.11), through the tp code path with a one-rank group
 (gpt2, b = 8, with and without sp and recompute): the vocab-parallel cross-entropy peaked 2.472 GB
 below torch's dense cross-entropy, used before loss.py (its terms then: 2.473), and the tp collectives come in the dtypes and numbers
@@ -198,17 +201,18 @@ def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> tuple[tuple
                  for entries, mods, _, _ in formed)
 
 
-def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False, fp8: str | None = None) -> float:
+def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False, fp8: str | None = None,
+                     compiled: bool = False) -> float:
     """Bytes per token one block keeps for its backward (the docstring's layers term), traced from
     the family's own block (model/counts.py; its linears in float8 under fp8): the part every tp
     rank holds whole, plus the rest divided by tp."""
     from braidtrain.model.counts import block_activations
 
-    return block_activations(cfg, tp, sp, gpu=not cpu, fp8=fp8)
+    return block_activations(cfg, tp, sp, gpu=not cpu, fp8=fp8, compiled=compiled)
 
 
 def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False,
-                     fp8: str | None = None, P8: int = 0) -> dict:
+                     fp8: str | None = None, P8: int = 0, compiled: bool = False) -> dict:
     """Named terms (see the module docstring), so each can be calibrated on its own; `peak` is
     what they add up to at the worst moment, the start of the backward pass. P: the parameters
     this rank holds (P_tp) -- under recompute, those whose bf16 copies stay (bf16_kept); P8: those
@@ -216,7 +220,7 @@ def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp
     scale = 2 if cpu else 1  # fp32 on the CPU
     tbh = t * b * cfg.n_embd * scale
     rows = tp if sp else 1  # the residual stream holds t/tp rows under sp
-    layer = layer_activation(cfg, tp, sp, cpu, fp8) * b * t
+    layer = layer_activation(cfg, tp, sp, cpu, fp8, compiled) * b * t
     if tp == 1:
         logits = b * t * cfg.padded_vocab * LOGITS * scale
     else:
@@ -304,6 +308,7 @@ class Setup:
     gpus_per_node: int | None = None  # None: every GPU in one node
     node_busbw: float = 40.0  # GB/s of a collective whose group spans nodes (InfiniBand, per GPU)
     fp8: str | None = None  # --fp8's recipe: the blocks' linears in float8
+    compile: bool = False  # --compile: its partition keeps fewer activations (model/counts.py traces it)
 
 
 @dataclass(frozen=True)
@@ -462,7 +467,8 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
     kept = bf16_kept(cfg, tp, P, counts["block"], True) if lay.recompute else P
     P8 = fp8_params(s, tp, range(1 if lay.recompute else cfg.n_layer))  # (recompute: one block's at a time)
-    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8)  # a rank's t/cp tokens
+    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8,
+                           s.compile)  # a rank's t/cp tokens
     if cfg.moe_experts:
         act["moe"] = moe_bytes(s, lay)
         act["peak"] += act["moe"]
@@ -637,7 +643,8 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     L = layout_of(s, lay, s.d)
     split, m, chunks = L.split, L.batch.micro_steps, len(L.split)
     t = s.t // cp  # a rank's tokens of each sequence
-    terms = activation_bytes(cfg, lay.b, t, lay.recompute, s.cpu, 0, tp, lay.sp, s.fp8)  # pp = 1's, per micro-batch
+    terms = activation_bytes(cfg, lay.b, t, lay.recompute, s.cpu, 0, tp, lay.sp, s.fp8,
+                             compiled=s.compile)  # pp = 1's, per micro-batch
     per_block = terms["layers"] / cfg.n_layer
     ring = ring_bytes(s, lay) if cp > 1 else {"ring_out": 0, "ring_scores": 0}
     one_ring = ring["ring_out"] / (1 if lay.recompute else cfg.n_layer)  # one block's
@@ -899,7 +906,7 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world if cpu else torch.cuda.mem_get_info()[1]
         mem_gb = mem / GB
     s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu, fp8=cfg.fp8,
-              gpus_per_node=gpus_per_node)
+              gpus_per_node=gpus_per_node, compile=cfg.compile)
     rows = plan(s)["rows"]
     for e in (e for e in rows if e["fits"]):
         lay = e["layout"]

@@ -107,6 +107,8 @@ def add_parser(sub):
     a("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default: H200, bf16)")
     a("--fp8", choices=["tensorwise", "rowwise"], help="the blocks' linears in float8 (as for train): their "
                                                         "products at the measured float8 speed, their float8 copies")
+    a("--compile", action="store_true", help="the blocks under torch.compile (as for train): its graphs keep fewer "
+                                             "activations for the backward (traced, not assumed)")
     a("--busbw", type=float, default=300.0, help="collective bus bandwidth of the dp (replica) group, GB/s")
     a("--tp-busbw", type=float, help="bus bandwidth of the tp group inside a node, GB/s (default --busbw)")
     a("--node-busbw", type=float, default=40.0, help="bus bandwidth of a group that spans nodes, GB/s per GPU "
@@ -158,7 +160,7 @@ def setup_from(args) -> plan.Setup:
             cfg = replace(cfg, block_size=args.seq_len)
     s = plan.Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw, gpus_per_node=args.gpus_per_node,
-              node_busbw=args.node_busbw, fp8=args.fp8)
+              node_busbw=args.node_busbw, fp8=args.fp8, compile=args.compile)
     check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule, args.cp, args.ep)
     return s
 
@@ -216,6 +218,7 @@ def check(s: plan.Setup, lay: plan.Candidate, data: str, out: str | None) -> dic
     cmd += ["--cp", lay.cp, "--cp-impl", lay.cp_impl] if lay.cp > 1 else []
     cmd += ["--ep", lay.ep] if lay.ep > 1 else []
     cmd += ["--fp8", s.fp8] if s.fp8 else []
+    cmd += ["--compile"] if s.compile else []
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:

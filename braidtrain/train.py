@@ -260,7 +260,7 @@ class Trainer:
         else:  # (a CPU run: this process's share of the machine)
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / self.rt.world_size
         s = plan.Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
-                       cpu=self.device.type == "cpu", fp8=lay.fp8)
+                       cpu=self.device.type == "cpu", fp8=lay.fp8, compile=cfg.compile)
         return (f"out of memory on {self.device} (rank {self.rt.rank}) at step {self.comm.step}: "
                 f"{plan.advice(s, plan.candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
 

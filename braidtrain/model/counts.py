@@ -5,7 +5,8 @@
                                      block the shapes of its tp linears (--fp8's float8 products)
     block_activations(cfg, tp, sp)   bytes a block keeps for its backward, per token: what autograd
                                      saves when the family's own block runs forward (with --fp8's
-                                     float8 linears: model/fp8.py)
+                                     float8 linears: model/fp8.py; compiled=True: what the forward
+                                     graph of torch.compile's partition hands its backward)
     moe_activations(cfg, tp, sp)     what an MoE layer keeps beyond that: per routed row, per token
 
 The second runs one block on fake tensors (no memory, no arithmetic: torch's FakeTensorMode) under
@@ -116,16 +117,62 @@ def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None) -
         return _kept(stage.blocks()[0], x, stage.block_inputs(torch.arange(T)), bf16)
 
 
+@functools.lru_cache(maxsize=64)
+def _saved_compiled(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None) -> int:
+    """What _saved counts, for the block as --compile runs it: torch.compile's partition of the
+    forward and backward graphs (inductor's, min-cut: it recomputes cheap pointwise results in the
+    backward rather than keep them), traced on fake tensors -- the backward graph's inputs other
+    than the incoming gradients are what the forward keeps. No kernel is generated or run."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kept = []
+
+    class Traced(Exception):
+        pass
+
+    def partition(joint, inputs, **kw):
+        fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kw)
+        vals = [n.meta.get("val") for n in bwd.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        kept.append(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
+        raise Traced  # the partition is all we need
+
+    def backend(gm, example):
+        return aot_module_simplified(gm, example, fw_compiler=lambda g, _: g, partition_fn=partition)
+
+    mode = FakeTensorMode()
+    with mode:
+        stage = _stage(cfg, tp, sp, 0)
+        if fp8:
+            stage.use_fp8(RECIPES[fp8])
+        x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
+        extra = stage.block_inputs(torch.arange(T))
+    torch._dynamo.reset()
+    try:
+        with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            torch.compile(stage.blocks()[0].body, backend=backend, fullgraph=True, dynamic=False)(x, *extra)
+    except Exception as e:  # dynamo wraps what the backend raises
+        if not kept:
+            raise e
+    finally:
+        torch._dynamo.reset()
+    return kept[0]
+
+
 @functools.lru_cache(maxsize=256)
-def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True, fp8: str | None = None) -> float:
+def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True, fp8: str | None = None,
+                      compiled: bool = False) -> float:
     """Bytes one block keeps for its backward per token of a micro-batch, on tp rank 0 (a dense
     block: a mixture's extra is the planner's moe_layer_bytes). gpu: bf16 autocast (and the head
-    merge's copy, HEAD_MERGE), else fp32. fp8: the linears in float8, with that recipe."""
+    merge's copy, HEAD_MERGE), else fp32. fp8: the linears in float8, with that recipe. compiled:
+    as --compile runs the block (_saved_compiled)."""
     dense = cfg if not cfg.moe_experts else type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
-    t1, t2 = 8 * max(tp, 2), 16 * max(tp, 2)
+    t1, t2 = (16, 32) if compiled else (8 * max(tp, 2), 16 * max(tp, 2))  # (compiled: the same two traces for every tp)
+    saved = _saved_compiled if compiled else _saved
 
     def per_token(k, s):
-        return (_saved(dense, k, s, t2, gpu, fp8) - _saved(dense, k, s, t1, gpu, fp8)) / (t2 - t1)
+        return (saved(dense, k, s, t2, gpu, fp8) - saved(dense, k, s, t1, gpu, fp8)) / (t2 - t1)
 
     one = per_token(1, False) + (HEAD_MERGE * dense.n_head * dense.head_dim if gpu else 0)
     if tp == 1:
