@@ -358,7 +358,7 @@ class Engine:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             for b, _, g in owned:
                 if b.group is group:
-                    sq += self.norm_view(b, g).float().pow(2).sum()
+                    sq += torch.linalg.vector_norm(self.norm_view(b, g), dtype=torch.float32).square()  # one read, no temporary
             if self.zero >= 1 and group.size > 1:
                 self.comm.all_reduce(sq, group).wait()
             if group.axis == "expert" and self.ep.size > 1:  # the other ep ranks' experts
