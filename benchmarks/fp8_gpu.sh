@@ -13,7 +13,8 @@
 #           six small runs share the GPU at once (no timing is read from them).
 #   ao      torchao's float8 (its tensorwise and rowwise recipes on the same linears, torch.compile
 #           of the whole model: braidtrain.torchref's ao-*) on llama3.2-3b (or AO_MODEL) beside
-#           braidtrain's --compile bf16, if wheels/torchao-*.whl is there (installed into a scratch
+#           braidtrain's --compile bf16 and --fp8 (RECIPES for both: the 3b part and torchao's, side
+#           by side in one bench), if wheels/torchao-*.whl is there (installed into a scratch
 #           folder, --no-deps); skipped, saying so, without it. Fetch it where there is a network:
 #           `pip download --no-deps torchao==0.17.0 -d wheels/` (built for torch 2.11; wheels/ is
 #           git-ignored: carry it to the GPU machine).
@@ -31,7 +32,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 SMOKE=${SMOKE:-0}
 parts=${*:-3b loss 1b ao}
-declare -A EST=([3b]=330 [loss]=110 [1b]=200 [ao]=400)  # seconds each part took, or is expected to take, on an H200
+declare -A EST=([3b]=330 [loss]=90 [1b]=220 [ao]=500)  # seconds each part took, or is expected to take, on an H200
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/fp8-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
@@ -134,8 +135,9 @@ EOF
     if [ -z "$whl" ]; then echo "== ao: skipped, no wheels/torchao-*.whl" | tee -a "$OUT/summary.txt"; continue; fi
     pip install -q --no-deps --target "$WORK/ao" "$whl" > "$OUT/ao_install.log" 2>&1 \
       || { echo "== ao: skipped, $whl did not install" | tee -a "$OUT/summary.txt"; continue; }
-    PYTHONPATH="$WORK/ao${PYTHONPATH:+:$PYTHONPATH}" bench ao ${AO_MODEL:-$BIG} --layout="$COMPILE $keep" \
-      --torch ao-tensorwise,ao-rowwise --baseline ao-tensorwise ;;
+    aos=$(for r in ${RECIPES:-tensorwise rowwise}; do printf "ao-%s," "$r"; done)
+    PYTHONPATH="$WORK/ao${PYTHONPATH:+:$PYTHONPATH}" bench ao ${AO_MODEL:-$BIG} "${three[@]}" \
+      --torch "${aos%,}" --baseline "${aos%%,*}" ;;
   *) echo "unknown part $part: use 3b, 1b, loss, ao" ;;
   esac
 done
