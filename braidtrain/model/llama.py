@@ -371,6 +371,21 @@ def _unfuse(got: dict, arch: str) -> dict:
     return got
 
 
+def fuse(tensors: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """to_hf's tensors as transformers 5 holds a mixture in memory (_unfuse's inverse): per MoE
+    layer mlp.gate.weight, and the experts fused, mlp.experts.gate_up_proj (E, 2H, C) and down_proj
+    (E, C, H) -- our stacks -- for a model built in memory (bench's hf yardstick), not read from a
+    folder (transformers converts those itself)."""
+    mix, out = architecture(cfg) == "MixtralForCausalLM", dict(tensors)
+    at, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mix else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    for layer in (f"model.layers.{i}" for i in range(cfg.n_layer) if cfg.is_moe(i)):
+        gate, up, down = ([out.pop(f"{layer}.{at}.experts.{e}.{w}.weight") for e in range(cfg.moe_experts)] for w in names)
+        out[f"{layer}.mlp.gate.weight"] = out.pop(f"{layer}.{at}.gate.weight")
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack(down)
+    return out
+
+
 def from_hf(tensors: dict[str, torch.Tensor], cfg: LlamaConfig, where: str) -> dict[str, torch.Tensor]:
     """Our tensors (unpadded vocabulary) from HF's, by the names to_hf writes; the registry checks
     names and shapes."""
