@@ -365,14 +365,14 @@ def _check_train_args(args) -> None:
 
 
 def _check_hf(mcfg, model: str) -> None:
-    """--torch hf: a dense model (the yardstick loads per-expert tensors into no mixture), transformers
-    installed, with the class of the model's architecture."""
+    """--torch hf: a model of a HuggingFace architecture (a Llama family's mixture: Mixtral's or
+    Qwen3-MoE's), transformers installed, with the class of that architecture."""
     from braidtrain.model import registry
 
-    if mcfg.moe_experts:
-        raise UserError(f"--torch hf: {model} is a mixture of experts; the hf yardsticks train dense models: "
-                        f"drop hf and hf-compile from --torch")
-    arch = registry.family_of(mcfg).hf_config(mcfg, 0)["architectures"][0]
+    try:
+        arch = registry.family_of(mcfg).hf_config(mcfg, 0)["architectures"][0]
+    except UserError as e:
+        raise UserError(f"--torch hf: {model}: {e}; drop hf and hf-compile from --torch") from None
     try:
         import transformers
     except ImportError:

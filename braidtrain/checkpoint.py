@@ -5,6 +5,7 @@ A checkpoint is a folder `checkpoints/step_NNNNNNNN/`:
     meta.json               step, config, the placement table, the saving layout, sha256 of every file
     rank_00000.safetensors  pieces of parameters, m and v: "param/<name>/t<r>/<start>" is elements
     rank_00001.safetensors  [start, start+len) of tp rank r's flattened shard of tensor <name>
+                            (of a stack of experts: of all E, ep rank k's from k's first expert on)
 
 Every rank writes the elements of the canonical flat space it owns (its shard of each bucket),
 so no rank ever holds the whole model state in one file and all write in parallel. Because a
@@ -41,7 +42,8 @@ from braidtrain.errors import SaveFailed, UserError
 from braidtrain.model import registry
 from braidtrain.parallel import placement
 
-FORMAT = 3  # 3: meta.json holds the placement table; 2 (read too): the table is the model config's
+FORMAT = 4  # 4: a layer's experts stacked; 3 (read too): a parameter per expert (Reader maps the names);
+# 2 (read too): the table is the model config's
 
 
 def saved_config(meta: dict):
@@ -67,19 +69,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 def pieces(engine):
-    """(bucket index, key, start, end, bucket position) for the elements of each parameter that
-    fall in this rank's shard [lo, hi) of its bucket: what this rank writes. The key names the
-    tensor and its tp shard, "<name>/t<tp rank>"; tp-replicated parameters are written by tp
-    rank 0 only, as "<name>/t0"."""
+    """(bucket index, key, start, length, bucket position) of each run of a parameter's elements in
+    this rank's shard [lo, hi) of its bucket: what this rank writes. The key names the tensor and
+    its tp shard, "<name>/t<tp rank>", and start counts in that shard's flattened elements (a stack
+    of experts: this ep rank's from its first expert's place on, Table.offset); tp-replicated
+    parameters are written by tp rank 0 only, as "<name>/t0"."""
     tp_rank = engine.tp.index
     for i, b in enumerate(engine.buckets):
-        for (name, p), off in zip(b.params, b.offsets):
-            replicated = engine.table[name].replicated
-            if (replicated and tp_rank > 0) or engine.table[name].copy:  # (a copy is its first stage's)
+        for j, (name, _) in enumerate(b.params):
+            e = engine.table[name]
+            if (e.replicated and tp_rank > 0) or e.copy:  # (a copy is its first stage's)
                 continue
-            a, e = max(off, b.lo), min(off + p.numel(), b.hi)
-            if a < e:
-                yield i, f"{name}/t{0 if replicated else tp_rank}", a - off, e - off, a
+            key, first = f"{name}/t{0 if e.replicated else tp_rank}", engine.table.offset(e)
+            for elem, pos, n in b.runs(j):
+                a, z = max(pos, b.lo), min(pos + n, b.hi)
+                if a < z:
+                    yield i, key, first + elem + a - pos, z - a, a
 
 
 def layout_record(lay, world_size: int) -> dict:
@@ -102,14 +107,14 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
     world = engine.world
     engine.comm.barrier(world)
     tensors = {}
-    for i, name, a, e, pos in pieces(engine):
+    for i, name, a, n, pos in pieces(engine):
         b = engine.buckets[i]
         data = pos - (b.lo if b.zero == 3 else 0)  # ZeRO-3 holds only the shard
-        tensors[f"param/{name}/{a}"] = b.data[data : data + e - a].detach().cpu().clone()
+        tensors[f"param/{name}/{a}"] = b.data[data : data + n].detach().cpu().clone()
         m, v, _ = opt.groups[i]
         base = pos - engine.owned_range(b)[0]
-        tensors[f"m/{name}/{a}"] = m[base : base + e - a].cpu().clone()
-        tensors[f"v/{name}/{a}"] = v[base : base + e - a].cpu().clone()
+        tensors[f"m/{name}/{a}"] = m[base : base + n].cpu().clone()
+        tensors[f"v/{name}/{a}"] = v[base : base + n].cpu().clone()
     fname = f"rank_{rt.rank:05d}.safetensors"
     path = tmp / fname
     digest, failed = None, None
@@ -186,7 +191,7 @@ def verify(path: Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"checkpoint {path}: meta.json is damaged") from None
-    if meta.get("format") not in (2, FORMAT):
+    if meta.get("format") not in (2, 3, FORMAT):
         raise UserError(f"checkpoint {path}: unknown format {meta.get('format')}")
     sizes = meta.get("sizes", {})
     for fname, digest in meta["files"].items():
@@ -244,14 +249,17 @@ def load(path: Path, engine, opt) -> dict:
             m, v, _ = opt.groups[i]
             lo, hi = engine.owned_range(b)
             plo = b.lo if b.zero == 3 else 0  # where b.data starts in the bucket
-            for (name, p), off in zip(b.params, b.offsets):
-                a, e = max(off, plo), min(off + p.numel(), plo + b.data.numel())
-                if a < e:
-                    b.data[a - plo : e - plo].copy_(read("param", name, a - off, e - off))
-                a, e = max(off, lo), min(off + p.numel(), hi)
-                if a < e:
-                    m[a - lo : e - lo].copy_(read("m", name, a - off, e - off))
-                    v[a - lo : e - lo].copy_(read("v", name, a - off, e - off))
+            for j, (name, _) in enumerate(b.params):
+                first = engine.table.offset(engine.table[name])
+                for elem, pos, n in b.runs(j):  # (elements first + elem + k are at pos + k)
+                    at = first + elem - pos
+                    a, e = max(pos, plo), min(pos + n, plo + b.data.numel())
+                    if a < e:
+                        b.data[a - plo : e - plo].copy_(read("param", name, at + a, at + e))
+                    a, e = max(pos, lo), min(pos + n, hi)
+                    if a < e:
+                        m[a - lo : e - lo].copy_(read("m", name, at + a, at + e))
+                        v[a - lo : e - lo].copy_(read("v", name, at + a, at + e))
     opt.step_count = meta["optimizer_step"]
     return meta
 
@@ -270,6 +278,12 @@ class Reader:
             self.saved = placement.for_config(saved_config(meta))
         self.saved_tp = meta["layout"].get("tp", 1)
         self.tp, self.tp_rank = (table.tp, table.tp_rank) if table is not None else (1, 0)
+        self.stacks: dict[str, list[str]] = {}  # format 3: a stacked parameter's per-expert tensors, in order
+        for e in self.saved if meta.get("format") == 3 else ():
+            if e.expert:
+                self.stacks.setdefault(placement.stacked_name(e.name)[0], []).append(e.name)
+        for names in self.stacks.values():
+            names.sort(key=lambda n: placement.stacked_name(n)[1])
         self.index: dict[str, list[tuple[int, str, str]]] = {}  # "<name>/t<r>" -> [(start, file, key rest)]
         self.handles, self.cache = {}, {}
         for fname in meta["files"]:
@@ -291,6 +305,8 @@ class Reader:
 
     def full(self, kind: str, name: str) -> torch.Tensor:
         """The whole unsharded tensor, in its full (tp = 1) shape."""
+        if name in self.stacks:  # (saved a tensor per expert)
+            return torch.stack([self.full(kind, n) for n in self.stacks[name]])
         e = self.saved[name]
         if e.replicated:
             return self._pieces(kind, f"{name}/t0", 0, math.prod(e.shape)).view(e.shape)
@@ -298,13 +314,15 @@ class Reader:
         return e.unshard([self._pieces(kind, f"{name}/t{r}", 0, math.prod(local)).view(local) for r in range(self.saved_tp)])
 
     def __call__(self, kind: str, name: str, a: int, e: int) -> torch.Tensor:
-        entry = self.saved[name]
-        if entry.replicated:
+        entry = self.saved.by_name.get(name)
+        if entry is not None and entry.replicated:
             return self._pieces(kind, f"{name}/t0", a, e)
-        if self.saved_tp == self.tp:
+        if entry is not None and self.saved_tp == self.tp:
             return self._pieces(kind, f"{name}/t{self.tp_rank}", a, e)
-        if (kind, name) not in self.cache:
-            self.cache = {(kind, name): entry.shard(self.full(kind, name), self.tp_rank, self.tp).reshape(-1)}
+        if (kind, name) not in self.cache:  # (kept: the parameter's, m's and v's, until the next parameter)
+            full = self.full(kind, name)  # (a stack of per-expert tensors: replicated over tp, as experts are)
+            self.cache = {k: t for k, t in self.cache.items() if k[1] == name}
+            self.cache[kind, name] = (full if entry is None else entry.shard(full, self.tp_rank, self.tp)).reshape(-1)
         return self.cache[(kind, name)][a:e]
 
 
@@ -312,7 +330,7 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Every full parameter of a checkpoint (for sampling and export, in one process), and its meta."""
     meta = verify(path)
     read = Reader(path, meta)
-    return {e.name: read.full("param", e.name) for e in read.saved}, meta
+    return {e.name: read.full("param", e.name) for e in placement.for_config(saved_config(meta))}, meta
 
 
 def load_model(path: Path):
@@ -336,8 +354,10 @@ def weights_sha256(engine) -> str:
     parameter's full fp32 bytes (Placed.unshard: under tp the shards are gathered, collective over
     the tp group, and joined into the tp = 1 shape), in the whole model's named_parameters order.
     Each pipeline stage (and ep rank: its experts) hashes its own parameters; the digests meet over
-    the pp group (the world under ep). Under
-    ZeRO-3 the parameters are gathered for it (collective over the replica group)."""
+    the pp group (the world under ep). A stack of experts is hashed expert by expert, in the order
+    of the model with a parameter per expert (placement.per_expert): the hash of the same weights
+    before experts were stacked. Under ZeRO-3 the parameters are gathered for it (collective over
+    the replica group)."""
     tp = engine.tp
     mine = {}
     with engine.gathered():
@@ -347,10 +367,12 @@ def weights_sha256(engine) -> str:
                 if tp.size > 1 and not e.replicated:
                     rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
                     t = e.unshard([r.view(t.shape) for r in rows])
-                if not e.copy:  # (a copy of the bytes: numpy pins storage)
-                    mine[name] = hashlib.sha256(t.cpu().clone().numpy().tobytes()).hexdigest()
+                for i, piece in zip(engine.table.held(e), t if e.expert else [t]):  # (each expert's slice)
+                    if not e.copy:  # (a copy of the bytes: numpy pins storage)
+                        digest = hashlib.sha256(piece.cpu().clone().numpy().tobytes()).hexdigest()
+                        mine[name, i if e.expert else None] = digest
     digests = {}  # each stage's, each ep rank's experts
     for d in engine.comm.all_gather_object(mine, engine.world if engine.ep.size > 1 else engine.pp):
         digests.update(d)
-    names = [e.name for e in placement.for_config(engine.model.cfg)]
-    return hashlib.sha256("".join(digests[n] for n in names).encode()).hexdigest()
+    order = placement.per_expert(placement.for_config(engine.model.cfg))
+    return hashlib.sha256("".join(digests[e.name, i] for e, i in order).encode()).hexdigest()

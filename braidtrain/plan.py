@@ -197,7 +197,8 @@ def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> tuple[tuple
 
     alone = {e.name for e in table if e.users} if table is not None else set()
     formed = buckets.form(table or placement.for_config(cfg), lambda e: e.local_numel(tp), bucket_mb, alone)
-    return tuple(("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries])[1])
+    return tuple(("block" if mods else "embed", buckets.place([e.local_numel(tp) for e in entries],
+                                                               [e.shape[0] if e.expert else 1 for e in entries])[1])
                  for entries, mods, _, _ in formed)
 
 

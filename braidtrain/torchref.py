@@ -20,11 +20,14 @@ shards it (torchtitan's order), the head and loss eager. braidtrain's own head a
 loss.py's fused kernel in every layout; its --compile compiles each block.
 
 hf and hf-compile are someone else's implementation of the model: transformers' class of its
-family (LlamaForCausalLM, GPT2LMHeadModel; SDPA attention), holding braidtrain's initial weights
-(through the family's HuggingFace adapter, as `export --format hf` writes them), trained the way a
-user would: fp32 master weights, bf16 autocast on GPU, torch's fused AdamW, eager or
+family (LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, Qwen3MoeForCausalLM; SDPA attention,
+a mixture's experts by transformers' default, its grouped GEMM), holding braidtrain's initial
+weights (through the family's HuggingFace adapter, as `export --format hf` writes them), trained the
+way a user would: fp32 master weights, bf16 autocast on GPU, torch's fused AdamW, eager or
 torch.compile of the whole model (head and cross-entropy included); torch DDP only when there is
-more than one process. Its logits go into the same cross-entropy sum as the other modes'.
+more than one process. Its logits go into the same cross-entropy sum as the other modes' (a
+mixture's without the balance loss, which transformers adds only when asked for router logits:
+braidtrain's --moe-aux term, 0.01 of a loss near 1, moves the losses less than --loss-tol).
 
 ao-tensorwise and ao-rowwise are ddp-compile with torchao's float8 training (its recipe of that
 name: convert_to_float8_training) on the blocks' linears, those --fp8 computes in float8: the
@@ -107,6 +110,8 @@ def hf_model(mcfg, seed: int, device):
     config = transformers.AutoConfig.for_model(**hf, attn_implementation="sdpa", use_cache=False)
     with torch.device(device):  # built where it trains: HF's own initialisation is quick there, and overwritten next
         model = getattr(transformers, arch)(config)
+    if mcfg.moe_experts and not set(tensors) <= set(model.state_dict()):  # transformers 5: experts fused in memory
+        tensors = fam.fuse(tensors, mcfg)
     got = model.load_state_dict(tensors, strict=False)
     # a tied head is the embedding's own tensor, which the adapter hands over once
     state = model.state_dict(keep_vars=True)

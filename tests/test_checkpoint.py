@@ -66,6 +66,49 @@ def test_exact_resume_on_another_layout(tmp_path, shakespeare):
     assert summary(from_one)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
+def per_expert(ckpt):
+    """Checkpoint folder `ckpt` rewritten as braidtrain wrote it when each expert was a module of its
+    own (format 3): expert i of a stack ...experts.<kind> a tensor ...experts.<i>.<kind>, in the
+    placement table and in the pieces (of a tp 1 run: all in one file here)."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from braidtrain.checkpoint import Reader
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    read, table, tensors = Reader(ckpt, meta), {}, {}
+    for name, e in meta["placement"].items():
+        for i in range(e["shape"][0]) if e["expert"] else [None]:
+            old = name if i is None else name.replace(".experts.", f".experts.{i}.")
+            table[old] = {**e, "shape": e["shape"] if i is None else e["shape"][1:]}
+            for kind in ("param", "m", "v"):
+                t = read.full(kind, name)
+                tensors[f"{kind}/{old}/t0/0"] = (t if i is None else t[i]).reshape(-1).contiguous()
+    for f in meta["files"]:
+        (ckpt / f).unlink()
+    save_file(tensors, str(ckpt / "rank_00000.safetensors"))
+    data = (ckpt / "rank_00000.safetensors").read_bytes()
+    meta.update(format=3, placement=table, files={"rank_00000.safetensors": hashlib.sha256(data).hexdigest()},
+                sizes={"rank_00000.safetensors": len(data)})
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_of_a_tensor_per_expert_resumes_into_stacks(tmp_path, shakespeare):
+    """A mixture's checkpoint from before its experts were stacked (per_expert) resumes at ep 2 and
+    ends with the bits of the run that never stopped (exact mode; biases of 48 elements: stacks
+    whose slices are strided views of the flat buffers)."""
+    moe = ["--moe-experts", "4", "--moe-hidden", "48", "--moe-capacity", "1.0", "--exact"]
+    full, old = tmp_path / "full", tmp_path / "old"
+    run(shakespeare, full, *moe)
+    interrupt(full, old)
+    per_expert(old / "checkpoints" / "step_00000004")
+    p = run(shakespeare, old, *moe, "--ep", 2, "--resume", "auto", nproc=2)
+    assert "ep 1 -> 2" in p.stdout, p.stdout
+    assert summary(old)["weights_sha256"] == summary(full)["weights_sha256"]
+    assert [(r["loss"], r["grad_norm"]) for r in metrics(old)] == [(r["loss"], r["grad_norm"]) for r in metrics(full)]
+
+
 def test_damaged_checkpoint_is_skipped(tmp_path, shakespeare):
     full = tmp_path / "full"
     run(shakespeare, full, steps=4)

@@ -95,3 +95,33 @@ def test_presets_have_gpt2_sizes():
     assert model_config("gpt2", 50257).padded_vocab == 50304
     assert model_config("d12", 50257) == model_config("gpt2", 50257)
     assert set(PRESETS) == {"tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} | {f"d{d}" for d in (6, 12, 24, 36, 48, 60, 72, 84)}
+
+
+def test_a_stack_of_experts_is_each_experts_own_init():
+    """A layer's experts are stacked (one parameter per weight kind, dim 0 the experts), and each
+    slice is the tensor that expert had as a parameter of its own: N(0, std) from the generator of
+    its per-expert name (spelled here), on ep rank 1 of 2 its experts 2 and 3; its weights decay,
+    its biases do not."""
+    from types import SimpleNamespace
+
+    from braidtrain.model import registry
+    from braidtrain.model.protocol import param_seed
+    from braidtrain.parallel.expert import Dispatch
+    from braidtrain.parallel.placement import build
+
+    def drawn(name, shape, std):
+        return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(5, name)))
+
+    mesh = SimpleNamespace(size=lambda axis: 1, coord=lambda axis: int(axis == "ep"))  # (ep rank 1)
+    for preset, kind, shape, std in (("tiny", "c_proj.weight", (128, 512), 0.02 / math.sqrt(8)),
+                                     ("mixtral-tiny", "gate_up_proj.weight", (352, 128), 0.02)):
+        cfg = model_config(preset, 256, moe_experts=4)
+        model = registry.build(cfg, mesh, dispatch=Dispatch(SimpleNamespace(size=2)))
+        init_weights(model, seed=5)
+        prefix = "h" if preset == "tiny" else "layers"
+        stack = model.get_parameter(f"{prefix}.1.mlp.experts.{kind}")
+        assert stack.shape == (2, *shape), stack.shape
+        for j, e in enumerate((2, 3)):
+            assert torch.equal(stack[j], drawn(f"{prefix}.1.mlp.experts.{e}.{kind}", shape, std)), (preset, e)
+    table = build(GPT(model_config("tiny", 256, moe_experts=4)))
+    assert table["h.0.mlp.experts.c_fc.weight"].decays and not table["h.0.mlp.experts.c_fc.bias"].decays

@@ -125,8 +125,8 @@ def test_llama_experts_and_a_shared_one_against_a_plain_reference():
                 acc = swiglu(tokens[t], m64.shared.gate_up_proj.weight, m64.shared.down_proj.weight)
                 for s in range(2):
                     if keep[t, s]:
-                        ex = m64.experts[str(int(idx[t, s]))]
-                        acc = acc + w[t, s] * swiglu(tokens[t], ex.gate_up_proj.weight, ex.down_proj.weight)
+                        e, ex = int(idx[t, s]), m64.experts
+                        acc = acc + w[t, s] * swiglu(tokens[t], ex.gate_up_proj.weight[e], ex.down_proj.weight[e])
                 rows.append(acc)
             return torch.stack(rows).view(2, 6, 32)
 

@@ -82,10 +82,10 @@ def _fake_mesh(tp: int):
     return SimpleNamespace(size=lambda axis: tp if axis == "tp" else 1, coord=lambda axis: 0, groups={"tp": group})
 
 
-def _kept(module, x, extra=(), bf16: bool = True) -> int:
-    """Bytes autograd keeps for module(x, *extra)'s backward, its weights not counted (on fake
+def _kept(fn, params, x, extra=(), bf16: bool = True) -> int:
+    """Bytes autograd keeps for fn(x, *extra)'s backward, its weights `params` not counted (on fake
     tensors: call inside FakeTensorMode)."""
-    weights = {p.untyped_storage()._cdata for p in module.parameters()}
+    weights = {p.untyped_storage()._cdata for p in params}
     seen = {}
 
     def pack(t):
@@ -96,7 +96,7 @@ def _kept(module, x, extra=(), bf16: bool = True) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        module(x, *extra)
+        fn(x, *extra)
     return sum(seen.values())
 
 
@@ -114,7 +114,8 @@ def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None) -
         if fp8:
             stage.use_fp8(RECIPES[fp8])
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
-        return _kept(stage.blocks()[0], x, stage.block_inputs(torch.arange(T)), bf16)
+        block = stage.blocks()[0]
+        return _kept(block, block.parameters(), x, stage.block_inputs(torch.arange(T)), bf16)
 
 
 @functools.lru_cache(maxsize=64)
@@ -198,15 +199,19 @@ def moe_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True) -> tup
     with FakeTensorMode():
         stage, dense = _stage(cfg, tp, sp, at), _stage(dense_cfg, tp, sp, at)
         name, moe = next((n, m) for n, m in stage.named_modules() if isinstance(m, MoE))
-        mlp, expert = dense.get_submodule(name), next(iter(moe.experts.values()))
+        mlp, experts = dense.get_submodule(name), moe.experts
+        first = [w[0] for w in experts.weights()]  # the first expert: its slices of the stacks
 
-        def slope(module, rows: bool):
+        def slope(fn, params, rows: bool):
+            params = list(params)
+
             def kept(T):
                 shape = (T, C) if rows else (1, T // tp if sp else T, C)
-                return _kept(module, torch.zeros(shape, requires_grad=True), bf16=gpu)
+                return _kept(fn, params, torch.zeros(shape, requires_grad=True), bf16=gpu)
             return (kept(T2) - kept(T1)) / (T2 - T1)
 
-        per_row = slope(expert, True) + C * bpe
-        per_token = (cfg.moe_experts * 4 / (tp if sp else 1) + (slope(moe.shared, False) if moe.shared else 0)
-                     - slope(mlp, False))
+        per_row = slope(lambda x: experts.one(x, first), experts.parameters(), True) + C * bpe
+        per_token = (cfg.moe_experts * 4 / (tp if sp else 1)
+                     + (slope(moe.shared, moe.shared.parameters(), False) if moe.shared else 0)
+                     - slope(mlp, mlp.parameters(), False))
     return per_row, per_token

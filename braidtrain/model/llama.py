@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from braidtrain.errors import UserError, divisors
 from braidtrain.model.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, ShardSpec,
                                      VocabParallelEmbedding, attend)
-from braidtrain.model.moe import MoE, SwiGLUExpert
+from braidtrain.model.moe import MoE, SwiGLUExperts
 from braidtrain.model.protocol import VOCAB_ALIGN, Block as BlockBase, Blocks, ModelConfig, Stage
 
 _3_1 = dict(rope_factor=8.0, block_size=131072)  # Llama-3.1: scaled RoPE, 128k context
@@ -193,7 +193,7 @@ class Block(BlockBase):
             self.mlp = MLP(cfg, group, sp)
         else:
             shared = MLP(cfg, group, sp, cfg.moe_shared * cfg.moe_width) if cfg.moe_shared else None
-            self.mlp = MoE(cfg, *moe, expert=SwiGLUExpert, shared=shared)
+            self.mlp = MoE(cfg, *moe, expert=SwiGLUExperts, shared=shared)
 
     def attention(self):
         return self.self_attn
@@ -287,9 +287,10 @@ def is_norm(name: str) -> bool:
 #     layers.N.mlp.gate_up_proj.weight       layers.N.mlp.{gate,up}_proj.weight, split by rows
 #     layers.N.mlp.router.weight             Mixtral: layers.N.block_sparse_moe.gate.weight; Qwen3-MoE:
 #                                            layers.N.mlp.gate.weight
-#     layers.N.mlp.experts.E.gate_up_proj    Mixtral: ...block_sparse_moe.experts.E.{w1,w3}.weight (gate, up);
-#       .weight, .down_proj.weight           w2 the down projection; Qwen3-MoE: ...mlp.experts.E.{gate,up,down}_proj
-#                                            (transformers 5's fused experts.gate_up_proj / down_proj are read too)
+#     layers.N.mlp.experts.gate_up_proj      Mixtral: ...block_sparse_moe.experts.E.{w1,w3}.weight (gate, up)
+#       .weight (E, 2H, C), .down_proj       for each expert E; w2 the down projection; Qwen3-MoE:
+#       .weight (E, C, H)                    ...mlp.experts.E.{gate,up,down}_proj (transformers 5's fused
+#                                            experts.gate_up_proj / down_proj, our layout, are read too)
 #     everything else                        the same name (q_norm, k_norm: Qwen3's)
 #
 # The architecture is the model's: experts make it Mixtral, or Qwen3-MoE with a qk-norm (or some
@@ -311,8 +312,9 @@ def architecture(cfg: LlamaConfig) -> str:
     return "MixtralForCausalLM"
 
 
-def _hf_block(arch: str, name: str, cfg: LlamaConfig):
-    """[(HF name, rows)] of our block parameter `name` (after `layers.N.`): its parts, split by rows."""
+def _hf_block(arch: str, name: str, cfg: LlamaConfig, e: int = 0):
+    """[(HF name, rows)] of our block parameter `name` (after `layers.N.`; of a stack of experts,
+    expert e's slice): its parts, split by rows."""
     D, mix = cfg.head_dim, arch == "MixtralForCausalLM"
     if name == "self_attn.qkv_proj.weight":
         return [(f"self_attn.{x}_proj.weight", w) for x, w in zip("qkv", (cfg.n_head * D, cfg.kv_heads * D, cfg.kv_heads * D))]
@@ -321,13 +323,17 @@ def _hf_block(arch: str, name: str, cfg: LlamaConfig):
     if name == "mlp.router.weight":
         return [("block_sparse_moe.gate.weight" if mix else "mlp.gate.weight", None)]
     if name.startswith("mlp.experts."):
-        e, what = name.split(".")[2], name.split(".", 3)[3]
         at = f"block_sparse_moe.experts.{e}." if mix else f"mlp.experts.{e}."
-        if what == "gate_up_proj.weight":
+        if name == "mlp.experts.gate_up_proj.weight":
             return [(at + ("w1.weight" if mix else "gate_proj.weight"), cfg.moe_width),
                     (at + ("w3.weight" if mix else "up_proj.weight"), cfg.moe_width)]
         return [(at + ("w2.weight" if mix else "down_proj.weight"), None)]
     return [(name, None)]
+
+
+def _slices(rest: str, t) -> list:
+    """(e, tensor) of our block parameter: each expert's slice of a stack, else (0, it)."""
+    return list(enumerate(t)) if rest.startswith("mlp.experts.") else [(0, t)]
 
 
 def to_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -338,10 +344,11 @@ def to_hf(params: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.
             out[name if name == "lm_head.weight" else f"model.{name}"] = t
             continue
         _, i, rest = name.split(".", 2)
-        parts = _hf_block(arch, rest, cfg)
-        pieces = t.split([w for _, w in parts]) if len(parts) > 1 else [t]
-        for (hf, _), piece in zip(parts, pieces):
-            out[f"model.layers.{i}.{hf}"] = piece
+        for e, w in _slices(rest, t):
+            parts = _hf_block(arch, rest, cfg, e)
+            pieces = w.split([r for _, r in parts]) if len(parts) > 1 else [w]
+            for (hf, _), piece in zip(parts, pieces):
+                out[f"model.layers.{i}.{hf}"] = piece
     return out
 
 
@@ -364,6 +371,21 @@ def _unfuse(got: dict, arch: str) -> dict:
     return got
 
 
+def fuse(tensors: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """to_hf's tensors as transformers 5 holds a mixture in memory (_unfuse's inverse): per MoE
+    layer mlp.gate.weight, and the experts fused, mlp.experts.gate_up_proj (E, 2H, C) and down_proj
+    (E, C, H) -- our stacks -- for a model built in memory (bench's hf yardstick), not read from a
+    folder (transformers converts those itself)."""
+    mix, out = architecture(cfg) == "MixtralForCausalLM", dict(tensors)
+    at, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mix else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    for layer in (f"model.layers.{i}" for i in range(cfg.n_layer) if cfg.is_moe(i)):
+        gate, up, down = ([out.pop(f"{layer}.{at}.experts.{e}.{w}.weight") for e in range(cfg.moe_experts)] for w in names)
+        out[f"{layer}.mlp.gate.weight"] = out.pop(f"{layer}.{at}.gate.weight")
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack(down)
+    return out
+
+
 def from_hf(tensors: dict[str, torch.Tensor], cfg: LlamaConfig, where: str) -> dict[str, torch.Tensor]:
     """Our tensors (unpadded vocabulary) from HF's, by the names to_hf writes; the registry checks
     names and shapes."""
@@ -378,11 +400,16 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: LlamaConfig, where: str) -> d
     out = {n: got.pop(n) for n in names if not n.startswith("layers.") and n in got}
     for name in (n for n in names if n.startswith("layers.")):
         _, i, rest = name.split(".", 2)
-        parts = [f"layers.{i}.{hf}" for hf, _ in _hf_block(arch, rest, cfg)]
-        missing = [p for p in parts if p not in got]
-        if missing:
-            raise UserError(f"{where}: model.safetensors has no model.{missing[0]} (a {arch})")
-        out[name] = torch.cat([got.pop(p) for p in parts]) if len(parts) > 1 else got.pop(parts[0])
+        slices = []
+        for e in range(cfg.moe_experts if rest.startswith("mlp.experts.") else 1):
+            parts = [f"layers.{i}.{hf}" for hf, _ in _hf_block(arch, rest, cfg, e)]
+            missing = [p for p in parts if p not in got]
+            if missing:
+                raise UserError(f"{where}: model.safetensors has no model.{missing[0]} (a {arch})")
+            slices.append(torch.cat([got.pop(p) for p in parts]) if len(parts) > 1 else got.pop(parts[0]))
+        if len({t.shape for t in slices}) > 1:
+            raise UserError(f"{where}: the experts' tensors of model.layers.{i}.{rest} differ in shape (a {arch})")
+        out[name] = torch.stack(slices) if rest.startswith("mlp.experts.") else slices[0]
     return {**out, **got}  # (what is left over: the registry names it)
 
 

@@ -6,8 +6,8 @@
     sum over the k slots of weight x expert output (+ the shared experts' output, which every
     token passes)
 
-The experts are the family's: GPT-2's `GeluExpert` (the dense MLP's shape, biases), Llama's
-`SwiGLUExpert` (no biases: Mixtral, Qwen3-MoE; fine-grained ones with a small --moe-hidden and a
+The experts are the family's: GPT-2's `GeluExperts` (the dense MLP's shape, biases), Llama's
+`SwiGLUExperts` (no biases: Mixtral, Qwen3-MoE; fine-grained ones with a small --moe-hidden and a
 large k, DeepSeek's). Routers (`--moe-router`): "softmax-topk" softmaxes all E logits, keeps the
 top k and renormalises them (HuggingFace's Mixtral and Qwen3-MoE compute it so); "topk-softmax"
 softmaxes the top k logits alone (Mixtral's paper) -- the same weights up to rounding.
@@ -43,6 +43,13 @@ exact mode at ep 1 nothing here waits for the device: the assignments are sorted
 assignment is computed (one dropped by capacity is computed and weighted 0: the shapes stay the
 same every step, so --compile and --cuda-graph take the layer), and the experts run as one grouped
 GEMM whose group boundaries stay on the device.
+
+A rank's experts of one layer are stacked: one parameter per weight kind, dim 0 the experts
+(`Stacked`). The grouped GEMM reads the stack as it is (under autocast one cast of it a step, not
+a stack and a cast of E tensors) and its gradient lands in one tensor; the per-expert loop (exact
+mode; where no grouped GEMM runs) computes on the stack's slices, each laid out as a per-expert
+nn.Linear's weight, so its bits are those of per-expert parameters. Expert parallelism shards dim
+0 (parallel/placement.py); initialisation draws each expert's slice from its own generator.
 """
 
 from __future__ import annotations
@@ -57,61 +64,77 @@ ROUTERS = ("softmax-topk", "topk-softmax")
 BALANCES = ("aux", "bias")
 
 
-class GeluExpert(nn.Module):
-    """GPT-2's expert: an MLP with biases, replicated over tp (its parameters are placed as expert
-    parameters: `expert`, reduced over the ranks that hold the same experts)."""
+class Stacked(nn.Module):
+    """n experts' weights of one linear layer, stacked: `weight` (n, out, in) -- each expert's slice
+    laid out as nn.Linear's, so that a slice is the matrix a per-expert call takes and the stack is
+    what a grouped GEMM reads (transposed: a view) --, and `bias` (n, out) if any. Initialised as
+    nn.Linear (U(+-1/sqrt(in))); a run's init is placement.init_weights', expert by expert."""
+
+    def __init__(self, n: int, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        bound = n_in ** -0.5
+        self.weight = nn.Parameter(torch.empty(n, n_out, n_in).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(n, n_out).uniform_(-bound, bound)) if bias else None
+
+
+class GeluExperts(nn.Module):
+    """GPT-2's experts, n of them (this rank's): MLPs with biases, the dense MLP's shape, stacked --
+    c_fc.weight (n, H, C), c_fc.bias (n, H), c_proj.weight (n, C, H), c_proj.bias (n, C) --,
+    replicated over tp; placed as expert parameters (`expert`: dim 0 the experts, reduced over
+    the ranks that hold the same experts)."""
 
     expert = True
 
-    def __init__(self, n_embd: int, hidden: int):
+    def __init__(self, n: int, n_embd: int, hidden: int):
         super().__init__()
-        self.c_fc = nn.Linear(n_embd, hidden)
-        self.c_proj = nn.Linear(hidden, n_embd)
+        self.c_fc = Stacked(n, n_embd, hidden, bias=True)
+        self.c_proj = Stacked(n, hidden, n_embd, bias=True)
 
     def weights(self):
         return self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
 
-    def forward(self, x, weights=None):
-        """`weights`: (c_fc weight, bias, c_proj weight, bias) to use instead of the parameters
-        (exact mode's taps: parallel/expert.py)."""
-        w1, b1, w2, b2 = weights or self.weights()
+    @staticmethod
+    def one(x, weights):
+        """One expert over its rows x; `weights`: its slices of weights()."""
+        w1, b1, w2, b2 = weights
         return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
 
-    @staticmethod
-    def grouped(rows, offs, which, experts):
+    def grouped(self, rows, offs, which):
         """All experts in two grouped GEMMs (torch._grouped_mm: one launch, each expert its run of
-        rows). Each row's bias is its expert's, picked by a matmul with the rows' one-hot expert
-        matrix, so that its gradient is one too (a gather's would be an index_put that adds with
-        atomics: 20 of 31 ms of a layer's step on the H200, measured)."""
-        dt, E = rows.dtype, len(experts)
-        onehot = (which[:, None] == torch.arange(E, device=rows.device)).to(dt)  # (rows, E)
-        w1, b1, w2, b2 = (torch.stack(ws).to(dt) for ws in zip(*(e.weights() for e in experts)))  # (E, H, C) ...
+        rows) that read the stacked weights (one cast of each under autocast). Each row's bias is
+        its expert's, picked by a matmul with the rows' one-hot expert matrix, so that its gradient
+        is one too (a gather's would be an index_put that adds with atomics: 20 of 31 ms of a
+        layer's step on the H200, measured)."""
+        dt = rows.dtype
+        w1, b1, w2, b2 = (w.to(dt) for w in self.weights())  # (n, H, C), (n, H), (n, C, H), (n, C)
+        onehot = (which[:, None] == torch.arange(w1.shape[0], device=rows.device)).to(dt)  # (rows, n)
         h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs) + onehot @ b1
         return torch._grouped_mm(F.gelu(h, approximate="tanh"), w2.transpose(-2, -1), offs=offs) + onehot @ b2
 
 
-class SwiGLUExpert(nn.Module):
-    """Llama's expert (Mixtral's, Qwen3-MoE's): down(silu(gate x) * up x), gate and up one packed
-    matmul, no biases; replicated over tp."""
+class SwiGLUExperts(nn.Module):
+    """Llama's experts (Mixtral's, Qwen3-MoE's), n of them: down(silu(gate x) * up x), gate and up
+    one packed matmul, no biases -- gate_up_proj.weight (n, 2H, C), down_proj.weight (n, C, H) --;
+    replicated over tp."""
 
     expert = True
 
-    def __init__(self, n_embd: int, hidden: int):
+    def __init__(self, n: int, n_embd: int, hidden: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(n_embd, 2 * hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+        self.gate_up_proj = Stacked(n, n_embd, 2 * hidden, bias=False)
+        self.down_proj = Stacked(n, hidden, n_embd, bias=False)
 
     def weights(self):
         return self.gate_up_proj.weight, self.down_proj.weight
 
-    def forward(self, x, weights=None):
-        w13, w2 = weights or self.weights()
+    @staticmethod
+    def one(x, weights):
+        w13, w2 = weights
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
-    @staticmethod
-    def grouped(rows, offs, which, experts):
-        w13, w2 = (torch.stack(ws).to(rows.dtype) for ws in zip(*(e.weights() for e in experts)))  # (E, 2H, C), (E, C, H)
+    def grouped(self, rows, offs, which):
+        w13, w2 = (w.to(rows.dtype) for w in self.weights())  # (n, 2H, C), (n, C, H)
         gate, up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
 
@@ -162,20 +185,20 @@ class AuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """The router and this rank's experts (global indices `experts`, of class `expert`), in place
-    of a block's MLP, and `shared` (a dense MLP every token passes, or None). `dispatch` runs the
-    tokens through the experts wherever they live; `loss_scale` is the aux term's weight (set by
-    build: 1 / tokens a step)."""
+    """The router and this rank's experts (global indices `experts`, kept as `held`; a module of
+    class `expert` holding them stacked), in place of a block's MLP, and `shared` (a dense MLP every
+    token passes, or None). `dispatch` runs the tokens through the experts wherever they live;
+    `loss_scale` is the aux term's weight (set by build: 1 / tokens a step)."""
 
-    def __init__(self, cfg, experts: range, dispatch, expert=GeluExpert, shared=None):
+    def __init__(self, cfg, experts: range, dispatch, expert=GeluExperts, shared=None):
         super().__init__()
         self.E, self.k = cfg.moe_experts, cfg.moe_top_k
         self.capacity, self.aux_coef = cfg.moe_capacity, cfg.moe_aux
         self.router_kind, self.balance, self.renorm = cfg.moe_router, cfg.moe_balance, cfg.moe_renorm
         self.router = nn.Linear(cfg.n_embd, self.E, bias=False)
         self.width = cfg.moe_width
-        self.experts = nn.ModuleDict({str(e): expert(cfg.n_embd, self.width) for e in experts})
-        self.expert_type = expert
+        self.held = experts
+        self.experts = expert(len(experts), cfg.n_embd, self.width)
         self.shared = shared
         self.dispatch = dispatch
         self.loss_scale = 0.0
@@ -259,11 +282,10 @@ class Dispatch:
 
     def _run(self, rows, counts, moe):
         """Every expert over its run of rows (counts[e] of them, in order)."""
-        local = local_experts(moe)
         if self._grouped(rows, moe):  # (the counts stay on the device)
-            return grouped(rows, counts, local, moe.expert_type)
+            return grouped(rows, counts, moe.experts)
         c = counts.tolist()
-        return compute(rows, c, local, [[x] for x in c], self.exact)
+        return compute(rows, c, moe.experts, [[x] for x in c], self.exact)
 
     def _grouped(self, rows, moe) -> bool:
         """Outside exact mode, with rows to compute (a grouped GEMM of none raises; the loop keeps
@@ -276,24 +298,31 @@ class Dispatch:
         return not rows.is_cuda and rows.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
-def local_experts(moe) -> list:
-    return [moe.experts[str(e)] for e in sorted(int(i) for i in moe.experts)]
-
-
-def grouped(rows, counts, experts, kind):
-    """The experts (of class `kind`) over their runs of rows in grouped GEMMs: the runs' ends
+def grouped(rows, counts, experts):
+    """The experts (a stacked module) over their runs of rows in grouped GEMMs: the runs' ends
     (`offs`) and each row's expert (`which`) computed on the device."""
     offs = counts.cumsum(0).to(torch.int32)
-    which = torch.repeat_interleave(torch.arange(len(experts), device=rows.device), counts, output_size=rows.shape[0])
-    return kind.grouped(rows, offs, which, experts)
+    mine = torch.arange(counts.shape[0], device=rows.device)
+    which = torch.repeat_interleave(mine, counts, output_size=rows.shape[0])
+    return experts.grouped(rows, offs, which)
 
 
 def compute(rows, counts: list[int], experts, parts: list[list[int]], exact: bool, tap=None):
-    """The experts over their runs of rows (counts[e] rows each, in order), one call each. In
-    exact mode each expert's run in `parts` pieces (one per source rank, empty ones too), each its
-    own call; `tap(weight, source)`: the weights that source's call uses (parallel/expert.py)."""
+    """The experts (a stacked module) over their runs of rows (counts[e] rows each, in order), one
+    call each, on their slices of the stacked weights (unbind: whose backward stacks the slices'
+    gradients, one copy). In exact mode each expert's run in `parts` pieces (one per source rank,
+    empty ones too), each its own call; `tap(weight, source)`: the stacked weights that source's
+    calls use (parallel/expert.py)."""
+    split = {}
+
+    def weights(s: int) -> list:  # [expert][kind]: the slices source s's calls use
+        key = s if tap is not None else None
+        if key not in split:
+            split[key] = list(zip(*((w if tap is None else tap(w, s)).unbind(0) for w in experts.weights())))
+        return split[key]
+
     outs = []
-    for ex, piece, sizes in zip(experts, rows.split(counts), parts):
+    for e, (piece, sizes) in enumerate(zip(rows.split(counts), parts)):
         for s, p in enumerate(piece.split(sizes if exact else [piece.shape[0]])):
-            outs.append(ex(p, [tap(w, s) for w in ex.weights()] if tap is not None else None))
+            outs.append(experts.one(p, weights(s)[e]))
     return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])

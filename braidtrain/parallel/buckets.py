@@ -7,7 +7,10 @@ block backwards -- the order the backward pass produces gradients -- and never d
 world size. Each parameter starts at a multiple of Q = 64 elements (zeros between), and each
 bucket is padded with zeros to a multiple of n * Q (n = its group's size), so it splits into n
 equal, 256-byte aligned shards, and every Q-chunk of a shard lies in one parameter -- at the same
-place in it whatever the layout (exact mode's gradient norm sums such chunks, parallel/exact.py):
+place in it whatever the layout (exact mode's gradient norm sums such chunks, parallel/exact.py).
+A stack of experts (placement.py) is laid out as its experts one after another, each slice starting
+at a multiple of Q too (zeros between, where a slice is not a multiple of Q: the parameter is then a
+strided view), so that a slice's chunks are the same whichever experts an ep rank holds:
 
       bucket k (padded):  [ shard 0 | shard 1 | ... | shard n-1 ]
                             rank 0    rank 1          rank n-1
@@ -36,14 +39,25 @@ import torch
 Q = 64  # shard quantum (elements): alignment, and the chunk of the exact gradient norm
 
 
-def place(numels: list[int]) -> tuple[list[int], int]:
-    """The offsets of parameters of these sizes in a bucket (each a multiple of Q), and the end of
-    the last: what the bucket holds before its padding to n * Q."""
+def stride(numel: int, slices: int) -> int:
+    """Elements from one slice's start to the next of a parameter of `slices` slices (1: its numel)."""
+    return numel if slices == 1 else math.ceil(numel // slices / Q) * Q
+
+
+def span(numel: int, slices: int) -> int:
+    """Elements from a parameter's start to its end in a bucket (its slices' gaps included)."""
+    return stride(numel, slices) * (slices - 1) + numel // slices
+
+
+def place(numels: list[int], slices: list[int] | None = None) -> tuple[list[int], int]:
+    """The offsets of parameters of these sizes (each of these slices: default 1) in a bucket (each a
+    multiple of Q), and the end of the last: what the bucket holds before its padding to n * Q."""
+    spans = [span(k, n) for k, n in zip(numels, slices or [1] * len(numels))]
     offsets, off = [], 0
-    for k in numels:
+    for k in spans:
         offsets.append(off)
         off = math.ceil((off + k) / Q) * Q
-    return offsets, (offsets[-1] + numels[-1] if numels else 0)
+    return offsets, (offsets[-1] + spans[-1] if spans else 0)
 
 
 def zero_stage(zero: int, group) -> int:
@@ -52,12 +66,14 @@ def zero_stage(zero: int, group) -> int:
 
 
 class Bucket:
-    def __init__(self, index, params, modules, group, device, zero, stage=0):
+    def __init__(self, index, params, modules, group, device, zero, stage=0, slices=None):
         self.index, self.params, self.modules, self.group = index, params, modules, group  # params: [(name, param)]
         self.stage = stage  # the pipeline chunk whose parameters it holds
         self.zero = zero = zero_stage(zero, group)  # the mechanics this bucket runs
         n = group.size
-        self.offsets, self.numel = place([p.numel() for _, p in params])
+        self.slices = slices or [1] * len(params)  # per parameter: its experts (a stack), else 1
+        self.offsets, self.numel = place([p.numel() for _, p in params], self.slices)
+        self.spans = [span(p.numel(), k) for (_, p), k in zip(params, self.slices)]
         self.padded = math.ceil(self.numel / (n * Q)) * n * Q
         self.shard_size = self.padded // n
         self.lo, self.hi = group.index * self.shard_size, (group.index + 1) * self.shard_size
@@ -75,9 +91,25 @@ class Bucket:
         self.sourced = False  # exact mode at ep > 1: its gradients come by expert.Sourced, not autograd
         self.small = {off: p.numel() for (_, p), off in zip(params, self.offsets) if p.dim() == 1}  # 1-D params
 
+    def view(self, buf, i: int) -> torch.Tensor:
+        """Parameter i's place in buf (a bucket-sized buffer), shaped as the parameter."""
+        (_, p), off, k = self.params[i], self.offsets[i], self.slices[i]
+        if self.spans[i] == p.numel():
+            return buf[off : off + p.numel()].view_as(p)
+        inner = [math.prod(p.shape[d + 1:]) for d in range(1, p.dim())]  # each slice contiguous
+        return buf[off : off + self.spans[i]].as_strided(p.shape, (stride(p.numel(), k), *inner))
+
     def views(self, buf):
-        for (_, p), off in zip(self.params, self.offsets):
-            yield p, buf[off : off + p.numel()].view_as(p)
+        for i, (_, p) in enumerate(self.params):
+            yield p, self.view(buf, i)
+
+    def runs(self, i: int) -> list[tuple[int, int, int]]:
+        """(element of parameter i, bucket position, length) of each contiguous run of it."""
+        (_, p), off, k = self.params[i], self.offsets[i], self.slices[i]
+        if self.spans[i] == p.numel():
+            return [(0, off, p.numel())]
+        n, step = p.numel() // k, stride(p.numel(), k)
+        return [(j * n, off + j * step, n) for j in range(k)]
 
 
 def form(table, numel, bucket_mb: float, alone=frozenset()) -> list[tuple[list, list, str, int]]:

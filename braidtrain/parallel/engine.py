@@ -61,7 +61,8 @@ class Engine:
         named = {n: p for part in self.parts for n, p in part.named_parameters()}
         alone = Tied.kept_apart(self.table, exact)  # each in a bucket of its own (tied.py)
         formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb, alone)
-        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero, stage)
+        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero, stage,
+                               [len(self.table.held(e)) for e in es])  # (a stack of experts: slices)
                         for i, (es, ms, reduce, stage) in enumerate(formed)]
         self.bucket_of = {}
         for b in self.buckets:
@@ -106,8 +107,8 @@ class Engine:
         """Ranges, relative to what this rank owns of bucket b, of the parameters keep(placed) selects."""
         lo, hi = self.owned_range(b)
         out = []
-        for (name, p), off in zip(b.params, b.offsets):
-            a, e = max(off, lo), min(off + p.numel(), hi)
+        for (name, _), off, span in zip(b.params, b.offsets, b.spans):
+            a, e = max(off, lo), min(off + span, hi)
             if keep(self.table[name]) and a < e:
                 out.append((a - lo, e - lo))
         return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from braidtrain.comm import pairwise_sum
-from braidtrain.parallel.buckets import Q
+from braidtrain.parallel.buckets import Q, stride
 
 
 class TreeSum:
@@ -82,25 +82,33 @@ class ExactNorm:
     counts once: a tp-replicated one on tp rank 0 only, a pipeline's copy of wte on the first
     stage (Engine.norm_view); each stage fills its parameters' places in the whole model's list,
     and the stages' lists are added -- each place non-zero on one stage only, so adding is
-    picking; an expert's place likewise on the ep rank that holds it."""
+    picking; an expert's place likewise on the ep rank that holds it. A stack of experts is one
+    place per expert (placement.per_expert: the list and order of the model with a parameter per
+    expert; each slice its own Q-aligned run of the bucket), so no ep degree moves a bit."""
 
     def __init__(self, engine):
         from braidtrain.parallel import placement
 
         self.e = engine
-        whole = placement.for_config(engine.model.cfg)
-        self.slot = {e.name: i for i, e in enumerate(whole)}
-        self.expert = torch.tensor([e.expert for e in whole], device=engine.device)
+        whole = placement.per_expert(placement.for_config(engine.model.cfg))
+        self.slot = {(e.name, i): k for k, (e, i) in enumerate(whole)}
+        self.expert = torch.tensor([e.expert for e, _ in whole], device=engine.device)
         self.rows = {}  # bucket -> (index into its chunk vector, with one zero appended; canonical slots)
         for b in engine.buckets:
             n_chunks = b.padded // Q
-            spans = [(off // Q, -(-(off + p.numel()) // Q)) for (_, p), off in zip(b.params, b.offsets)]
+            spans, slots = [], []
+            for i, (name, p) in enumerate(b.params):  # each slice (expert) of each parameter
+                k, placed = b.slices[i], engine.table[name]
+                size, step = p.numel() // k, stride(p.numel(), k)
+                for j in range(k):
+                    a = b.offsets[i] + j * step
+                    spans.append((a // Q, -(-(a + size) // Q)))
+                    slots.append(self.slot[name, engine.table.held(placed)[j] if placed.expert else None])
             width = 1 << max(0, (max(e - a for a, e in spans) - 1).bit_length())
             index = torch.full((len(spans), width), n_chunks, dtype=torch.long)  # n_chunks: the zero
             for i, (a, e) in enumerate(spans):
                 index[i, : e - a] = torch.arange(a, e)
-            slots = torch.tensor([self.slot[name] for name, _ in b.params])
-            self.rows[b] = (index.to(engine.device), slots.to(engine.device))
+            self.rows[b] = (index.to(engine.device), torch.tensor(slots).to(engine.device))
 
     def __call__(self) -> torch.Tensor:
         e = self.e

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.model.moe import Dispatch as LocalDispatch, compute, grouped, local_experts, move_bias
+from braidtrain.model.moe import Dispatch as LocalDispatch, compute, grouped, move_bias
 
 
 class _AllToAll(torch.autograd.Function):
@@ -56,7 +56,6 @@ class Dispatch(LocalDispatch):
         self.group, self.n = group, group.size
 
     def _run(self, rows, counts, moe):
-        local = local_experts(moe)
         n, El = self.n, moe.E // self.n
         got = torch.empty_like(counts)
         self.group.comm.all_to_all(got, counts, self.group).wait()
@@ -73,18 +72,19 @@ class Dispatch(LocalDispatch):
         perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
         mine = [sum(recv[s][e] for s in range(n)) for e in range(El)]
         if self._grouped(arrived, moe):
-            out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), local, moe.expert_type)
+            out = grouped(arrived[perm], torch.tensor(mine, device=rows.device), moe.experts)
         else:
             tap = (lambda w, s: Tap.apply(w, self.sink, s)) if self.sink is not None else None
-            out = compute(arrived[perm], mine, local, [[recv[s][e] for s in range(n)] for e in range(El)], self.exact,
-                              tap)
+            out = compute(arrived[perm], mine, moe.experts, [[recv[s][e] for s in range(n)] for e in range(El)],
+                          self.exact, tap)
         back = torch.empty_like(out).index_copy(0, perm, out) if perm.numel() else out
         return _AllToAll.apply(back, send_splits, recv_splits, self.group)
 
 
 class Tap(torch.autograd.Function):
-    """A parameter as one source's expert call uses it: forward the identity; backward hands the
-    gradient to `sink(param, source, grad)` and gives autograd none (as model/gpt.TiedHead)."""
+    """A stacked expert parameter as one source's expert calls use it: forward the identity;
+    backward hands the gradient (of every expert's slice, from that source's rows) to
+    `sink(param, source, grad)` and gives autograd none (as model/protocol.TiedHead)."""
 
     @staticmethod
     def forward(ctx, w, sink, source: int):
@@ -124,8 +124,7 @@ class Sourced:
             self.leaves[key] = leaf = e._take(b.padded)
             leaf.zero_()
             self.pending[key] = len(b.params)
-        off = b.offsets[i]
-        self.leaves[key][off : off + p.numel()].view_as(p).copy_(grad)
+        b.view(self.leaves[key], i).copy_(grad)
         self.pending[key] -= 1
         if self.pending[key]:
             return

@@ -7,7 +7,8 @@
     h.3.attn.c_proj.w  (C, C)        columns              block 3 0      no      replica
     h.3.ln_1.*, biases of c_proj     replicated           block 3 0      no      replica
     h.2.mlp.router.weight  (E, C)    replicated           block 2 0      no      replica
-    h.2.mlp.experts.5.*  (H, C) ...  replicated           block 2 0      yes     expert (its ep rank's)
+    h.2.mlp.experts.c_fc.weight      replicated;          block 2 0      yes     expert (its ep rank's)
+      (E, H, C) ...                  dim 0 over ep
     ...
 
 Built once from the model and its layout: each tp layer declares how its parameters split
@@ -16,6 +17,15 @@ embedding group and each block), stages and the users of a tied parameter. The f
 the tp = 1 shape -- what checkpoints store and weights_sha256 hashes, whatever the layout; under
 tp a split dim with `align` > 1 is padded with zero rows to a multiple of align * tp (wte's
 vocabulary), and `shard` / `unshard` add and cut that padding, so no one else special-cases it.
+
+Experts. A mixture's experts of one layer are stacked (model/moe.py): one parameter per weight
+kind, dim 0 the E experts -- its full shape (E, ...) -- of which ep rank r holds the run
+[r E/ep, (r+1) E/ep) (`Table.held`, `Table.local`). Each expert's slice is its own unit beside
+that: initialised from its own generator under its per-expert name (`expert_name`: the layer's
+experts.<e>.<kind>, the name such a parameter had when each expert was a module of its own --
+older checkpoints use it, and `per_expert` lists every parameter so, in that order), its own
+Q-aligned run of a bucket, and its own term of exact mode's gradient norm: so a stacked model
+computes, initialises and sums as the per-expert one did, at every ep degree.
 
 Readers: the buckets (parallel/buckets.py: one per unit and reduce group), the optimizer (weight
 decay on 2-D weights), clipping (a tp-replicated parameter counted once, on tp rank 0), sp's
@@ -28,6 +38,7 @@ infers placement from a parameter's name.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -57,8 +68,8 @@ class Placed:
 
     @property
     def decays(self) -> bool:
-        """Weight decay applies to 2-D weights, not to biases and LayerNorms."""
-        return len(self.shape) >= 2
+        """Weight decay applies to 2-D weights (an expert's: its slice), not to biases and LayerNorms."""
+        return len(self.shape) - self.expert >= 2
 
     def full_shape(self, tp: int) -> tuple:
         """The unsharded shape in a layout of this tp: the split dim padded to align * tp."""
@@ -78,9 +89,8 @@ class Placed:
 
     def shard(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
         """Tp rank `rank`'s piece of the full tensor (padded with zeros for this tp first)."""
-        want = self.full_shape(tp)
-        if tuple(full.shape) != want:
-            d = self.split.dim
+        want, d = self.full_shape(tp), self.split.dim
+        if not self.replicated and full.shape[d] != want[d]:  # (a stack of experts: the rank's, in dim 0)
             pad = full.new_zeros(*want[:d], want[d] - full.shape[d], *want[d + 1:])
             full = torch.cat([full, pad], d)
         return shard_of(full, self.split, rank, tp)
@@ -108,8 +118,10 @@ class Table:
     `units`: (module, [Placed]) in forward order -- module None for the embedding group, else
     the block whose hooks gather and reduce it (absent in a table read from a checkpoint)."""
 
-    def __init__(self, entries: list[Placed], tp: int = 1, tp_rank: int = 0, sp: bool = False, modules=None):
+    def __init__(self, entries: list[Placed], tp: int = 1, tp_rank: int = 0, sp: bool = False, modules=None,
+                 ep: int = 1, ep_rank: int = 0):
         self.entries, self.tp, self.tp_rank, self.sp = entries, tp, tp_rank, sp
+        self.ep, self.ep_rank = ep, ep_rank
         self.by_name = {e.name: e for e in entries}
         n_units = 1 + max(e.unit for e in entries)
         mods = modules if modules is not None else [None] * n_units
@@ -134,6 +146,22 @@ class Table:
         """Whether this rank's copy counts in the gradient norm: a tp-replicated parameter on tp
         rank 0, a parameter held on two stages on the first."""
         return (not e.replicated or self.tp_rank == 0) and not e.copy
+
+    def held(self, e: Placed) -> range:
+        """The experts of stacked parameter e this rank holds (range(1): a parameter of no experts)."""
+        if not e.expert:
+            return range(1)
+        n = e.shape[0] // self.ep
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+    def local(self, e: Placed, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of e's full tensor: its tp shard, of its experts."""
+        full = full[self.held(e).start : self.held(e).stop] if e.expert else full
+        return e.shard(full, self.tp_rank, self.tp)
+
+    def offset(self, e: Placed) -> int:
+        """Where this rank's piece starts in e's flattened tp shard: past the other ep ranks' experts."""
+        return self.held(e).start * e.local_numel(self.tp) // e.shape[0] if e.expert else 0
 
     def to_json(self) -> dict:
         return {e.name: e.to_json() for e in self.entries}
@@ -171,7 +199,7 @@ def build(parts) -> Table:
                            reduce="expert" if n in experts else "replica", users=users.get(n, ()), copy=n in copies,
                            partial=n in partial)
                     for n, _ in part.named_parameters()]
-    return Table(entries, model.tp, model.tp_rank, model.sp, modules)
+    return Table(entries, model.tp, model.tp_rank, model.sp, modules, model.dispatch.n, model.ep_rank)
 
 
 @functools.lru_cache(maxsize=32)
@@ -191,14 +219,44 @@ def for_rank(cfg, split: tuple, pp: int, r: int) -> Table:
         return build(registry.pipeline_chunks(cfg, split, pp, r))
 
 
+def expert_name(name: str, e: int) -> str:
+    """Expert e's slice of stacked parameter `name` under its own name: layers.3.mlp.experts.<e>.down_proj
+    .weight for layers.3.mlp.experts.down_proj.weight."""
+    head, tail = name.split(".experts.", 1)
+    return f"{head}.experts.{e}.{tail}"
+
+
+def stacked_name(name: str) -> tuple[str, int] | None:
+    """(the stacked parameter, e) of a per-expert name (expert_name's inverse); None for another name."""
+    head, sep, tail = name.partition(".experts.")
+    e, dot, kind = tail.partition(".")
+    return (f"{head}.experts.{kind}", int(e)) if sep and dot and e.isdigit() else None
+
+
+def per_expert(entries) -> list[tuple[Placed, int | None]]:
+    """Every parameter as (entry, None), and each stacked one as (entry, e) for each of its experts
+    e, in the order the per-expert model's parameters had: a layer's experts one after another, each
+    with all its weight kinds -- exact mode's gradient norm and the weights' hash go in this order."""
+    out = []  # (grouped: a block's stacks of experts)
+    for _, run in itertools.groupby(entries, lambda e: (e.stage, e.unit) if e.expert else e.name):
+        run = list(run)
+        out += [(r, i) for i in range(run[0].shape[0]) for r in run] if run[0].expert else [(run[0], None)]
+    return out
+
+
 @torch.no_grad()
 def init_weights(model, seed: int) -> None:
     """Each parameter is this tp rank's slice of its full, layout-independent initial tensor, drawn
     from its own generator as its family says (init_std; under tp, the vocabulary's further padding
-    rows are zeros: never looked up nor predicted)."""
+    rows are zeros: never looked up nor predicted); a stacked expert parameter, each of this rank's
+    experts from the generator of its per-expert name (expert_name)."""
     fam = registry.family_of(model.cfg)
     table = build(model)
     for name, p in model.named_parameters():
         e = table[name]
-        full = full_init(fam.init_std(model.cfg, name), name, e.shape, seed, fam.is_norm(name))
+        std, norm = fam.init_std(model.cfg, name), fam.is_norm(name)
+        if e.expert:
+            full = torch.stack([full_init(std, expert_name(name, i), e.shape[1:], seed, norm) for i in table.held(e)])
+        else:
+            full = full_init(std, name, e.shape, seed, norm)
         p.copy_(e.shard(full, model.tp_rank, model.tp))
