@@ -12,11 +12,11 @@ summary; exit 1 if any trial failed.
 
     python benchmarks/chaos.py --trials 10 [--seed 0] [--data data/shakespeare_bytes]
 
---live: live recovery instead (braidtrain/live.py). Each trial starts 4 ranks with scripts/live.sh
-(one process each, -pi tcp, --live-recovery, ZeRO-0: the stage whose state every rank holds) and
-SIGKILLs or SIGSTOPs a random rank other than 0 (rank 0 hosts the rendezvous store) at a random
-step; the survivors must finish in the processes they started in, every step logged once, with the
-uninterrupted run's weights. Timed: the fault to the completion of the step it interrupted (rank
+--live: live recovery instead (braidtrain/live/). Each trial starts 4 ranks with scripts/live.sh
+(one process each, -pi tcp, --live-recovery) at a random ZeRO stage (0-3; 1-3 keep each shard's
+buddy copy, parallel/mirror.py) and SIGKILLs or SIGSTOPs a random rank other than 0 (rank 0 hosts
+the rendezvous store) at a random step; the survivors must finish in the processes they started
+in, every step logged once, with the uninterrupted run's weights. Timed: the fault to the completion of the step it interrupted (rank
 0's "live: step N completed" line). --against-restart K also runs the first K trials' faults on today's
 restart path (torchrun, --max-restarts 0, then a new torchrun with --resume auto, same world) and
 times the same thing there: the "resumed from" line plus the redone steps' step_s up to that step.
@@ -81,17 +81,18 @@ def trial(k: int, rnd: random.Random, data: str, work: Path, want: str) -> dict:
 LIVE_D = 2048  # 2 micro-batches a rank at dp 4: a lost rank's two go to two of the three others
 
 
-def live_args(data: str, run: Path) -> list:
-    args = [a if a != str(D) else str(LIVE_D) for a in MODEL]
-    return [*args, "-i", data, "--out", run]
+def live_args(data: str, run: Path, zero: int = 0) -> list:
+    args = [a if a != str(D) else str(LIVE_D) for a in MODEL]  # (a bucket a block: ZeRO-3 gathers every micro-batch)
+    return [*args, "-z", zero, "--bucket-mb", "0.5", "-i", data, "--out", run]
 
 
 def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, against: bool) -> dict:
     kind, rank, step = rnd.choice(["kill", "stop"]), rnd.randrange(1, 4), rnd.randrange(4, STEPS + 1)  # (as trial())
+    zero = rnd.randrange(4)
     run = work / f"live{k}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NPROC="4",
                BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}")
-    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, live_args(data, run))], cwd=ROOT, env=env,
+    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, live_args(data, run, zero))], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     (work / f"live{k}.log").write_text(p.stdout + p.stderr)
     t0 = re.search(r"fault injected: .* at step \d+ \(t=([\d.]+)\)", p.stderr)
@@ -104,19 +105,19 @@ def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, aga
     moved = [json.loads(l) for l in changes.read_text().splitlines()] if changes.is_file() else []
     same_pids = len(moved) == 1 and {int(r): x for r, x in moved[0]["pids"].items()} == \
         {r: x for r, x in pids.items() if r != rank}
-    r = {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": 0, "world": "4 -> 3",
+    r = {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": zero, "world": "4 -> 3",
          "ok": p.returncode == 0 and got == want and steps == list(range(1, STEPS + 1)) and same_pids,
          "same_pids": same_pids, "live_s": float(t1.group(2)) - float(t0.group(1)) if t0 and t1 else None}
     if against:
-        r["restart_s"] = restart_time(k, kind, rank, step, data, work)
+        r["restart_s"] = restart_time(k, kind, rank, step, zero, data, work)
     return r
 
 
-def restart_time(k: int, kind: str, rank: int, step: int, data: str, work: Path) -> float | None:
+def restart_time(k: int, kind: str, rank: int, step: int, zero: int, data: str, work: Path) -> float | None:
     """Today's path for the same fault: seconds from the fault to the end of the step it interrupted."""
     run = work / f"restart{k}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    args = [*live_args(data, run)]
+    args = [*live_args(data, run, zero)]
     _, ev1 = torchrun(4, args, dict(env, BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}"), work / f"restart{k}-a.log")
     rc, ev2 = torchrun(4, [*args, "--resume", "auto"], env, work / f"restart{k}-b.log")
     t0 = ev1.get("fault injected")
@@ -142,7 +143,7 @@ def live_main(a) -> int:
         for k in range(a.trials):
             r = live_trial(k, rnd, a.data, work, want, k < a.against_restart)
             rows.append(r)
-            print(f"trial {k}: {r['fault']}, ZeRO-0, world {r['world']}: "
+            print(f"trial {k}: {r['fault']}, ZeRO-{r['zero']}, world {r['world']}: "
                   f"{'bitwise equal, survivors the same processes' if r['ok'] else 'FAILED'}; fault to that step "
                   f"completed {fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
                   flush=True)

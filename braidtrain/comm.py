@@ -85,13 +85,16 @@ class Group:
     comm: "Comm" = field(repr=False)
     name: str = ""
     tree: tuple = ()  # the order exact sums add the members' parts in (default: group order)
+    pg_ranks: tuple = ()  # the members' ranks in torch's default group, where not `ranks` (live recovery)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def global_rank(self, index: int) -> int:
-        return self.ranks[index]
+        """Member `index`'s rank in torch's default process group (what torch's ops name peers by):
+        its rank in the job, except in a world live recovery rebuilt, which numbers its members 0..n-1."""
+        return (self.pg_ranks or self.ranks)[index]
 
 
 @dataclass
@@ -184,7 +187,7 @@ class Comm:
         self.ready = torch.cuda.Event() if self.cuda else None  # recorded on the compute stream, waited for by side
         self.spare: list[tuple] = []  # timing event pairs already read, to record again
         self.replay_rec: Record | None = None  # the open flight record of a replayed graph
-        self.abort: "threading.Event | None" = None  # live recovery (live.py): set, waits give up (Aborted)
+        self.abort: "threading.Event | None" = None  # live recovery (live/): set, waits give up (Aborted)
 
     # -- the step ------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -355,6 +358,19 @@ class Comm:
     def reduce_scatter(self, out, inp, group: Group, then=None, inline=False) -> Handle:
         if group.pg is None and out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
+        if self.abort is not None and group.pg is not None and not self.cuda:
+            # Live recovery must be able to abandon every wait, and gloo's reduce-scatter cannot be
+            # (torch 2.13: its wait ignores a timeout, and a failed one never reads as completed):
+            # an all-to-all of the slices, then their sum, instead.
+            recv = torch.empty_like(inp)
+
+            def summed():
+                out.copy_(pairwise_sum(recv.view(group.size, -1)))
+                if then is not None:
+                    then()
+
+            return self._launch("reduce_scatter", group, inp,
+                                lambda g: dist.all_to_all_single(recv, inp, group=g, async_op=True), then=summed)
         return self._launch("reduce_scatter", group, inp, lambda g: _reduce_scatter(out, inp, group=g, async_op=True),
                             then=then, inline=inline)
 

@@ -78,7 +78,7 @@ class Guard:
         self.threads: list[threading.Thread] = []
         self.saved_signals = None
         self.clean = False
-        self.live = None  # live recovery (live.py): a lost peer is its to handle, while it can
+        self.live = None  # live recovery (live/): a lost peer is its to handle, while it can
         self.members: list[int] | None = None  # the ranks of the world now, when live recovery changed it
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -381,7 +381,7 @@ def _desc(r: dict) -> str:
     return f"{r['op']} {r['group']}, step {r['step']}" + (f", {r['what']}" if r.get("what") else "")
 
 
-MEMBERSHIP = "membership.jsonl"  # in RUN/flight: each change of the world that live recovery made (live.py)
+MEMBERSHIP = "membership.jsonl"  # in RUN/flight: each change of the world that live recovery made (live/)
 
 
 def diagnose(run: Path) -> list[str]:

@@ -94,6 +94,9 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
         lines["ep"] += [sorted(run) for run in runs]
         lines["expert"] += [sorted(g) for g in same]
     lines["world"] = [members]
+    # a world live recovery rebuilt numbers its members 0..n-1 in torch's default group
+    renumbered = full == world and members != list(range(full))
+    pg = {r: members.index(r) if renumbered else r for r in members}
     made: dict[tuple, object] = {}
     groups = {}
     for axis, axis_lines in lines.items():
@@ -106,16 +109,19 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
                 elif len(line) == full:
                     made[key] = dist.group.WORLD
                 else:
-                    made[key] = new_group(line, axis) if new_group else dist.new_group(line)
+                    ranks = [pg[r] for r in line]
+                    made[key] = new_group(ranks, axis) if new_group else dist.new_group(ranks)
             if rank in line:
                 order = tree if axis == "replica" else orders[key] if axis in ("ep", "expert") else ()
-                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world), order)
+                groups[axis] = Group(axis, key, line.index(rank), made[key], comm, group_name(axis, line, world), order,
+                                     tuple(pg[r] for r in line) if renumbered else ())
     p2p = {}
     for line in lines["pp"]:  # each direction between neighbours, a group of its own
         pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if ring and pp > 1 else [])
         for i, j in dict.fromkeys(d for a, b in pairs for d in ((a, b), (b, a))):
             ranks = (line[i], line[j])
-            pg = new_group(list(ranks), "pp") if new_group else dist.new_group(sorted(ranks))
+            made_pg = new_group([pg[r] for r in ranks], "pp") if new_group else dist.new_group(sorted(pg[r] for r in ranks))
             if rank in ranks:
-                p2p[(i, j)] = Group("pp", ranks, ranks.index(rank), pg, comm, f"pp[{ranks[0]}>{ranks[1]}]")
+                p2p[(i, j)] = Group("pp", ranks, ranks.index(rank), made_pg, comm, f"pp[{ranks[0]}>{ranks[1]}]",
+                                    pg_ranks=tuple(pg[r] for r in ranks) if renumbered else ())
     return Mesh(sizes, coords, groups, rank, p2p) if rank in members else None

@@ -69,15 +69,21 @@ class AdamW:
         rank, the norm being global) says so, without the host waiting to know."""
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
         owned = list(self.engine.owned())
+        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], self.groups, grad_scale, skip)
+
+    @torch.no_grad()
+    def apply(self, params, grads, groups, grad_scale=None, skip=None) -> None:
+        """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
+        scalars -- also how live recovery's buddy copy follows its neighbour's shard
+        (parallel/mirror.py): the same kernels, arguments and shard lengths give the same bits."""
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
-            decayed = [p[a:e] for (_, p, _), (_, _, decay) in zip(owned, self.groups) for a, e in decay]
+            decayed = [p[a:e] for p, (_, _, decay) in zip(params, groups) for a, e in decay]
             if decayed:
                 torch._foreach_mul_(decayed, self._keep if skip is None else torch.where(skip > 0, 1.0, self._keep))
-        torch._fused_adamw_([p for _, p, _ in owned], [g for _, _, g in owned], [m for m, _, _ in self.groups],
-                            [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=self._lr, beta1=self.beta1,
-                            beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False,
-                            grad_scale=grad_scale, found_inf=skip)
-
+        torch._fused_adamw_(params, grads, [m for m, _, _ in groups], [v for _, v, _ in groups], [],
+                            [self._step] * len(params), lr=self._lr, beta1=self.beta1, beta2=self.beta2,
+                            weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                            found_inf=skip)
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     """What to divide the gradient by to bring its global norm down to max_norm: norm / max_norm

@@ -43,6 +43,8 @@ group's (open from its first gradient, early in the backward, to the end) and tw
     ZeRO-2   4P             4P/n + S                 8P/n               4P + 12P/n + S
     ZeRO-3   4P/n + W       4P/n + S                 8P/n               16P/n + W + S
                                                                         (P here is P_tp)
+    --live-recovery adds at ZeRO 1-3 the copy of the next rank's shard (parallel/mirror.py): 8P/n of
+    m and v, 4P/n of the gradient it receives, and at ZeRO-3 4P/n of parameters.
 
 Activations per micro-batch (b sequences of t tokens, width h, L layers, padded vocabulary V), on
 the GPU under bf16 autocast; with them `--check` on an H200 is within 1% for gpt2 at b = 4 ... 16
@@ -149,20 +151,23 @@ FP8_SPEEDUP = {"tensorwise": ((768 * 3072, 1.54), (8192 * 8192, 1.88)),
 GB = 1e9  # what metrics.jsonl's mem_gb uses
 
 
-def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int) -> dict:
+def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int, live: bool = False) -> dict:
     """Per-GPU bytes of parameters, gradients and optimizer state (the table above).
     P: parameters this rank holds before ZeRO (P_tp under tp); block_params: elements of the
     largest block bucket; embed_params: elements of wte + wpe + ln_f (all three this tp rank's).
     `transient` is the part of params + grads that exists only during the forward/backward pass
     (scratch S, working set W): a rank at rest, as measured between steps on the CPU, holds the
-    rest. A group of one rank runs stage 0's mechanics, whatever the stage (buckets.zero_stage)."""
+    rest. A group of one rank runs stage 0's mechanics, whatever the stage (buckets.zero_stage).
+    live: live recovery's copy of the next rank's shard at ZeRO 1-3 -- its m and v, the gradient it
+    receives, and at ZeRO-3 its parameters (parallel/mirror.py)."""
     zero = zero if n > 1 else 0
     scratch = 4 * (embed_params + 2 * block_params) if zero >= 2 else 0  # S
     working = 4 * (2 * block_params + embed_params) if zero == 3 else 0
+    copy = live and zero >= 1
     return {
-        "params": 4 * P // n + working if zero == 3 else 4 * P,
-        "grads": 4 * P // n + scratch if zero >= 2 else 4 * P,
-        "optimizer": 8 * P // n if zero >= 1 else 8 * P,
+        "params": (4 * P // n) * (1 + copy) + working if zero == 3 else 4 * P,
+        "grads": (4 * P // n + scratch if zero >= 2 else 4 * P) + copy * 4 * P // n,
+        "optimizer": (8 * P // n) * (1 + copy) if zero >= 1 else 8 * P,
         "transient": scratch + working,
     }
 
@@ -310,6 +315,7 @@ class Setup:
     node_busbw: float = 40.0  # GB/s of a collective whose group spans nodes (InfiniBand, per GPU)
     fp8: str | None = None  # --fp8's recipe: the blocks' linears in float8
     compile: bool = False  # --compile: its partition keeps fewer activations (model/counts.py traces it)
+    live: bool = False  # --live-recovery: data parallelism alone; at ZeRO 1-3 the buddy copies (parallel/mirror.py)
 
 
 @dataclass(frozen=True)
@@ -404,6 +410,8 @@ def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None, cps=
 
 def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
             pps=None, schedules=None, cps=None, eps=None):
+    if s.live:  # live recovery keeps data parallelism alone (live/trainer.py check_config)
+        tps, sps, pps, cps, eps = (1,), (False,), (1,), (1,), (1,)
     E = s.cfg.moe_experts
     for dp, tp, sp, pipe, cp in meshes(s, tps, sps, pps, schedules, cps):
         experts = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and E % e == 0] if E else [1]
@@ -465,7 +473,7 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = sum(k for kind, k in buckets if kind == "embed")  # (gathered all micro-step under ZeRO-3)
-    state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
+    state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed, s.live)
     kept = bf16_kept(cfg, tp, P, counts["block"], True) if lay.recompute else P
     P8 = fp8_params(s, tp, range(1 if lay.recompute else cfg.n_layer))  # (recompute: one block's at a time)
     act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8,
@@ -499,12 +507,13 @@ def estimate(s: Setup, lay: Candidate) -> dict:
                   ep_comm=micro * ep_comm_s(s, lay))
 
 
-def rank_state(P: int, experts: int, n: int, lay: Candidate, block_params: int, embed_params: int) -> dict:
+def rank_state(P: int, experts: int, n: int, lay: Candidate, block_params: int, embed_params: int,
+               live: bool = False) -> dict:
     """model_state_bytes of a rank that holds P parameters before ep and ZeRO, `experts` of them
     an expert's: those 1/ep of them, sharded over the n/ep replicas holding the same experts."""
-    state = model_state_bytes(P - experts, n, lay.zero, block_params, embed_params)
+    state = model_state_bytes(P - experts, n, lay.zero, block_params, embed_params, live)
     if experts:
-        expert = model_state_bytes(experts // lay.ep, n // lay.ep, lay.zero, 0, 0)
+        expert = model_state_bytes(experts // lay.ep, n // lay.ep, lay.zero, 0, 0, live)
         state = {k: state[k] + expert[k] for k in state}
     return state
 
@@ -666,7 +675,8 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     for r, sim in enumerate(ranks):
         P, experts, replicated, buckets = stage_counts(cfg, split, pp, r, tp, s.bucket_mb)
         blocks = [k for kind, k in buckets if kind == "block"]
-        state = rank_state(P, experts, n, lay, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"))
+        state = rank_state(P, experts, n, lay, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"),
+                           s.live)
         if lay.schedule == "zb" and lay.zero == 2:  # W opens every block bucket's scratch at once (engine.py)
             extra = 4 * max(0, sum(blocks) - 2 * max(blocks, default=0))
             state = {**state, "grads": state["grads"] + extra, "transient": state["transient"] + extra}
@@ -907,7 +917,8 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world if cpu else torch.cuda.mem_get_info()[1]
         mem_gb = mem / GB
     s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu, fp8=cfg.fp8,
-              gpus_per_node=gpus_per_node, compile=cfg.compile)
+              gpus_per_node=gpus_per_node, compile=cfg.compile,
+              live=cfg.live_recovery)
     rows = plan(s)["rows"]
     for e in (e for e in rows if e["fits"]):
         lay = e["layout"]

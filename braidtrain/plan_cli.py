@@ -126,6 +126,8 @@ def add_parser(sub):
     a("--ep", type=int, help="only this expert-parallel degree (a mixture of experts)")
     for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int), ("moe-capacity", float)):
         a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
+    a("--live-recovery", action="store_true", help="as train's: data parallelism alone, and at ZeRO 1-3 each rank's "
+                                                   "copy of its neighbour's shard (parallel/mirror.py)")
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--variants", action="store_true", help="every ZeRO stage, b and recompute of each mesh (default: each mesh's best)")
     a("--json", action="store_true")
@@ -160,7 +162,14 @@ def setup_from(args) -> plan.Setup:
             cfg = replace(cfg, block_size=args.seq_len)
     s = plan.Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw, gpus_per_node=args.gpus_per_node,
-              node_busbw=args.node_busbw, fp8=args.fp8, compile=args.compile)
+              node_busbw=args.node_busbw, fp8=args.fp8, live=args.live_recovery,
+              compile=args.compile)
+    others = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "cp", "ep") if (getattr(args, k) or 1) != 1]
+    if args.live_recovery and others:
+        raise UserError(f"--live-recovery keeps data parallelism alone, got {' '.join(others)}")
+    if args.live_recovery and args.check is not None:
+        raise UserError("--check runs under torchrun, which --live-recovery cannot (its agent stops every worker when "
+                        "one fails); the copies' bytes are checked against a live run by tests/test_live.py")
     check_mesh(s, args.tp, args.sp, args.pp, args.pp_schedule, args.cp, args.ep)
     return s
 

@@ -74,7 +74,7 @@ def gc_by_hand():
 class Trainer:
     def __init__(self, cfg: Config, built=None):
         self.mc = evaluate.read_evalfile(cfg.eval_data) if cfg.eval_data else None  # (a bad file fails first)
-        run = self.built = built or build(cfg)  # (built: a live recovery's joiner, live.py)
+        run = self.built = built or build(cfg)  # (built: a live recovery's joiner, live/join.py)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
         self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
@@ -152,7 +152,7 @@ class Trainer:
         if self.device.type == "cuda":
             mem = torch.cuda.max_memory_allocated(self.device) / 1e9
         else:
-            mem = (engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()) / 1e9
+            mem = self.state_bytes() / 1e9
         comm_s, bus_bytes = self.comm.step_comm()
         norm, skipped = norm.item(), skip.item() > 0
         if skipped:  # the update was skipped (work()); Adam's step count does not count it
@@ -218,6 +218,7 @@ class Trainer:
         engine = self.engine
         losses = self.passes.train_step()
         engine.finish_step()
+        self.reduced()
         norm = engine.grad_norm()  # on the device: nothing in the step waits for the GPU
         # A step whose loss on any rank, or whose (global) gradient norm, is not finite changes no
         # weight on any rank: decided together -- the loss's verdict summed over the world, the
@@ -227,9 +228,19 @@ class Trainer:
             bad += (~torch.isfinite(s)).float()
         self.comm.all_reduce(bad, self.mesh.groups["world"]).wait()
         skip = ((bad > 0) | ~torch.isfinite(norm)).float()
-        self.opt.update(grad_scale=clip_scale(norm, self.cfg.grad_clip), skip=skip)
+        self.update(clip_scale(norm, self.cfg.grad_clip), skip)
         engine.gather_params()
         return losses, norm, skip
+
+    def reduced(self) -> None:
+        """The step's gradients are reduced (live recovery's buddy copies take theirs here: live/)."""
+
+    def update(self, grad_scale, skip) -> None:
+        self.opt.update(grad_scale=grad_scale, skip=skip)
+
+    def state_bytes(self) -> int:
+        """Bytes of weights, gradients and optimizer state this rank holds (a CPU run's mem_gb)."""
+        return self.engine.model_state_bytes() + 2 * 4 * self.opt.state_numel()
 
     def check_shared(self, ckpt_dir) -> None:
         """At the first save: every rank leaves a marker in the checkpoint folder, and rank 0 says
@@ -260,7 +271,8 @@ class Trainer:
         else:  # (a CPU run: this process's share of the machine)
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / self.rt.world_size
         s = plan.Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
-                       cpu=self.device.type == "cpu", fp8=lay.fp8, compile=cfg.compile)
+                       cpu=self.device.type == "cpu", fp8=lay.fp8, compile=cfg.compile,
+                       live=cfg.live_recovery)
         return (f"out of memory on {self.device} (rank {self.rt.rank}) at step {self.comm.step}: "
                 f"{plan.advice(s, plan.candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
 

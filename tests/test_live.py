@@ -1,10 +1,13 @@
-"""Live recovery (--live-recovery, braidtrain/live.py): 4 ranks started by hand (-pi tcp), one of
+"""Live recovery (--live-recovery, braidtrain/live/): 4 ranks started by hand (-pi tcp), one of
 them killed (SIGKILL) or frozen (SIGSTOP) in the middle of a step by the BRAIDTRAIN_FAULT hook. The
 others must go on in the same processes -- the pids that finish are the pids that started -- redo
 that step with the lost rank's micro-batches divided among them, log every step once, and end, in
---exact, with the weights of a run that never lost a rank. The kill goes through scripts/live.sh
-(the launch path users take); the freeze through the tests' fork server. Plus the tree that makes
-the redone step exact, against parallel/exact.py's, and the one-line refusals."""
+--exact, with the weights of a run that never lost a rank: at every ZeRO stage (1-3 through the
+buddy copies, parallel/mirror.py). The stage, the rank and the step are drawn at random, from a seed
+each test prints (BRAIDTRAIN_TEST_SEED=S runs the same draw again). The kill goes through
+scripts/live.sh (the launch path users take); the others through the tests' fork server. Plus the
+tree that makes the redone step exact, against parallel/exact.py's, and the one-line refusals and
+fallbacks."""
 
 from __future__ import annotations
 
@@ -23,7 +26,17 @@ import torch
 from helpers import ROOT, SMALL, _start, braidtrain, env, metrics, summary
 
 D, STEPS = 2048, 8  # 4 micro-batches of b 2 x t 64 per rank at dp 4: a lost rank's 4 go 2, 1, 1 to three
-COMMON = [*SMALL, "-d", D, "-x", STEPS, "--exact", "--heartbeat-timeout", 3, "--timeout", 60]
+COMMON = [*SMALL, "-d", D, "-x", STEPS, "--exact", "--heartbeat-timeout", 3, "--timeout", 60, "--bucket-mb", 0.01]
+SEED = int(os.environ.get("BRAIDTRAIN_TEST_SEED") or random.SystemRandom().randrange(10**6))
+
+
+def draw(test: str, **choices) -> dict:
+    """One random pick from each of `choices` for this test, from SEED and the test's name -- printed
+    (pytest shows it with a failure) and returned."""
+    rnd = random.Random(f"{SEED}:{test}")
+    got = {k: rnd.choice(list(v)) for k, v in choices.items()}
+    print(f"{test}: BRAIDTRAIN_TEST_SEED={SEED} drew {got}")
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +85,7 @@ def membership(run: Path) -> list[dict]:
     return [json.loads(l) for l in (run / "flight" / "membership.jsonl").read_text().splitlines() if l.strip()]
 
 
-def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, joined: int | None = None) -> None:
+def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, zero: int, joined: int | None = None) -> None:
     """Every step logged once, the lost rank's step redone by the three others -- the processes that
     started -- (and the world grown back at step `joined`), and the final weights the uninterrupted run's."""
     recs = metrics(run)
@@ -87,6 +100,8 @@ def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, joined
         assert grow["pids"] == {str(lost): pids["join"]} and recs[joined - 1]["world_size"] == 4
     survivors = [r for r in range(4) if r != lost]
     assert change["members"] == survivors and list(change["lost"]) == [str(lost)] and change["step"] == step
+    buddy = f"rank {lost - 1}'s copy of rank {lost}'s ZeRO-{zero} shard promoted and the state re-sharded over 3 ranks"
+    assert (buddy in change["what"]) == (zero > 0), change["what"]
     assert {int(r): p for r, p in change["pids"].items()} == {r: pids[r] for r in survivors}
     assert summary(run)["step"] == STEPS
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
@@ -96,42 +111,50 @@ def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, joined
 
 
 def test_killed_rank_is_replaced_by_the_others_in_flight(tmp_path, shakespeare, ref):
-    """scripts/live.sh starts 4 ranks; rank 2 is SIGKILLed in the middle of step 5. The others see
-    its connections close, agree without it and redo step 5 -- no restart, no step lost."""
+    """scripts/live.sh starts 4 ranks; one of them is SIGKILLed in the middle of a step. The others
+    see its connections close, agree without it, take its shard from its buddy's copy (ZeRO 1-3) and
+    redo the step -- no restart, no step lost."""
+    d = draw("kill", zero=range(4), rank=range(1, 4), step=range(2, STEPS + 1))
     run = tmp_path / "run"
-    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, COMMON), "-i", str(shakespeare), "--out", str(run)],
-                       cwd=ROOT, env=dict(env(), NPROC="4", BRAIDTRAIN_FAULT="kill:rank=2:step=5"), capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, COMMON), "-z", str(d["zero"]), "-i", str(shakespeare),
+                        "--out", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(env(), NPROC="4", BRAIDTRAIN_FAULT=f"kill:rank={d['rank']}:step={d['step']}"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "fault injected: SIGKILL" in p.stderr
     pids = {int(r): int(pid) for r, pid in re.findall(r"live.sh: rank (\d+): pid (\d+)", p.stderr)}
     exits = {int(r): int(c) for r, c in re.findall(r"live.sh: rank (\d+) \(pid \d+\) exited (\d+)", p.stderr)}
-    assert exits == {0: 0, 1: 0, 2: 137, 3: 0}, p.stderr[-3000:]
-    assert "live recovery at step 5: rank 2 lost (its process" in p.stdout, p.stdout
-    check_went_on(run, ref, pids, lost=2, step=5)
+    assert exits == {r: 137 if r == d["rank"] else 0 for r in range(4)}, p.stderr[-3000:]
+    assert f"live recovery at step {d['step']}: rank {d['rank']} lost (its process" in p.stdout, p.stdout
+    check_went_on(run, ref, pids, lost=d["rank"], step=d["step"], zero=d["zero"])
 
 
 def test_frozen_rank_is_found_by_the_heartbeat_and_replaced(tmp_path, shakespeare, ref):
-    """Rank 1 frozen (SIGSTOP) at step 3, heartbeat timeout 3 s: the others give up waiting for it,
-    end it (it would wake into a world that went on) and redo step 3 among themselves."""
+    """A rank frozen (SIGSTOP) in a step, heartbeat timeout 3 s: the others give up waiting for it,
+    end it (it would wake into a world that went on) and redo the step among themselves."""
+    d = draw("freeze", zero=range(4), rank=range(1, 4), step=range(2, STEPS + 1))
     run = tmp_path / "run"
-    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "stop:rank=1:step=3", tmp_path)
-    assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0, 3: 0}, err[-5000:]
+    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run],
+                                    f"stop:rank={d['rank']}:step={d['step']}", tmp_path)
+    assert codes == {r: -signal.SIGKILL if r == d["rank"] else 0 for r in range(4)}, err[-5000:]
     assert "fault injected: SIGSTOP" in err
-    assert "live recovery at step 3: rank 1 lost (no heartbeat for" in out, out
-    check_went_on(run, ref, pids, lost=1, step=3)
+    assert f"live recovery at step {d['step']}: rank {d['rank']} lost (no heartbeat for" in out, out
+    check_went_on(run, ref, pids, lost=d["rank"], step=d["step"], zero=d["zero"])
 
 
 def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
-    """Rank 2 killed at step 3, then rank 1 frozen at step 6: 4 -> 3 -> 2 ranks, the orphaned slots'
-    micro-batches divided among the two left, the uninterrupted run's weights."""
-    run = tmp_path / "run"
-    faults = {2: "kill:rank=2:step=3", 1: "stop:rank=1:step=6"}
-    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], faults, tmp_path)
-    assert codes == {0: 0, 1: -signal.SIGKILL, 2: -signal.SIGKILL, 3: 0}, err[-5000:]
+    """A rank killed at step 3, then another frozen at step 6: 4 -> 3 -> 2 ranks, the orphaned slots'
+    micro-batches divided among the two left (ZeRO 1-3: the state re-sharded twice), the
+    uninterrupted run's weights."""
+    d = draw("second", zero=range(4), ranks=[(1, 2), (1, 3), (2, 1), (2, 3), (3, 1), (3, 2)])
+    (a, b), run = d["ranks"], tmp_path / "run"
+    faults = {a: f"kill:rank={a}:step=3", b: f"stop:rank={b}:step=6"}
+    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], faults, tmp_path)
+    assert codes == {r: -signal.SIGKILL if r in (a, b) else 0 for r in range(4)}, err[-5000:]
     first, second = membership(run)
-    assert (first["step"], first["members"], second["step"], second["members"]) == (3, [0, 1, 3], 6, [0, 3])
-    assert {int(r): p for r, p in second["pids"].items()} == {0: pids[0], 3: pids[3]}
+    left = [r for r in range(4) if r not in (a, b)]
+    assert (first["step"], first["members"], second["step"], second["members"]) == \
+        (3, [r for r in range(4) if r != a], 6, left)
+    assert {int(r): p for r, p in second["pids"].items()} == {r: pids[r] for r in left}
     recs = metrics(run)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r.get("world_size") for r in recs if "recover_s" in r] == [3, 2]
@@ -139,11 +162,14 @@ def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
 
 
 def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref):
-    """Rank 3 killed at step 4 after every rank applied the step's update, in the step's last
-    collective (the loss's): the survivors find they all did it, so step 4 is not done again --
-    logged without its loss -- and the weights are still the uninterrupted run's."""
+    """Rank 3 killed at step 4 after every rank applied the step's update, in the step's next
+    collective (ZeRO-1/2: the parameters' all-gather; else the loss's): the survivors find they all
+    did it, so step 4 is not done again -- logged without its loss -- and the weights are still the
+    uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too)."""
+    d = draw("late", zero=range(4))
     run = tmp_path / "run"
-    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill-late:rank=3:step=4", tmp_path)
+    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run],
+                                    "kill-late:rank=3:step=4", tmp_path)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
     assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
     recs, want = metrics(run), metrics(ref)
@@ -153,18 +179,21 @@ def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref)
 
 
 def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
-    """Rank 2 killed at step 3 while a fifth process asks to join in its place: the three others
-    redo step 3, admit it two steps later (step 6), send it their state (sha256 checked) and go on
-    as four -- ending, like the others, with the uninterrupted run's weights. A joiner with other
-    flags (--seed) is refused in one line before it asks."""
+    """Rank 2 killed at step 3 while a fifth process asks to join in its place, at ZeRO 1-3: the
+    three others redo step 3, admit it two steps later (step 6), re-shard the state over the four
+    (the joiner's shard and copy included; every member's sha256 of it compared) and go on as four
+    -- ending, like the others, with the uninterrupted run's weights. A joiner with other flags
+    (--seed) is refused in one line before it asks."""
+    d = draw("join", zero=range(1, 4))
     run = tmp_path / "run"
-    pids, codes, out, err = by_hand(4, [*COMMON, "-i", shakespeare, "--out", run], "kill:rank=2:step=3", tmp_path, join=2,
-                                    bad=["--seed", "7"])
+    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], "kill:rank=2:step=3",
+                                    tmp_path, join=2, bad=["--seed", "7"])
     assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0, "bad": 2}, err[-5000:]
     assert "--join with flags other than the job's: seed 7 (the job's: 1337); give it the job's flags" in err, err[-3000:]
-    assert "rank 2: joined at step 6, the state from rank 0 (sha256" in err and "checked)" in err, err[-3000:]
-    assert "live: rank 2 joined (pid" in out, out
-    check_went_on(run, ref, pids, lost=2, step=3, joined=6)
+    assert "rank 2: joined at step 6, the state re-sharded from the members (sha256" in err and "checked)" in err, \
+        err[-3000:]
+    assert "live: rank 2 joined (pid" in out and f"the ZeRO-{d['zero']} state re-sharded over 4 ranks" in out, out
+    check_went_on(run, ref, pids, lost=2, step=3, zero=d["zero"], joined=6)
     assert (run / "checkpoints" / f"step_{STEPS:08d}" / "rank_00002.safetensors").is_file()  # the joiner's part
     assert "membership change 2 at step 6: rank 2 joined" in braidtrain("doctor", run).stdout
 
@@ -224,7 +253,29 @@ def test_layouts_live_recovery_cannot_keep_are_refused(tmp_path, shakespeare, fl
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
 
 
-def test_zero_1_to_3_fall_back_to_the_restart_in_one_line(tmp_path, shakespeare):
-    p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "-z", 2, "--out", tmp_path / "r", "--live-recovery")
-    assert "note: --live-recovery keeps ZeRO-0's state only" in p.stderr and "falls back to the checkpoint restart" \
-        in p.stderr, p.stderr
+def test_a_rank_lost_with_its_buddy_falls_back_in_one_line(tmp_path, shakespeare):
+    """ZeRO 1-3: ranks r-1 and r killed in the same step -- r-1 held the one copy of r's shard --
+    leave a shard nobody holds: the survivors say so in one line each and exit 75 (the checkpoint
+    restart path), and the membership log and doctor say it too. (Without --exact: the steps before
+    show each rank's memory, which the planner must count with the copy, to 1%.)"""
+    from braidtrain import plan
+    from braidtrain.model import registry
+
+    d = draw("buddy", zero=range(1, 4), rank=(2, 3))
+    r, run = d["rank"], tmp_path / "run"
+    flags = [f for f in COMMON if f != "--exact"]
+    pids, codes, out, err = by_hand(4, [*flags, "-z", d["zero"], "-i", shakespeare, "--out", run],
+                                    {r - 1: f"kill:rank={r - 1}:step=3", r: f"kill:rank={r}:step=3"}, tmp_path)
+    assert codes == {k: -signal.SIGKILL if k in (r - 1, r) else 75 for k in range(4)}, err[-5000:]
+    line = (f"peer lost: ranks {r - 1},{r} lost: rank {r}'s shard of the sharded optimizer state had its one copy on "
+            f"rank {r - 1}, lost with it; falling back to the checkpoint restart")
+    said = [l for l in err.splitlines() if line in l]
+    assert len(said) == 2 and all(l.startswith("braidtrain: rank ") for l in said), err[-3000:]
+    (change,) = membership(run)
+    assert change["fallback"] and change["step"] == 3 and f"rank {r - 1}, lost with it" in change["what"]
+    assert f"membership change 1 at step 3: ranks {r - 1},{r} lost; rank {r}'s shard" in braidtrain("doctor", run).stdout
+    cfg = registry.model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2)
+    s = plan.Setup(cfg, 4, 80, 64, D, cpu=True, live=True, bucket_mb=COMMON[COMMON.index("--bucket-mb") + 1])
+    state = plan.estimate(s, plan.Candidate(4, d["zero"], 2, False))["state"]
+    want = (state["params"] + state["grads"] + state["optimizer"] - state["transient"]) / 1e9
+    assert metrics(run)[0]["mem_gb"] == pytest.approx(want, rel=0.01)

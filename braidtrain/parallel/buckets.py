@@ -70,13 +70,10 @@ class Bucket:
         self.index, self.params, self.modules, self.group = index, params, modules, group  # params: [(name, param)]
         self.stage = stage  # the pipeline chunk whose parameters it holds
         self.zero = zero = zero_stage(zero, group)  # the mechanics this bucket runs
-        n = group.size
         self.slices = slices or [1] * len(params)  # per parameter: its experts (a stack), else 1
         self.offsets, self.numel = place([p.numel() for _, p in params], self.slices)
         self.spans = [span(p.numel(), k) for (_, p), k in zip(params, self.slices)]
-        self.padded = math.ceil(self.numel / (n * Q)) * n * Q
-        self.shard_size = self.padded // n
-        self.lo, self.hi = group.index * self.shard_size, (group.index + 1) * self.shard_size
+        self.shape(group.size, group.index)
         # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
         self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
         self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
@@ -90,6 +87,30 @@ class Bucket:
         self.needs_full = True  # ZeRO-3: a backward of this bucket reads the gathered buffer
         self.sourced = False  # exact mode at ep > 1: its gradients come by expert.Sourced, not autograd
         self.small = {off: p.numel() for (_, p), off in zip(params, self.offsets) if p.dim() == 1}  # 1-D params
+
+    def shape(self, n: int, index: int) -> None:
+        """The padding over a group of n ranks, and the shard [lo, hi) of the one at `index`."""
+        self.padded = math.ceil(self.numel / (n * Q)) * n * Q
+        self.shard_size = self.padded // n
+        self.lo, self.hi = index * self.shard_size, (index + 1) * self.shard_size
+
+    def relayout(self, group, params: torch.Tensor) -> None:
+        """Live recovery's re-shard (parallel/mirror.py): the bucket laid out over `group` as a run
+        started on it would lay it out -- new buffers, the parameters pointed into them, their
+        values from `params` (the whole bucket, at least numel long)."""
+        self.group = group
+        self.shape(group.size, group.index)
+        whole = torch.zeros(self.padded, device=params.device)
+        whole[: self.numel] = params[: self.numel]
+        for p, view in self.views(whole):
+            p.data = view
+        self.full = whole
+        self.data = whole[self.lo : self.hi].clone() if self.zero == 3 else whole
+        if self.zero == 3:  # released: gathered when a forward needs it (zero.py)
+            whole.untyped_storage().resize_(0)
+        self.gathered, self.gather_handle, self.handle = self.zero != 3, None, None
+        self.grad = torch.zeros(self.padded, device=params.device) if self.zero <= 1 else None
+        self.shard_grad = torch.zeros(self.shard_size, device=params.device) if self.zero >= 2 else None
 
     def view(self, buf, i: int) -> torch.Tensor:
         """Parameter i's place in buf (a bucket-sized buffer), shaped as the parameter."""

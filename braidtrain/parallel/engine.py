@@ -103,9 +103,10 @@ class Engine:
         """The bucket positions [lo, hi) whose optimizer state this rank holds."""
         return (0, b.padded) if b.zero == 0 else (b.lo, b.hi)
 
-    def segments(self, b, keep) -> list[tuple[int, int]]:
-        """Ranges, relative to what this rank owns of bucket b, of the parameters keep(placed) selects."""
-        lo, hi = self.owned_range(b)
+    def segments(self, b, keep, span=None) -> list[tuple[int, int]]:
+        """Ranges, relative to what this rank owns of bucket b (or to `span`, other positions
+        [lo, hi) of it), of the parameters keep(placed) selects."""
+        lo, hi = span or self.owned_range(b)
         out = []
         for (name, _), off, span in zip(b.params, b.offsets, b.spans):
             a, e = max(off, lo), min(off + span, hi)
@@ -113,9 +114,9 @@ class Engine:
                 out.append((a - lo, e - lo))
         return out
 
-    def decay_segments(self, b) -> list[tuple[int, int]]:
+    def decay_segments(self, b, span=None) -> list[tuple[int, int]]:
         """Where weight decay applies (Placed.decays: 2-D weights)."""
-        return self.segments(b, lambda e: e.decays)
+        return self.segments(b, lambda e: e.decays, span)
 
     # -- the step protocol ----------------------------------------------------------------------
     def begin_step(self, n_micro: int) -> None:
@@ -376,6 +377,15 @@ class Engine:
         handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
         for h in handles:
             h.wait()
+
+    def laid_out_again(self) -> None:
+        """Live recovery re-laid the buckets out over another group (Bucket.relayout): the buffers
+        sized by their padding, afresh."""
+        self._pool, self.pending = {}, []
+        if self.exact:
+            self.scratch = {b: torch.empty(b.padded, device=self.device) for b in self.buckets if b.group.size > 1}
+            self.exact_norm = exact_sums.ExactNorm(self)
+            self.tied.laid_out_again()
 
     def model_state_bytes(self) -> int:
         """Bytes of parameters and gradients held in this rank's flat buffers (now)."""

@@ -1,4 +1,4 @@
-"""A step's micro-batches by global number, over whichever ranks are left (live recovery, live.py).
+"""A step's micro-batches by global number, over whichever ranks are left (live recovery, live/redo.py).
 
 A run that began with D data ranks numbers a step's micro-batches g = slot * m + j (slot r: the
 ones rank r reads). When ranks are missing, the others share the orphaned slots' micro-batches
@@ -70,6 +70,9 @@ class LiveTree:
         self.leaves = 0
 
     def add(self, micro: int, leaf: torch.Tensor) -> None:
+        if micro >= len(self.micros):  # a pass run only to keep the collectives in step (live/redo.py)
+            self.e._recycle(leaf)
+            return
         self.leaves += 1
         level, i, node = 0, self.micros[micro], leaf
         while (level, i ^ 1) in self.nodes:
@@ -82,7 +85,7 @@ class LiveTree:
 
     def total(self, n: int) -> torch.Tensor:
         """A buffer the reduction fills with the whole step's sum; the subtrees wait in `pending`."""
-        assert self.leaves == n == len(self.micros), (self.leaves, n, len(self.micros))
+        assert self.leaves == len(self.micros) <= n, (self.leaves, n, len(self.micros))
         root = self.e._take(next(iter(self.nodes.values())).numel())
         self.pending[id(root)] = self.nodes
         self.nodes, self.leaves = {}, 0
@@ -108,13 +111,16 @@ def sum_by_number(comm, group, ids: list[int], values: list[torch.Tensor], plan:
     return pairwise_sum(whole).item()
 
 
-def reduce_forests(comm, group, ids: list[int], keys: dict, me: int, nodes: dict, n_leaves: int, out) -> None:
+def reduce_forests(comm, group, ids: list[int], keys: dict, me: int, nodes: dict, n_leaves: int, out,
+                   whole: bool = True) -> None:
     """Every member's complete subtrees (keys[rank]: (level, index), this rank's tensors in
-    `nodes`) summed along the one tree over n_leaves leaves into `out`, on every member: each
-    subtree sliced by rank (one all-to-all: rank j receives slice j of all of them), each slice
-    folded, the slices all-gathered."""
-    n, P = group.size, out.numel()
+    `nodes`) summed along the one tree over n_leaves leaves: each subtree sliced by rank (one
+    all-to-all: rank j receives slice j of all of them), each slice folded; into `out` the slices
+    all-gathered (whole), or this rank's slice alone -- its shard, when the size is a multiple of
+    the members (ZeRO 1-3: the bucket laid out over them)."""
+    n = group.size
     mine = [nodes[k] for k in keys[me]]
+    P = mine[0].numel()
     S = -(-P // n)
     send = torch.zeros(n, len(mine), S, device=out.device)
     for j in range(n):
@@ -129,6 +135,9 @@ def reduce_forests(comm, group, ids: list[int], keys: dict, me: int, nodes: dict
         for k in keys[i]:
             pieces[k], row = recv[row], row + 1
     part = fold(pieces, n_leaves)
-    whole = torch.empty(n * S, device=out.device)
-    comm.all_gather(whole, part.contiguous(), group).wait()
-    out.copy_(whole[:P])
+    if not whole:
+        out.copy_(part)
+        return
+    gathered = torch.empty(n * S, device=out.device)
+    comm.all_gather(gathered, part.contiguous(), group).wait()
+    out.copy_(gathered[:P])

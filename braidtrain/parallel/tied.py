@@ -44,6 +44,12 @@ class Tied:
                 part.head_sink = self.sink
         self.handle = self.head_sum = self.head_out = None
 
+    def laid_out_again(self):
+        """(Engine.laid_out_again) the head's reduction scratch, sized by the bucket's new padding."""
+        if self.head is not None:
+            b = self.buckets[0]
+            self.scratch = self.e._take(b.padded) if b in self.e.scratch else None
+
     def begin_step(self):
         if self.head is not None:
             self.head.clear()

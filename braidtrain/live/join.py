@@ -1,4 +1,4 @@
-"""A process that joins a running live-recovering job in place of a lost rank (--join, live.py).
+"""A process that joins a running live-recovering job in place of a lost rank (--join, trainer.py).
 
 It connects to the job's store (-pi tcp -ps), checks that its flags are the job's, asks to join
 (live/join/RANK) and waits: rank 0 schedules it for a step boundary, where the members admit it
@@ -30,9 +30,10 @@ OWN = {"process_rank", "join", "out", "resume", "start_over", "progress", "serve
 def build_joiner(cfg):
     """The parts of a run for a process that joins a running job in place of lost rank -pr (build.py's
     order, minus what the job already did): the store, then -- once the members admit it at a step
-    boundary (LiveTrainer.admit) -- the process group and mesh over the new members, the model and
-    engine laid out as the job's (its buckets padded for the job's first dp: the same flat buffers),
-    the guard. The state comes afterwards, from a peer (LiveTrainer.sync_state)."""
+    boundary (LiveTrainer.grow) -- the process group and mesh over the new members, the model and
+    engine laid out as the job's (ZeRO-0: its buckets padded for the job's first dp, the same flat
+    buffers; ZeRO 1-3: over the members now, as they re-lay theirs), the guard. The state comes
+    afterwards, from the members (LiveTrainer.arrive)."""
     from braidtrain import build as b
     from braidtrain.comm import Comm, Group
     from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
@@ -96,12 +97,15 @@ def build_joiner(cfg):
     for part in parts:
         placement.init_weights(part, cfg.seed)  # (overwritten by the peer's state)
         part.to(rt.device)
-    job = Group("replica", tuple(range(lay.dp)), me, None, comm, "replica")  # the buckets' padding: the job's
-    laid = dataclasses.replace(mesh, groups={**mesh.groups, "replica": job, "expert": job})
-    engine = Engine(parts, laid, comm, zero=0, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
-    engine.world = mesh.groups["world"]
-    for bk in engine.buckets:
-        bk.group = mesh.groups[bk.group.axis]
+    if cfg.zero:  # laid out over the members now (parallel/mirror.py re-lays every bucket anyway)
+        engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
+    else:
+        job = Group("replica", tuple(range(lay.dp)), me, None, comm, "replica")  # the buckets' padding: the job's
+        laid = dataclasses.replace(mesh, groups={**mesh.groups, "replica": job, "expert": job})
+        engine = Engine(parts, laid, comm, zero=0, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
+        engine.world = mesh.groups["world"]
+        for bk in engine.buckets:
+            bk.group = mesh.groups[bk.group.axis]
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     out = b.Path(adm["out"])
     guard = Guard(rt, comm, out / "flight", adm["session"], cfg.heartbeat_timeout)

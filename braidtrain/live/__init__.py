@@ -1,0 +1,35 @@
+"""Live recovery: a lost data-parallel rank costs no restart and no step (--live-recovery).
+
+Without it, any failure ends every process and the job restarts from the last checkpoint
+(fault.py, docs/fault-tolerance.md). With it, under data parallelism alone, the survivors carry on in
+the same processes:
+
+    rank 2 killed ──► a survivor's collective fails (gloo: the connection closed) ──┐
+    rank 1 frozen ──► a survivor's heartbeat finds it silent for --heartbeat-timeout ─┤
+                                                                                     ▼
+    it sets live/E/abort in the rendezvous store; every member's heartbeat thread reads it and
+    sets comm.abort, and each rank's wait in a collective gives up (comm.Aborted)
+    each survivor writes its flight log (RUN/flight/live-E/), says it is here and waits; one
+    decision on the members is written to the store (members.py)
+    survivors: a new process group on the same store (prefix live/E+1/pg), the mesh over them,
+    the state brought level and -- ZeRO 1-3 -- re-sharded over them from the buddy copies
+    (state.py, parallel/mirror.py), the lost ranks' sequences of the step divided among them
+    (redo.py); the step is done again, whole
+
+Ranks keep their number (the heartbeat's keys, the checkpoint's file names, the flight logs' names);
+the process group numbers the members 0..n-1 in rank order. The store lives in rank 0's process
+(-pi tcp / -pi fs), so rank 0 is the one rank whose loss cannot be recovered live: the survivors
+find the store gone and fall back to the restart path (exit 75), as they do when the main thread is
+stuck where it cannot be interrupted (a checkpoint save's barrier), no agreement comes in time, or
+-- ZeRO 1-3 -- a rank is lost with its buddy, or one rank would be left.
+
+  trainer.py   LiveTrainer: the step that survives a loss, recover, grow (a joiner in), rebuild
+  members.py   the agreement on the members through the store; the membership log
+  redo.py      the step's micro-batches over the members left, summed by global number
+  state.py     the state brought level, sent to a joiner, re-sharded; checked by sha256
+  join.py      a process that joins a running job in place of a lost rank (--join)
+"""
+
+from braidtrain.live.trainer import LiveTrainer, check_config
+
+__all__ = ["LiveTrainer", "check_config"]

@@ -1,0 +1,343 @@
+"""LiveTrainer: the training loop whose step survives the loss of a data-parallel rank (the package
+docstring draws the protocol). A step that fails in a collective because a peer was lost is
+recovered -- the members agreed (members.py), the world rebuilt over them, the state brought level
+and laid out over them (state.py) -- and done again with the lost ranks' micro-batches divided
+(redo.py); a joiner is let in at a step boundary (grow). A step interrupted after some survivors
+applied its update is not done twice: those behind apply the same update (state.catch_up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from braidtrain.comm import Aborted
+from braidtrain.errors import UserError
+from braidtrain.fault import EXIT_PEER_LOST
+from braidtrain.live import members
+from braidtrain.live.join import build_joiner
+from braidtrain.live.members import first_line, is_transport, ranks
+from braidtrain.live.redo import Redo
+from braidtrain.live.state import Transfer
+from braidtrain.mesh import build_mesh
+from braidtrain.parallel import mirror
+from braidtrain.parallel.buckets import Q
+from braidtrain.train import Trainer
+
+_leaked = []  # the process groups given up: never destroyed (their threads may wait on a dead peer)
+
+
+def check_config(cfg) -> None:
+    """--live-recovery's one-line refusals, before anything starts."""
+    if cfg.join and not cfg.live_recovery:
+        raise UserError("--join adds a process to a job that runs with --live-recovery: give both")
+    others = [f"--{a} {getattr(cfg, a)}" for a in ("pp", "cp", "tp", "ep") if getattr(cfg, a) != 1]
+    if others:
+        raise UserError(f"--live-recovery needs data parallelism alone, got {' '.join(others)}: losing one of "
+                        f"those ranks takes its whole replica out, which live recovery does not do; drop "
+                        f"--live-recovery (the checkpoint restart recovers these layouts)")
+    if cfg.heartbeat_timeout <= 0:
+        raise UserError("--live-recovery finds frozen ranks by the heartbeat: give --heartbeat-timeout > 0")
+    if cfg.device not in (None, "cpu") or (cfg.device is None and torch.cuda.is_available()):
+        raise UserError("--live-recovery runs on CPU (gloo) only: NCCL's communicators would have to be aborted, "
+                        "which is not built; drop --live-recovery (or use --device cpu)")
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise UserError("--live-recovery under torchrun: its agents stop (and restart) every worker when one fails; "
+                        "start one process per rank with -pi tcp or -pi fs instead (scripts/live.sh)")
+    if cfg.join and (cfg.init_method != "tcp" or not cfg.process_rank):
+        raise UserError("--join replaces a lost rank of a running job: give -pi tcp -ps ADDRESS (the job's), its -pn and "
+                        "the lost rank's -pr (not 0: rank 0 hosts the store)")
+
+
+class LiveTrainer(Redo, Transfer, Trainer):
+    """The training loop with live recovery. Ranks keep their numbers; `ids` are the members now,
+    in process-group order."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg, build_joiner(cfg) if cfg.join else None)
+        self.on = cfg.live_recovery and (self.rt.world_size > 1 or cfg.join)
+        self.ids = list(range(self.layout.dp))
+        self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, cfg.batch_size
+        self.M = self.D * self.m  # micro-batches of a step
+        self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.ids}  # id -> its global micro-batches
+        self.epoch, self.degraded, self.recovering, self.noticed = 0, False, False, None
+        self.lock = threading.Lock()
+        self.applied = None  # this step's update, once applied on this rank: its clip scale and skip flag
+        self.arriving = False  # a joiner, taking its state
+        self.report = None  # the first step after a change: what to say when it is done
+        self.mirror = None  # ZeRO 1-3: this rank's copy of the next member's shard (parallel/mirror.py)
+        self.joined: dict = {}  # ranks admitted at the next change, and at which step
+        if self.on:
+            self.comm.abort = threading.Event()
+            self.guard.live = self
+        if self.on and self.rt.is_main:
+            self.rt.store.set("live/config", cfg.to_toml())  # what a joiner checks its flags against
+        if cfg.join:
+            adm = self.built.admission
+            self.arrive(adm["epoch"], adm["members"], adm["add"], adm["step"])
+        elif self.on and cfg.zero:
+            self.mirror = mirror.Mirror(self.engine, self.opt, self.mesh.groups["replica"])
+            self.mirror.fill()
+
+    # -- the watch threads' side (fault.Guard) ---------------------------------------------------
+    def peer_lost(self, verdict: str) -> bool:
+        """The heartbeat judged a peer lost: abort this rank's waits, and let the main thread
+        recover -- unless it does not come within the grace (stuck where it cannot be interrupted):
+        then False, and the guard falls back to the restart path."""
+        if self.recovering:
+            return True
+        now = time.monotonic()
+        if self.noticed is None:
+            self.noticed, self.cause = now, verdict
+            self.comm.abort.set()
+        return now - self.noticed < 2 * self.cfg.heartbeat_timeout
+
+    def poll(self, client) -> None:
+        """(The heartbeat thread, every beat.) Another member began a recovery: abort our waits too."""
+        e = self.epoch
+        late = self.noticed is not None and time.monotonic() - self.noticed > 2 * self.cfg.heartbeat_timeout
+        if late and not self.recovering:
+            self.fall_back("this rank did not get back from where it waited (not a collective it can abandon)")
+        if not self.comm.abort.is_set() and client.check([f"live/{e}/abort"]):
+            cause = client.get(f"live/{e}/abort").decode()
+            with self.lock:
+                if e == self.epoch and not self.comm.abort.is_set():
+                    self.cause, self.noticed = cause, self.noticed or time.monotonic()
+                    self.comm.abort.set()
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        if self.on and len(self.ids) < self.D:
+            self.boundary(step)
+        while True:
+            count, self.applied = self.opt.step_count, None
+            try:
+                rec = super().step(step)
+                break
+            except Exception as e:
+                if not self.on or not is_transport(e):
+                    raise
+                if self.applied is None:
+                    self.opt.step_count = count
+                done = self.recover(step, e)
+                if done > step:  # the update was applied everywhere: the step is done, its loss lost
+                    rec = {"step": step + 1, "loss": float("nan"), "tokens_per_s": 0.0, "lost_in_flight": True}
+                    break
+        if self.report:
+            rec.update(self.report)
+            if self.rt.is_main:
+                print(f"braidtrain: live: step {step + 1} completed by ranks {','.join(map(str, self.ids))} "
+                      f"(t={time.time():.3f})", flush=True)
+            self.report = None
+        return rec
+
+    def reduced(self) -> None:
+        if self.mirror is not None:  # the next member's reduced gradient shards, for the copy
+            self.mirror.exchange()
+
+    def update(self, grad_scale, skip) -> None:
+        super().update(grad_scale, skip)
+        if self.mirror is not None:  # the next member's update, on the copy of its shards
+            self.mirror.update(grad_scale, skip)
+        self.applied = {"scale": None if grad_scale is None else grad_scale.item(), "skip": skip.item()}
+        if self.fault and self.fault.kind == "kill-late" and self.comm.step == self.fault.step:
+            self.fault._announce(f"SIGKILL pid {os.getpid()} after the update")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() + (self.mirror.bytes() if self.mirror is not None else 0)
+
+    def _run(self) -> dict:
+        try:
+            summary = super()._run()
+            if self.on and self.rt.is_main:  # a joiner still waiting will not be admitted now
+                for r in range(1, self.D):
+                    if self.rt.store.check([f"live/join/{r}"]):
+                        self.rt.store.set(f"live/joined/{r}", json.dumps({"refused": f"the run ended at step "
+                                                                                     f"{self.cfg.max_steps}"}))
+            return summary
+        except Exception as e:  # outside a step (a checkpoint save, validation): no live recovery there
+            if self.on and is_transport(e):
+                self.fall_back(f"a peer was lost outside a training step ({first_line(e)})")
+            raise
+
+    def check_shared(self, ckpt_dir) -> None:
+        if not self.degraded:  # (after a change, the ranks' markers are not 0..n-1)
+            super().check_shared(ckpt_dir)
+
+    def recover(self, step: int, err: BaseException) -> int:
+        """Agree on the survivors, rebuild the world over them, bring them to one state; returns
+        the number of steps that state has done (step: redo it; step + 1: it was done)."""
+        t0, me, e = time.time(), self.rt.rank, self.epoch
+        self.recovering = True
+        cause = f"rank {me}: {first_line(err)}" if not isinstance(err, Aborted) else getattr(self, "cause", "")
+        store = self.rt.store
+        try:
+            store.compare_set(f"live/{e}/abort", "", cause)  # wake the members still waiting
+            self.guard.dump(f"live recovery: {cause}", self.out / "flight" / f"live-{e}" / f"rank_{me:05d}.jsonl")
+            done = step + 1 if self.applied else step
+            store.set(f"live/{e}/here/{me}", json.dumps({"done": done, "pid": os.getpid(), "update": self.applied}))
+            decision = members.agree(store, e, self.ids, self.guard, self.cfg.timeout, self.cfg.heartbeat_timeout)
+        except Exception as x:  # the store is gone with rank 0, or never agreed
+            self.fall_back(f"live recovery failed ({first_line(x)})")
+        ids, lost = decision["members"], {int(k): v for k, v in decision["lost"].items()}
+        if me not in ids:
+            print(f"braidtrain: rank {me}: the others went on without this rank (judged lost); exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_LOST)
+        if not lost:  # everyone is here: the error was not a lost peer
+            raise err
+        old, target = self.ids, max(decision["done"].values())
+        why = self.unrecoverable(old, ids)
+        if why:
+            if self.rt.is_main:
+                members.record(self.out, {"epoch": e + 1, "step": step + 1, "members": [], "lost": lost,
+                                          "what": f"{ranks(lost)} lost; {why}: fell back to the checkpoint restart",
+                                          "fallback": True, "time": time.time()})
+            members.leave_together(store, e, ids, me, self.cfg.heartbeat_timeout)  # (rank 0's store goes with it)
+            self.fall_back(f"{ranks(lost)} lost: {why}")
+        if target > step:  # the update was applied by some: the others apply it too
+            if self.applied is None:
+                self.catch_up(step, decision["update"])
+            if decision["update"]["skip"]:  # (a skipped step does not count in Adam's steps)
+                self.opt.step_count -= 1
+        held = self.mirror.holdings() if self.mirror is not None else None
+        self.rebuild(e + 1, ids)
+        if held is not None:
+            self.reshard(old, held)
+        secs = time.time() - t0
+        what = (f"{ranks(lost)} lost ({'; '.join(lost.values())}); ranks {','.join(map(str, ids))} go on, world "
+                f"{len(old)} -> {len(ids)}, " + self.promoted(old, lost)
+                + (f"step {step + 1} done again" if target == step else f"step {step + 1} already applied"))
+        if self.rt.is_main:
+            members.record(self.out, {"epoch": e + 1, "step": step + 1, "members": ids, "lost": lost, "what": what,
+                                      "pids": decision["pids"], "cause": cause, "time": time.time(), "recover_s": secs})
+            print(f"braidtrain: live recovery at step {step + 1}: {what} ({secs:.1f} s)", flush=True)
+        self.report = {"world_size": len(ids), "recover_s": secs}
+        return target
+
+    def unrecoverable(self, old: list[int], ids: list[int]) -> str | None:
+        """Why the state cannot go on over `ids` (ZeRO 1-3), or None."""
+        if self.mirror is None:
+            return None
+        if len(ids) < 2:
+            return (f"one rank would be left, and ZeRO-{self.cfg.zero} on one rank is ZeRO-0's layout, which live "
+                    f"recovery does not switch to")
+        held = mirror.holders(old, ids)
+        return held if isinstance(held, str) else None
+
+    def promoted(self, old: list[int], lost: dict) -> str:
+        """ZeRO 1-3: whose copies took the lost shards' place (for the membership log)."""
+        if self.mirror is None:
+            return ""
+        copies = ", ".join(f"rank {old[(old.index(r) - 1) % len(old)]}'s copy of rank {r}'s" for r in sorted(lost))
+        return f"{copies} ZeRO-{self.cfg.zero} shard promoted and the state re-sharded over {len(self.ids)} ranks, "
+
+    def fall_back(self, why: str) -> None:
+        self.guard._publish(f"rank {self.rt.rank}: {why}")
+        self.guard.fatal(f"peer lost: {why}; falling back to the checkpoint restart", EXIT_PEER_LOST)
+
+    # -- joiners ---------------------------------------------------------------------------------
+    def boundary(self, step: int) -> None:
+        """Before a step, while ranks are missing: rank 0 schedules the processes asking to join
+        (live/join/RANK) for the step after next (live/grow/EPOCH): by then every member has read it,
+        the step after this one being one they all take part in."""
+        store, e = self.rt.store, self.epoch
+        if self.rt.is_main and not self.joined:
+            asking = [r for r in range(self.D) if r not in self.ids and store.check([f"live/join/{r}"])]
+            if asking and step + 2 < self.cfg.max_steps:
+                store.compare_set(f"live/grow/{e}", "", json.dumps({"step": step + 2, "add": asking}))
+        if not self.joined and store.check([f"live/grow/{e}"]):
+            self.joined = json.loads(store.get(f"live/grow/{e}"))
+        if self.joined and step >= self.joined["step"]:
+            self.grow(step)
+
+    def grow(self, step: int) -> None:
+        """The scheduled joiners in: admitted (live/joined/RANK: the new members, epoch, step and run),
+        the world rebuilt over all, and the state sent to them -- ZeRO-0: from process-group rank 0;
+        ZeRO 1-3: re-sharded over all -- checked by sha256."""
+        t0, e, add, store = time.time(), self.epoch, self.joined["add"], self.rt.store
+        old, ids = self.ids, sorted(self.ids + add)
+        pids = {}
+        if self.rt.is_main:
+            for r in add:
+                pids[r] = int(store.get(f"live/join/{r}"))
+                store.set(f"live/joined/{r}", json.dumps({
+                    "epoch": e + 1, "members": ids, "add": add, "step": step, "out": str(self.out),
+                    "session": self.guard.session, "run_id": self.built.run_id, "max_steps": self.cfg.max_steps}))
+                store.delete_key(f"live/join/{r}")
+        for r in add:
+            self.guard.where.pop(r, None)  # (the lost process's host:pid; the joiner posts its own)
+        held = self.mirror.holdings() if self.mirror is not None else None
+        self.rebuild(e + 1, ids)
+        digest = self.reshard(old, held) if held is not None else self.sync_state(0)
+        state = (f"the ZeRO-{self.cfg.zero} state re-sharded over {len(ids)} ranks" if held is not None
+                 else f"the state from rank {ids[0]}")
+        secs = time.time() - t0
+        what = (f"{ranks(add)} joined (pid {','.join(str(pids.get(r, '?')) for r in add)}); ranks "
+                f"{','.join(map(str, ids))} go on, world {len(old)} -> {len(ids)}, {state} (sha256 {digest[:12]}) "
+                f"at step {step + 1}")
+        if self.rt.is_main:
+            members.record(self.out, {"epoch": e + 1, "step": step + 1, "members": ids, "lost": {}, "joined": add,
+                                      "what": what, "pids": pids, "time": time.time(), "recover_s": secs})
+            print(f"braidtrain: live: {what} ({secs:.1f} s)", flush=True)
+        self.report = {"world_size": len(ids), "join_s": secs}
+
+    def arrive(self, epoch: int, ids: list[int], add: list[int], step: int) -> None:
+        """A joiner's side of grow(): it is a member from `step` on; its state comes from the others."""
+        with self.lock:
+            self.ids, self.epoch = ids, epoch
+        self.guard.watch(ids)
+        self.redivide()
+        self.arriving = True
+        if self.cfg.zero:
+            digest, source = self.reshard([i for i in ids if i not in add], {}), "re-sharded from the members"
+        else:
+            digest, source = self.sync_state(0), f"from rank {ids[0]}"
+        self.arriving = False
+        print(f"braidtrain: rank {self.rt.rank}: joined at step {step + 1}, the state {source} "
+              f"(sha256 {digest[:12]}, checked)", file=sys.stderr, flush=True)
+
+    # -- the new world ---------------------------------------------------------------------------
+    def rebuild(self, epoch: int, ids: list[int]) -> None:
+        """The process group, mesh and engine's groups over `ids`, and the step's work divided
+        among them; what the abandoned step left behind is dropped. (ZeRO 1-3: reshard then lays
+        the buckets out over them.)"""
+        rt, me, n = self.rt, self.rt.rank, len(ids)
+        old = dist.group.WORLD
+        _leaked.append(old)  # its worker threads may still wait on the lost peer: never destroy it
+        dist.destroy_process_group()
+        dist.init_process_group(rt.backend, store=dist.PrefixStore(f"live/{epoch}/pg", rt.store), rank=ids.index(me),
+                                world_size=n, timeout=timedelta(seconds=self.cfg.timeout))
+        comm = self.comm
+        comm.records.clear(), comm.gseq.clear(), comm.members.clear()  # (the old world's are in its flight logs)
+        comm.step_handles = []
+        mesh = build_mesh(me, n, comm, new_group=rt.new_group, members=ids)
+        self.mesh = self.built.mesh = self.passes.mesh = mesh
+        e = self.engine
+        e.tp, e.pp, e.world, e.ep = (mesh.groups[a] for a in ("tp", "pp", "world", "ep"))
+        for b in e.buckets:
+            b.group, b.handle = mesh.groups[b.group.axis], None
+            if b.zero == 0:  # the checkpoint's pieces of each rank; the gradient buffer afresh
+                b.shard_size = -(-b.padded // (n * Q)) * Q
+                b.lo, b.hi = min(b.padded, ids.index(me) * b.shard_size), min(b.padded, (ids.index(me) + 1) * b.shard_size)
+                b.grad = None if e.exact else torch.zeros(b.padded, device=e.device)
+        e.pending, e._pool = [], {}  # buffers the old group's threads may still write into are not reused
+        e.tied.handle = e.tied.head_sum = e.tied.head_out = None
+        rt.world_size = n
+        self.layout = self.built.layout = dataclasses.replace(self.layout, dp=n)
+        with self.lock:
+            self.ids, self.epoch, self.joined = ids, epoch, {}
+            self.comm.abort.clear()
+            self.noticed, self.recovering = None, False
+        self.guard.watch(ids)
+        self.redivide()
