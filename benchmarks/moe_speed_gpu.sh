@@ -8,7 +8,8 @@
 #   3. side by side with transformers' MixtralForCausalLM under torch.compile (bench train --torch
 #      hf-compile) at mixtral-small's shape, from the same initial weights, final losses compared
 # (0: GPT-2's exact bits, a check that a change left them alone.)
-# Usage: bash benchmarks/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU, to try the script
+# Usage: bash benchmarks/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU, to try the script;
+#        ONLY='graph ...': part 1's runs of those names alone (eager, graph, graph-cap1.25)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 parts=${*:-1 2 3}
@@ -46,6 +47,7 @@ if [[ " $parts " == *" 1 "* ]]; then
     for run in "${runs[@]}"; do
       [ -n "${SMOKE:-}" ] && run=${run/ --cuda-graph/}  # (no CUDA graph on the CPU)
       set -- $run; name=$1; shift
+      [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && continue  # ONLY="graph": those runs alone
       out=/tmp/moe_${m}_$name
       python -m braidtrain train $(model_flag $m) -i $D $shape -x $steps $q "$@" --out $out 2>&1 | grep -iE "error|Traceback" | head -5
       echo "$m $name ($*): $(last $out)"
