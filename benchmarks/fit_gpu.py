@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from braidtrain import plan  # noqa: E402
+from braidtrain.plan import estimate as plan  # noqa: E402
 from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 

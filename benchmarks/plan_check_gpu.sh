@@ -9,7 +9,7 @@ mkdir -p $OUT
 plan() {  # the plan subcommand, whether or not cli.py has it wired yet
   python - "$@" <<'PY'
 import argparse, sys
-from braidtrain import plan_cli as plan
+from braidtrain.plan import command as plan
 p = argparse.ArgumentParser(); sub = p.add_subparsers(dest="cmd"); plan.add_parser(sub)
 sys.exit(plan.run(p.parse_args(["plan", *sys.argv[1:]])))
 PY

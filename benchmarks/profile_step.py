@@ -4,7 +4,7 @@
     e.g. python benchmarks/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
     torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py ...   # rank 0's step
     python benchmarks/profile_step.py --torch ddp-compile --model gpt2 -i DATA -b 16 -t 1024 -d 131072
-        # the same step of bench train's torch yardstick (braidtrain.torchref), for side-by-side profiles
+        # the same step of bench train's torch yardstick (braidtrain.bench.torchref), for side-by-side profiles
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
@@ -117,8 +117,8 @@ def profiled(step, sync):
 
 
 def torch_peer(argv):
-    """--torch MODE: the same step through braidtrain.torchref (bench train's yardstick)."""
-    from braidtrain import torchref
+    """--torch MODE: the same step through braidtrain.bench.torchref (bench train's yardstick)."""
+    from braidtrain.bench import torchref
 
     a = torchref.parse(argv + ["--steps", "10", "--json", os.devnull])
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1")):

@@ -17,20 +17,21 @@ from pathlib import Path
 
 import torch
 
-from braidtrain import checkpoint, export, layout, rundir
-from braidtrain.comm import Comm
+from braidtrain import layout
+from braidtrain.io import checkpoint, export, rundir
+from braidtrain.dist.comm import Comm
 from braidtrain.config import Config
-from braidtrain.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
+from braidtrain.io.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
 from braidtrain.errors import UserError
-from braidtrain.fault import Fault, Guard
-from braidtrain.mesh import Mesh, build_mesh
+from braidtrain.dist.fault import Fault, Guard
+from braidtrain.dist.mesh import Mesh, build_mesh
 from braidtrain.model import fp8, registry
 from braidtrain.model.protocol import ModelConfig, Stage
 from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.expert import Dispatch
-from braidtrain.runtime import Runtime, find_runtime
+from braidtrain.dist.runtime import Runtime, find_runtime
 
 
 @dataclass
@@ -80,7 +81,7 @@ def build(cfg: Config) -> Run:
     else:
         mcfg = registry.model_config(cfg.model, vocab, **model_fields(cfg))
     if cfg.layout == "auto":
-        from braidtrain.plan import auto_layout
+        from braidtrain.plan.estimate import auto_layout
 
         per_node = cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)

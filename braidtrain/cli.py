@@ -175,7 +175,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from braidtrain.data import prepare
+    from braidtrain.io.data import prepare
 
     if args.action == "prepare-eval":
         from braidtrain import evaluate
@@ -192,7 +192,7 @@ def cmd_data(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from braidtrain.metrics import plot_experts, plot_runs, plot_schedule
+    from braidtrain.io.metrics import plot_experts, plot_runs, plot_schedule
 
     if bool(args.runs) + bool(args.schedule) + bool(args.experts) != 1:
         raise UserError("plot needs runs to overlay their losses, --schedule RUN for a pipeline's timeline, or "
@@ -208,14 +208,14 @@ def cmd_plot(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.fault import diagnose
 
     print("\n".join(diagnose(Path(args.run))))
     return 0
 
 
 def cmd_export(args) -> int:
-    from braidtrain.export import export
+    from braidtrain.io.export import export
 
     ckpt = export(args.run, args.out, args.format)
     print(f"wrote {args.out} (HuggingFace GPT-2) from {ckpt}")
@@ -229,13 +229,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from braidtrain import bench
+    from braidtrain.bench import train as bench
 
     return bench.run(args)
 
 
 def cmd_plan(args) -> int:
-    from braidtrain import plan_cli
+    from braidtrain.plan import command as plan_cli
 
     return plan_cli.run(args)
 
@@ -243,8 +243,8 @@ def cmd_plan(args) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from braidtrain.checkpoint import latest, load_model
-    from braidtrain.data import get_tokenizer
+    from braidtrain.io.checkpoint import latest, load_model
+    from braidtrain.io.data import get_tokenizer
     from braidtrain.generate import generate
 
     run = Path(args.run)
@@ -337,7 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("run", help="a run directory, or one checkpoint folder")
     p.add_argument("--format", default="hf", choices=["hf"])
     p.add_argument("--out", required=True)
-    from braidtrain import bench, plan_cli  # light: torch loads only inside run()
+    from braidtrain.bench import train as bench
+    from braidtrain.plan import command as plan_cli  # light: torch loads only inside run()
 
     parsers["plan"] = plan_cli.add_parser(sub)
     parsers["bench"] = bench.add_parser(sub)

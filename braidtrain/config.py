@@ -227,7 +227,7 @@ def validate(cfg: Config) -> None:
         raise UserError(f"timeout must be positive, got {cfg.timeout}")
     if cfg.wandb is not None and not cfg.wandb.strip():
         raise UserError("--wandb needs a project name, e.g. --wandb my-project")
-    from braidtrain.trackers import check_installed
+    from braidtrain.io.trackers import check_installed
 
     check_installed(cfg.tensorboard, cfg.wandb)
     if not cfg.heartbeat_timeout >= 0:

@@ -124,7 +124,7 @@ def prepare(jsonl, out, tokenizer: str = "gpt2") -> dict:
     """`data prepare-eval`: lines of {"context", "endings", "label"} -> an eval file. Each ending is
     tokenized as it follows the context, after a space (llm.c's " " + ending). `tokenizer`: a name
     or a data folder (its tokenizer.json; none: gpt2, like llm.c's files)."""
-    from braidtrain.data import get_tokenizer, tokenizer_for
+    from braidtrain.io.data import get_tokenizer, tokenizer_for
 
     if Path(tokenizer).is_dir():
         tokenizer = tokenizer_for([Path(tokenizer) / "_"]) or "gpt2"
@@ -247,8 +247,8 @@ def run(args) -> int:
     folder), on one process or over torchrun's ranks; rank 0 prints and writes RUN/eval.json."""
     from contextlib import nullcontext
 
-    from braidtrain.checkpoint import latest, load_model
-    from braidtrain.runtime import init_runtime
+    from braidtrain.io.checkpoint import latest, load_model
+    from braidtrain.dist.runtime import init_runtime
 
     examples = read_evalfile(args.eval_data)
     run_dir = Path(args.run)

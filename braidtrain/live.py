@@ -55,11 +55,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from braidtrain.comm import Aborted
+from braidtrain.dist.comm import Aborted
 from braidtrain.errors import UserError
-from braidtrain.fault import EXIT_PEER_LOST, MEMBERSHIP
+from braidtrain.dist.fault import EXIT_PEER_LOST, MEMBERSHIP
 from braidtrain.join import build_joiner
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.parallel import schedule
 from braidtrain.parallel.buckets import Q
 from braidtrain.parallel.exact import TreeSum

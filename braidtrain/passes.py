@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from braidtrain.comm import pairwise_sum
+from braidtrain.dist.comm import pairwise_sum
 from braidtrain.parallel import schedule
 
 

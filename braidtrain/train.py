@@ -40,14 +40,15 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from braidtrain import checkpoint, evaluate
+from braidtrain import evaluate
+from braidtrain.io import checkpoint
 from braidtrain.build import build
 from braidtrain.config import Config
-from braidtrain.data import get_tokenizer, unigram_entropy
+from braidtrain.io.data import get_tokenizer, unigram_entropy
 from braidtrain.errors import Diverged, SaveFailed, UserError
-from braidtrain.fault import crash_reason
+from braidtrain.dist.fault import crash_reason
 from braidtrain.generate import generate, sample_prompt
-from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
+from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
 from braidtrain.parallel import expert
 from braidtrain.optim import clip_scale, lr_at
 from braidtrain.passes import Passes, reduce_loss
@@ -97,7 +98,7 @@ class Trainer:
         start (W&B without a login) is the same one-line error on every rank."""
         if not (self.cfg.tensorboard or self.cfg.wandb):
             return None
-        from braidtrain.trackers import Trackers
+        from braidtrain.io.trackers import Trackers
 
         trackers, err = None, None
         if self.rt.is_main:
@@ -252,7 +253,7 @@ class Trainer:
 
     def out_of_memory(self) -> str:
         """The one line for a step that ran out of device memory: the planner's view of it."""
-        from braidtrain import plan
+        from braidtrain.plan import estimate as plan
 
         lay, cfg = self.layout, self.cfg
         if self.device.type == "cuda":

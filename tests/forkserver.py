@@ -16,8 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.bench",
-           "braidtrain.plan_cli", "braidtrain.data", "braidtrain.evaluate", "braidtrain.export", "braidtrain.metrics"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.bench.train",
+           "braidtrain.plan.command", "braidtrain.io.data", "braidtrain.evaluate", "braidtrain.io.export", "braidtrain.io.metrics"]
 
 
 def child(req: dict) -> None:

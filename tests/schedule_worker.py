@@ -11,14 +11,14 @@ from contextlib import nullcontext
 
 import torch
 
-from braidtrain.comm import Comm
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.schedule import Action, Executor, check
-from braidtrain.runtime import init_runtime
+from braidtrain.dist.runtime import init_runtime
 
 M = 4  # micro-batches per rank
 ORDERS = {

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from helpers import braidtrain, forked
-from braidtrain import bench, cli, torchref
-from braidtrain.bench import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
+from braidtrain import cli
+from braidtrain.bench import train as bench, torchref
+from braidtrain.bench.train import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from braidtrain import data as D
+from braidtrain.io import data as D
 from helpers import braidtrain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -355,7 +355,7 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
     recommendation for the same model, memory and batch, and the run trains with it."""
     import tomllib
 
-    from braidtrain import plan
+    from braidtrain.plan import estimate as plan
     from braidtrain.model.registry import model_config
 
     proc = jobs["auto"].result()

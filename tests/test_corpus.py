@@ -1,4 +1,4 @@
-"""`data prepare` on real corpora (braidtrain/corpus.py): parquet, JSON lines (gzipped) and text files
+"""`data prepare` on real corpora (braidtrain/io/corpus.py): parquet, JSON lines (gzipped) and text files
 of the same documents give the same shards, llm.c's fineweb.py layout spelled out by hand; workers
 and streaming; one-line errors. And the llama3 tokenizer against Meta's own class."""
 import gzip
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from braidtrain import corpus as C
-from braidtrain import data as D
+from braidtrain.io import corpus as C
+from braidtrain.io import data as D
 from braidtrain.errors import UserError
 from helpers import SMALL, braidtrain
 

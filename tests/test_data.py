@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from braidtrain import data as D
+from braidtrain.io import data as D
 from braidtrain.errors import UserError
 from helpers import SMALL, braidtrain, metrics, summary
 

@@ -313,7 +313,7 @@ def test_an_unknown_recipe_is_refused_in_one_line(runs):
 # -- the planner -----------------------------------------------------------------------------------
 
 def test_the_planner_runs_the_linears_at_the_measured_float8_speed():
-    from braidtrain import plan
+    from braidtrain.plan import estimate as plan
 
     cfg = registry.model_config("gpt2", 50257)
     assert plan.fp8_speedup("tensorwise", 768, 3072) == pytest.approx(1.54)
@@ -338,7 +338,7 @@ def test_the_planner_runs_the_linears_at_the_measured_float8_speed():
 
 
 def test_the_planner_keeps_float8_copies_for_the_backward():
-    from braidtrain import plan
+    from braidtrain.plan import estimate as plan
 
     cfg = registry.model_config("gpt2", 50257)
     lay = plan.Candidate(dp=1, zero=0, b=8, recompute=False)

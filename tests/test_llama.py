@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from braidtrain import export
+from braidtrain.io import export
 from braidtrain.errors import UserError
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
@@ -155,7 +155,7 @@ def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakes
     cfg = family.Config(**fields)
     model = registry.build(cfg)
     model.load_state_dict(export.load_hf(str(hf), cfg))
-    from braidtrain.data import Loader, TokenData, resolve_files
+    from braidtrain.io.data import Loader, TokenData, resolve_files
 
     loader = Loader(TokenData(resolve_files(str(shakespeare), "train"), 256), 64, 8, 1337)
     with torch.no_grad():
@@ -198,7 +198,7 @@ def test_the_planners_verdicts_on_llama_70b():
     and so does TP 8 with its ZeRO stage that holds what the textbook's TP 8 + ZeRO-1 does (4 + 12/N
     bytes a parameter: braidtrain keeps fp32 weights and an fp32 gradient buffer, the textbook bf16
     copies of both; braidtrain's ZeRO-1 keeps 8 + 8/N and does not fit)."""
-    from braidtrain import plan
+    from braidtrain.plan import estimate as plan
 
     s = plan.Setup(registry.model_config("llama3.1-70b"), gpus=64, mem_gb=80, t=1024, d=524288)
     est = lambda **kw: plan.estimate(s, plan.Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))  # noqa: E731
@@ -216,7 +216,7 @@ def test_plan_check_of_a_llama_layout(tmp_path, shakespeare, monkeypatch):
     """`plan --check` on the CPU: a real run of llama3-tiny at tp 2 with sp and ZeRO-1 on 2 processes
     holds the model state the planner estimates, within 5% (its family reaches the check's run
     through the preset and train's flags: registry.command_line)."""
-    from braidtrain import plan_cli
+    from braidtrain.plan import command as plan_cli
     from helpers import forked
     from test_plan import parse
 

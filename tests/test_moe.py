@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
-from braidtrain.checkpoint import latest, load_model
+from braidtrain.io.checkpoint import latest, load_model
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config

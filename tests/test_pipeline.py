@@ -196,7 +196,7 @@ def test_a_pipeline_run_validates_samples_saves_and_resumes_on_other_pp(tmp_path
 
 
 def test_1f1b_matches_torch_pipelining(tmp_path, shakespeare):
-    """braidtrain's 1F1B and torch.distributed.pipelining's Schedule1F1B (braidtrain.torchref's
+    """braidtrain's 1F1B and torch.distributed.pipelining's Schedule1F1B (braidtrain.bench.torchref's
     pipe-1f1b: the same stages, split, initialisation, data and optimizer), 2 stages, 5 steps:
     the losses within 1e-5."""
     model = ["--model", "tiny", "--n-layer", "4", "--n-embd", "64", "--n-head", "2", "-t", "64", "-b", "2"]
@@ -204,7 +204,7 @@ def test_1f1b_matches_torch_pipelining(tmp_path, shakespeare):
     braidtrain("train", *model, "-i", shakespeare, "-d", 1024, "-x", 5, "--pp", 2, "--val-every", 0,
                "--sample-tokens", 0, "--no-progress", "--out", ours, nproc=2)
     theirs = tmp_path / "torch.json"
-    p = launch("-m", "braidtrain.torchref", "--mode", "pipe-1f1b", *model, "-i", shakespeare, "-d", 1024, "--steps", 5,
+    p = launch("-m", "braidtrain.bench.torchref", "--mode", "pipe-1f1b", *model, "-i", shakespeare, "-d", 1024, "--steps", 5,
                "--json", theirs, "--device", "cpu", nproc=2)
     assert p.returncode == 0, p.stderr[-4000:]
     want = json.loads(theirs.read_text())["loss"]

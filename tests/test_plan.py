@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from braidtrain import plan, plan_cli
+from braidtrain.plan import estimate as plan, command as plan_cli
 from braidtrain.cli import Parser
-from braidtrain.comm import Comm
+from braidtrain.dist.comm import Comm
 from braidtrain.errors import UserError
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.model.registry import model_config
 from braidtrain.parallel import placement

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from braidtrain.errors import UserError
-from braidtrain.runtime import FS_FILE, init_runtime
+from braidtrain.dist.runtime import FS_FILE, init_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
 from braidtrain.errors import UserError
-from braidtrain.runtime import init_runtime
+from braidtrain.dist.runtime import init_runtime
 t0 = time.monotonic()
 try:
     rt = init_runtime(**json.loads(sys.argv[1]))

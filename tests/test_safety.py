@@ -8,7 +8,7 @@ import torch
 
 from helpers import SMALL, braidtrain, env, metrics, summary
 from test_cli import assert_one_line_error
-from braidtrain import plan
+from braidtrain.plan import estimate as plan
 from braidtrain.model.registry import model_config
 
 BASE = [*SMALL, "-d", 256]
@@ -101,7 +101,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_or_goes_on(tmp_path
     the first write: by default one line (exit 2) and the step-2 checkpoint intact; with
     --on-save-error continue a line, training to the end, the step-2 checkpoint still the newest,
     and a resume without the limit loads it."""
-    from braidtrain import checkpoint
+    from braidtrain.io import checkpoint
 
     out = tmp_path / "run"
     args = [*BASE, "-i", shakespeare, "--ckpt-every", 2, "--out", out]

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
-from braidtrain.comm import Comm, pairwise_sum, timing_events
+from braidtrain.dist.comm import Comm, pairwise_sum, timing_events
 from braidtrain.parallel import buckets, expert, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket

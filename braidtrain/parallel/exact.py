@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.comm import pairwise_sum
+from braidtrain.dist.comm import pairwise_sum
 from braidtrain.parallel.buckets import Q
 
 

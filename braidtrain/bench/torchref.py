@@ -1,8 +1,8 @@
 """The yardstick of `braidtrain bench train`: the same model, data and optimizer through plain torch.
 
-    python -m torch.distributed.run --nproc-per-node N -m braidtrain.torchref \
+    python -m torch.distributed.run --nproc-per-node N -m braidtrain.bench.torchref \
         --mode ddp|ddp-compile|fsdp2|hf|... --model gpt2 -i DATA -b 16 -t 1024 -d 131072 --steps 20 --json OUT
-    python -m braidtrain.torchref --mode hf ...     # one process: no torchrun needed
+    python -m braidtrain.bench.torchref --mode hf ...     # one process: no torchrun needed
 
 The model is braidtrain's GPT with tp = 1 (torch's own modules, SDPA attention), initialised with
 the same seed, its logits going into torch's cross-entropy inside the module (not loss.py's
@@ -54,11 +54,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from braidtrain import export
+from braidtrain.io import export
 from braidtrain.config import Config
 from braidtrain.layout import batch_plan
-from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
-from braidtrain.metrics import peak_flops
+from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
+from braidtrain.io.metrics import peak_flops
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
@@ -255,7 +255,7 @@ def dense(a, mcfg, loader, plan, cfg, device, bf16):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="braidtrain.torchref")
+    p = argparse.ArgumentParser(prog="braidtrain.bench.torchref")
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--model", default="gpt2")
     for k in ("--n-layer", "--n-head", "--n-embd", "--n-kv-heads"):

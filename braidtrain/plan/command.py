@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from braidtrain import plan
+from braidtrain.plan import estimate as plan
 from braidtrain.config import Config
 from braidtrain.errors import UserError
 from braidtrain.layout import make_layout

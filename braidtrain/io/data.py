@@ -282,7 +282,7 @@ def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int
 
 def prepare(corpus: str, tokenizer: str, out, **options) -> dict:
     """Tokenize a corpus into llm.c train/val shards in `out`: corpus.prepare (kept here for callers)."""
-    from braidtrain.corpus import prepare as prepare_corpus
+    from braidtrain.io.corpus import prepare as prepare_corpus
 
     return prepare_corpus(corpus, tokenizer, out, **options)
 

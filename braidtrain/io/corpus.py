@@ -43,7 +43,7 @@ from typing import Iterator
 
 import numpy as np
 
-from braidtrain import data
+from braidtrain.io import data
 from braidtrain.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md")  # what a folder's plain-text documents are

@@ -17,7 +17,7 @@ Each operation's result is checked once against what it must be before it is tim
 
 bench train runs each variant as its own torchrun job on the same --nproc processes -- each
 braidtrain layout through the real `braidtrain train` command, each torch variant through
-braidtrain/torchref.py -- with the same model, batch, data and optimizer settings, and reads what
+braidtrain/bench/torchref.py -- with the same model, batch, data and optimizer settings, and reads what
 they wrote. Separate jobs: one variant's compile caches, memory pool or deterministic-algorithm
 switch cannot colour another's figures. The first --warmup steps (compilation, allocator warm-up)
 are not timed; tokens/s is the timed tokens over the timed seconds; MFU is the model's FLOPs
@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from braidtrain.comm import bus_factor
+from braidtrain.dist.comm import bus_factor
 from braidtrain.errors import UserError
 
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
@@ -210,9 +210,9 @@ def run(args) -> int:
 def run_comm(args) -> int:
     import torch
 
-    from braidtrain.comm import Comm
-    from braidtrain.mesh import build_mesh
-    from braidtrain.runtime import init_runtime
+    from braidtrain.dist.comm import Comm
+    from braidtrain.dist.mesh import build_mesh
+    from braidtrain.dist.runtime import init_runtime
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]
@@ -273,7 +273,7 @@ def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
         out.append((f"braidtrain {layout}", cmd, lambda run_dir=run_dir: _braidtrain_row(run_dir, args.warmup)))
     for mode in [m.strip() for m in args.torch.split(",") if m.strip()]:
         path = work / f"torch-{mode}.json"
-        cmd = [*launch, "braidtrain.torchref", "--mode", mode, *common, "--steps", str(args.steps), "--json", str(path), *device]
+        cmd = [*launch, "braidtrain.bench.torchref", "--mode", mode, *common, "--steps", str(args.steps), "--json", str(path), *device]
         out.append((f"torch {mode}", cmd, lambda path=path: _torch_row(path, args.warmup)))
     return out
 
