@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from braidtrain.plan import estimate as plan  # noqa: E402
-from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
+from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main(argv):
     ap.add_argument("--json", help="also write the result here")
     a, flags = ap.parse_known_args(argv)
     assert a.steps > a.warmup >= 0, "--steps must exceed --warmup"
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
+    cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
     tmp = None if cfg.out else tempfile.mkdtemp(prefix="braidtrain-fit-")
     cfg.out = cfg.out or tmp
     cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = a.steps, 0, 0, False

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
+from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 
 CATEGORIES = [  # first match wins
@@ -132,7 +132,7 @@ def torch_peer(argv):
 def main(argv):
     if argv[:1] == ["--torch"]:
         return torch_peer(["--mode", *argv[1:]])
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
+    cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
     cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)

@@ -31,6 +31,7 @@ from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.expert import Dispatch
+from braidtrain.plan.search import auto_layout
 from braidtrain.dist.runtime import Runtime, find_runtime
 
 
@@ -81,8 +82,6 @@ def build(cfg: Config) -> Run:
     else:
         mcfg = registry.model_config(cfg.model, vocab, **model_fields(cfg))
     if cfg.layout == "auto":
-        from braidtrain.plan.estimate import auto_layout
-
         per_node = cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
         for k, v in chosen.items():

@@ -52,6 +52,8 @@ from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops, plot
 from braidtrain.parallel import expert
 from braidtrain.optim import clip_scale, lr_at
 from braidtrain.passes import Passes, reduce_loss
+from braidtrain.plan.search import advice
+from braidtrain.plan.space import Setup, candidate_of
 
 GRAPH_WARMUP = 2  # --cuda-graph: eager steps before the capture (compilation, lazy initialisation)
 GC_EVERY = 20  # steps between two collections of Python garbage (collect_garbage)
@@ -253,17 +255,15 @@ class Trainer:
 
     def out_of_memory(self) -> str:
         """The one line for a step that ran out of device memory: the planner's view of it."""
-        from braidtrain.plan import estimate as plan
-
         lay, cfg = self.layout, self.cfg
         if self.device.type == "cuda":
             mem = torch.cuda.get_device_properties(self.device).total_memory / 1e9
         else:  # (a CPU run: this process's share of the machine)
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / self.rt.world_size
-        s = plan.Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
+        s = Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
                        cpu=self.device.type == "cpu", fp8=lay.fp8)
         return (f"out of memory on {self.device} (rank {self.rt.rank}) at step {self.comm.step}: "
-                f"{plan.advice(s, plan.candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
+                f"{advice(s, candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
 
     def diverged(self, streak: list[dict]) -> Diverged:
         """The one line that ends a run whose last --max-skipped steps were all skipped."""
@@ -402,17 +402,3 @@ def _ranges(ranks: list[int]) -> str:
             out.append(f"{start}-{r}" if r > start else str(r))
             start = None
     return ", ".join(out)
-
-
-def train(cfg: Config) -> dict:
-    if cfg.live_recovery or cfg.join:
-        from braidtrain.live import LiveTrainer, check_config
-
-        check_config(cfg)
-    trainer = LiveTrainer(cfg) if cfg.live_recovery else Trainer(cfg)
-    try:
-        return trainer.run()
-    finally:
-        trainer.drop_graph(wait=False)  # these two are no-ops after a clean finish
-        trainer.guard.close(clean=False)
-        trainer.rt.close()

@@ -16,8 +16,9 @@ import sys
 import traceback
 from pathlib import Path
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.bench.train",
-           "braidtrain.plan.command", "braidtrain.io.data", "braidtrain.evaluate", "braidtrain.io.export", "braidtrain.io.metrics"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.live",
+           "braidtrain.bench.train", "braidtrain.plan.command", "braidtrain.io.data", "braidtrain.evaluate",
+           "braidtrain.io.export", "braidtrain.io.metrics"]
 
 
 def child(req: dict) -> None:

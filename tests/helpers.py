@@ -172,7 +172,7 @@ def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedPro
 def forked(cmd: list, env: dict | None = None) -> subprocess.CompletedProcess:
     """What subprocess.run(cmd) would return for `python [-m torch.distributed.run --standalone
     --nproc-per-node=N] ARGS`, the command forked instead (launch): a stand-in for the `run_job`
-    of bench.py and plan_cli.py, which start such commands."""
+    of bench/train.py and plan/check.py, which start such commands."""
     cmd = [str(a) for a in cmd]
     assert cmd[0] == sys.executable, cmd
     cmd, nproc = cmd[1:], 1

@@ -17,7 +17,8 @@ from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.parallel.engine import Engine
-from braidtrain.parallel.schedule import Action, Executor, check
+from braidtrain.parallel.actions import Action, check
+from braidtrain.parallel.schedule import Executor
 from braidtrain.dist.runtime import init_runtime
 
 M = 4  # micro-batches per rank

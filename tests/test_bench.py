@@ -13,8 +13,11 @@ import torch
 
 from helpers import braidtrain, forked
 from braidtrain import cli
-from braidtrain.bench import train as bench, torchref
-from braidtrain.bench.train import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
+from braidtrain.bench import torchref
+from braidtrain.bench import train as bench
+from braidtrain.bench.comm import OPS, sizes
+from braidtrain.bench.train import BUSY, _median_row, gpu_load, slowest
+from braidtrain.dist.comm import bus_factor
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 

@@ -355,7 +355,9 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
     recommendation for the same model, memory and batch, and the run trains with it."""
     import tomllib
 
-    from braidtrain.plan import estimate as plan
+    from braidtrain.plan.memory import GB
+    from braidtrain.plan.search import plan
+    from braidtrain.plan.space import Setup
     from braidtrain.model.registry import model_config
 
     proc = jobs["auto"].result()
@@ -364,8 +366,8 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
     cfg = tomllib.loads((paths.scratch / "runs" / "auto" / "config.toml").read_text())
     model = model_config("tiny", json.loads((Path(paths.data) / "tokenizer.json").read_text())["vocab_size"],
                          n_layer=2, n_embd=64, n_head=2)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / plan.GB
-    best = plan.plan(plan.Setup(model, 1, mem, T, 4 * B * T, cpu=True))["rows"][0]["layout"]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    best = plan(Setup(model, 1, mem, T, 4 * B * T, cpu=True))["rows"][0]["layout"]
     assert f"--layout auto: {best.name()}, dp 1" in said, (said, best)
     assert (cfg["batch_size"], cfg["zero"], cfg.get("recompute", False)) == (best.b, best.zero, best.recompute)
     assert len([l for l in (paths.scratch / "runs" / "auto" / "metrics.jsonl").read_text().splitlines() if l]) == 2

@@ -198,16 +198,18 @@ def test_the_planners_verdicts_on_llama_70b():
     and so does TP 8 with its ZeRO stage that holds what the textbook's TP 8 + ZeRO-1 does (4 + 12/N
     bytes a parameter: braidtrain keeps fp32 weights and an fp32 gradient buffer, the textbook bf16
     copies of both; braidtrain's ZeRO-1 keeps 8 + 8/N and does not fit)."""
-    from braidtrain.plan import estimate as plan
+    from braidtrain.plan.estimate import estimate
+    from braidtrain.plan.search import plan
+    from braidtrain.plan.space import Candidate, Setup
 
-    s = plan.Setup(registry.model_config("llama3.1-70b"), gpus=64, mem_gb=80, t=1024, d=524288)
-    est = lambda **kw: plan.estimate(s, plan.Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))  # noqa: E731
+    s = Setup(registry.model_config("llama3.1-70b"), gpus=64, mem_gb=80, t=1024, d=524288)
+    est = lambda **kw: estimate(s, Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))  # noqa: E731
     ddp, zero3, tp8_z2, tp8_z1 = est(dp=64, zero=0), est(dp=64, zero=3), est(dp=8, zero=2, tp=8), est(dp=8, zero=1, tp=8)
     assert not ddp["fits"] and ddp["mem"]["total"] > 16 * 70e9
     assert zero3["fits"] and tp8_z2["fits"] and not tp8_z1["fits"]
     assert tp8_z1["state"]["grads"] == 8 * tp8_z2["state"]["optimizer"] / 2  # ZeRO-1's gradient buffer whole: 4P_tp
     for name in ("llama3.2-1b", "llama3.1-8b", "llama3.1-405b"):  # the presets plan
-        rows = plan.plan(plan.Setup(registry.model_config(name), gpus=8, mem_gb=80, t=2048, d=8 * 2048 * 8), pps=(1,),
+        rows = plan(Setup(registry.model_config(name), gpus=8, mem_gb=80, t=2048, d=8 * 2048 * 8), pps=(1,),
                          cps=(1,), tps=(1, 8), variants=False)
         assert rows["rows"] and "recommended" in rows["recommendation"] or "nothing fits" in rows["recommendation"]
 
@@ -216,13 +218,14 @@ def test_plan_check_of_a_llama_layout(tmp_path, shakespeare, monkeypatch):
     """`plan --check` on the CPU: a real run of llama3-tiny at tp 2 with sp and ZeRO-1 on 2 processes
     holds the model state the planner estimates, within 5% (its family reaches the check's run
     through the preset and train's flags: registry.command_line)."""
-    from braidtrain.plan import command as plan_cli
+    from braidtrain.plan import check
+    from braidtrain.plan.command import setup_from
     from helpers import forked
     from test_plan import parse
 
-    monkeypatch.setattr(plan_cli, "run_job", forked)
+    monkeypatch.setattr(check, "run_job", forked)
     monkeypatch.delenv("RANK", raising=False)
     args = parse("--model", "llama3-tiny", "--vocab", 256, "--gpus", 2, "-t", 64, "-d", 256, "--check", "1,2",
                  "--tp", 2, "--sp", "--data", shakespeare)
-    r = plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(shakespeare), None)
+    r = check.check(setup_from(args), check.check_layout(args), str(shakespeare), None)
     assert r["layout"]["tp"] == 2 and r["layout"]["zero"] == 1 and abs(r["rel_error"]) < 0.05, r

@@ -178,7 +178,7 @@ def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, shakespeare
     import torch
 
     from braidtrain import build
-    from braidtrain.cli import Parser, _train_parser, train_config
+    from braidtrain.options import Parser, train_config, train_parser
 
     asked = {}
 
@@ -192,7 +192,7 @@ def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, shakespeare
     monkeypatch.setattr(build, "find_runtime", lambda *_a, **_k: Launched())
     argv = ["--model", "tiny", "-i", str(shakespeare), "--out", str(tmp_path / "run"), "--tp", str(tp)]
     with pytest.raises(KeyboardInterrupt):
-        build.build(train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
+        build.build(train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
     assert asked["nccl_protocol"] == protocol
 
 

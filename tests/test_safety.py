@@ -8,7 +8,10 @@ import torch
 
 from helpers import SMALL, braidtrain, env, metrics, summary
 from test_cli import assert_one_line_error
-from braidtrain.plan import estimate as plan
+from braidtrain.plan.estimate import estimate
+from braidtrain.plan.memory import GB
+from braidtrain.plan.search import advice
+from braidtrain.plan.space import Candidate, Setup
 from braidtrain.model.registry import model_config
 
 BASE = [*SMALL, "-d", 256]
@@ -134,11 +137,11 @@ def test_out_of_memory_is_one_line_with_the_planners_view(tmp_path, shakespeare)
 def test_the_planners_advice_for_a_layout_that_does_not_fit():
     """gpt2-xl at b = 16 on one 40 GB GPU: the estimate over 40 GB, and changes that the planner
     itself says fit."""
-    s = plan.Setup(model_config("gpt2-xl", 50257), 1, 40, 1024, 16384)
-    msg = plan.advice(s, plan.Candidate(1, 0, 16, False))
-    est = plan.estimate(s, plan.Candidate(1, 0, 16, False))["mem"]["total"] / plan.GB
+    s = Setup(model_config("gpt2-xl", 50257), 1, 40, 1024, 16384)
+    msg = advice(s, Candidate(1, 0, 16, False))
+    est = estimate(s, Candidate(1, 0, 16, False))["mem"]["total"] / GB
     assert est > 40 and msg.startswith(f"the planner estimates {est:.1f} GB a rank for ZeRO-0 b=16 (of 40.0 GB); use ")
-    assert "b=2" in msg and plan.estimate(s, plan.Candidate(1, 0, 2, False))["fits"]
+    assert "b=2" in msg and estimate(s, Candidate(1, 0, 2, False))["fits"]
 
 
 def test_checkpoint_folders_that_are_not_shared_are_named_at_the_first_save(tmp_path, shakespeare):

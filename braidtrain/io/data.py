@@ -277,16 +277,6 @@ def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int
     return name, VOCAB[name] if name in VOCAB else get_tokenizer(name).vocab_size
 
 
-# ----------------------------------------------------------------------------- prepare
-
-
-def prepare(corpus: str, tokenizer: str, out, **options) -> dict:
-    """Tokenize a corpus into llm.c train/val shards in `out`: corpus.prepare (kept here for callers)."""
-    from braidtrain.io.corpus import prepare as prepare_corpus
-
-    return prepare_corpus(corpus, tokenizer, out, **options)
-
-
 # ----------------------------------------------------------------------------- reading
 
 class TokenData:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 
 from braidtrain.errors import UserError
-from braidtrain.parallel.schedule import Action
+from braidtrain.parallel.actions import Action
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
