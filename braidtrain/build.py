@@ -129,7 +129,8 @@ def build(cfg: Config) -> Run:
         if full is not None:  # before the engine: under ZeRO-3 a rank then holds only its shard
             table = placement.build(part)
             part.load_state_dict({n: table[n].shard(full[n], part.tp_rank, part.tp) for n, _ in part.named_parameters()})
-        part.recompute = cfg.recompute
+        if cfg.recompute:
+            part.use_recompute()
         if cfg.exact and device.type == "cuda":
             part.use_deterministic_attention()
         if lay.fp8:
@@ -140,8 +141,7 @@ def build(cfg: Config) -> Run:
         part.to(device)
     balance = torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=device)
     for part in parts:
-        for i, moe in part.moe_by_block().items():
-            moe.bias = balance[i]  # (a view: train.py moves the whole table at once)
+        part.use_expert_biases(balance)
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -202,10 +202,8 @@ def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> l
         cp = Context(mesh.groups["cp"], lay.cp_impl, lay.cp_order, lay.exact)
         for part in parts:
             part.use_context(cp)
-    for part in parts:  # a mixture of experts: exact mode's per-source calls; the aux term's weight
-        part.dispatch.exact = lay.exact
-        for moe in part.moe_layers():
-            moe.loss_scale = 1.0 / lay.batch.total_tokens
+    for part in parts:
+        part.use_experts(lay.exact, 1.0 / lay.batch.total_tokens)
     return parts
 
 

@@ -437,10 +437,10 @@ class LiveTrainer(Trainer):
         p.tokens, self.next_tokens = self.tokens, (None, None)
         p.__dict__.pop("train_step", None), p.__dict__.pop("validate", None)
         if e.exact:
-            e.trees = {b: TreeSum(e._recycle) for b in e.buckets}
+            e.trees = {b: TreeSum(e.recycle) for b in e.buckets}
             if e.tied.head is not None:
-                e.tied.head = TreeSum(e._recycle)
-            e.__dict__.pop("_exact_reduce", None)
+                e.tied.head = TreeSum(e.recycle)
+            e.__dict__.pop("exact_reduce", None)
 
     def divide(self) -> None:
         """Each member keeps its slot's micro-batches and takes a contiguous share of the slots
@@ -460,7 +460,7 @@ class LiveTrainer(Trainer):
             e.trees = {b: LiveTree(e, mine, self.pending) for b in e.buckets}
             if e.tied.head is not None:
                 e.tied.head = LiveTree(e, mine, self.pending)
-            e._exact_reduce = self.exact_reduce
+            e.exact_reduce = self.exact_reduce
 
     def host_tokens(self, step: int) -> torch.Tensor:
         if not self.degraded:
@@ -477,12 +477,12 @@ class LiveTrainer(Trainer):
         return self.by_number(losses, self.plan, self.M)
 
     def exact_reduce(self, b, grad, out, full, scratch):
-        """Exact mode's reduction after a change (in place of Engine._exact_reduce): the members'
+        """Exact mode's reduction after a change (in place of Engine.exact_reduce): the members'
         subtrees of `grad`'s bucket summed along the step's one tree (slots.reduce_forests)."""
         nodes = self.pending.pop(id(grad))
         reduce_forests(self.comm, self.mesh.groups["world"], self.ids, self.keys, self.rt.rank, nodes, self.M, out)
         for t in nodes.values():
-            self.engine._recycle(t)
+            self.engine.recycle(t)
         return _Done()
 
     @torch.no_grad()

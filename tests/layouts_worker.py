@@ -233,7 +233,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     parts = make_parts(cfg, mesh, lay, lay.sp)
     for part in parts:
         init_weights(part, 5)
-        part.recompute = lay.recompute
+        if lay.recompute:
+            part.use_recompute()
     engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
     opt = AdamW(engine)
     rows = lay.batch.seqs_per_rank
@@ -245,8 +246,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     ckpt_rt, t0 = SimpleNamespace(is_main=rank == 0, rank=rank, world_size=n), time.time()
     balance = torch.zeros(cfg.n_layer, max(1, cfg.moe_experts))  # (as build.py: the experts' biases)
     for part in parts:
-        for i, moe in part.moe_by_block().items():
-            moe.bias = balance[i]
+        part.use_expert_biases(balance)
     if resume is not None:
         first = checkpoint.load(checkpoint.list_checkpoints(resume)[-1], engine, opt)["step"]
     for step in range(first, until or steps):

@@ -177,10 +177,10 @@ def test_the_redone_steps_tree_is_exact_modes():
     from braidtrain.parallel.exact import TreeSum
 
     class Pool:  # the engine's buffer pool, as LiveTree and TreeSum use it
-        def _recycle(self, buf):
+        def recycle(self, buf):
             pass
 
-        def _take(self, n):
+        def take(self, n):
             return torch.empty(n)
 
     rnd, n = random.Random(0), 16

@@ -219,8 +219,8 @@ class Stage(nn.Module):
         # a mixture of experts': every expert here (model/moe.py), or sharded over ep (parallel/expert.py)
         self.dispatch = dispatch if dispatch is not None else Dispatch()
         self.ep_rank = mesh.coord("ep") if self.dispatch.n > 1 else 0
-        self.recompute = False  # activation checkpointing: keep only each block's input
-        self.head_sink = None  # exact mode: where the head's gradient of a tied embedding goes (TiedHead)
+        self.recompute = False  # activation checkpointing: keep only each block's input (use_recompute)
+        self.head_sink = None  # exact mode: where the head's gradient of a tied embedding goes (use_head_sink)
         self.cp = None  # context parallelism: this rank holds its chunks of each sequence (use_context)
 
     # -- what the family provides ------------------------------------------------------------------
@@ -284,7 +284,34 @@ class Stage(nn.Module):
         for the head (kept bitwise equal to the first stage's: the same gradient, the same update)."""
         return {self.embedding_name} if self.cfg.tied and self.last and not self.first else set()
 
-    # -- settings (build.py calls them once, before training) ------------------------------------
+    # -- settings (build.py and the engine call them once, before training) ---------------------
+    def use_recompute(self) -> None:
+        """--recompute: each block keeps only its input for the backward, which runs it again."""
+        self.recompute = True
+
+    def use_experts(self, exact: bool, loss_scale: float) -> None:
+        """A mixture of experts' settings: `exact`, each source's rows through an expert in their own
+        call (model/moe.py's Dispatch); `loss_scale`, the aux term's weight (1 / the global token
+        count)."""
+        self.dispatch.exact = exact
+        for moe in self.moe_layers():
+            moe.loss_scale = loss_scale
+
+    def use_expert_biases(self, biases: torch.Tensor) -> None:
+        """--moe-balance bias: each MoE layer's expert biases become row i of `biases` (n_layer, E),
+        a view, so that the trainer moves the whole table at once. After the stage's last .to()."""
+        for i, moe in self.moe_by_block().items():
+            moe.bias = biases[i]
+
+    def use_expert_sink(self, sink) -> None:
+        """Exact mode at ep > 1: where each source's expert gradients go (the engine's expert.Sourced)."""
+        self.dispatch.sink = sink
+
+    def use_head_sink(self, sink) -> None:
+        """Exact mode: the head's gradient of a tied embedding goes to `sink` (TiedHead; the engine's
+        parallel/tied.py adds it to the lookup's once a step)."""
+        self.head_sink = sink
+
     def use_context(self, cp) -> None:
         """Context parallelism (parallel/context.py): inputs are this rank's tokens of each
         sequence, at cp.positions; attention runs over the whole sequence through `cp`."""

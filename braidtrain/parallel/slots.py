@@ -76,14 +76,14 @@ class LiveTree:
             other = self.nodes.pop((level, i ^ 1))
             left, right = (other, node) if i & 1 else (node, other)
             left.add_(right)
-            self.e._recycle(right)
+            self.e.recycle(right)
             level, i, node = level + 1, i >> 1, left
         self.nodes[(level, i)] = node
 
     def total(self, n: int) -> torch.Tensor:
         """A buffer the reduction fills with the whole step's sum; the subtrees wait in `pending`."""
         assert self.leaves == n == len(self.micros), (self.leaves, n, len(self.micros))
-        root = self.e._take(next(iter(self.nodes.values())).numel())
+        root = self.e.take(next(iter(self.nodes.values())).numel())
         self.pending[id(root)] = self.nodes
         self.nodes, self.leaves = {}, 0
         return root
