@@ -23,10 +23,12 @@ from braidtrain.dist.comm import Comm
 from braidtrain.config import Config
 from braidtrain.io.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
 from braidtrain.errors import UserError
-from braidtrain.dist.fault import Fault, Guard
+from braidtrain.dist.fault import Guard
+from braidtrain.dist.inject import Fault
 from braidtrain.dist.mesh import Mesh, build_mesh
 from braidtrain.model import fp8, registry
-from braidtrain.model.protocol import ModelConfig, Stage
+from braidtrain.model.protocol import ModelConfig
+from braidtrain.model.stage import Stage
 from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine

@@ -55,7 +55,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from braidtrain.dist.comm import Aborted
+from braidtrain.dist.flight import Aborted
 from braidtrain.errors import UserError
 from braidtrain.dist.fault import EXIT_PEER_LOST, MEMBERSHIP
 from braidtrain.join import build_joiner

@@ -293,7 +293,7 @@ def test_timing_events_are_recorded_again_once_read_but_a_captured_graphs_never(
     """On CUDA a new pair of timing events cost the host ~33 us a collective and a reused pair ~7
     us: step_comm() hands each pair it has read back for a later collective -- except the pairs of
     collectives captured in a CUDA graph, which every replay of the graph records again."""
-    from braidtrain.dist.comm import Handle
+    from braidtrain.dist.flight import Handle
 
     class Event:  # what step_comm reads of a finished CUDA timing event pair
         def elapsed_time(self, _end):

@@ -17,7 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from braidtrain.errors import UserError
-from braidtrain.dist.runtime import FS_FILE, init_runtime
+from braidtrain.dist.rendezvous import FS_FILE
+from braidtrain.dist.runtime import init_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from braidtrain.errors import UserError
 from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, attend
 from braidtrain.model.moe import MoE
-from braidtrain.model.protocol import VOCAB_ALIGN, Block as BlockBase, Blocks, ModelConfig, Stage
+from braidtrain.model.protocol import VOCAB_ALIGN, ModelConfig
+from braidtrain.model.stage import Block as BlockBase, Blocks, Stage
 
 PRESETS = {  # name: fields
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),

@@ -36,7 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
-from braidtrain.dist.comm import Comm, pairwise_sum, timing_events
+from braidtrain.dist.comm import Comm, pairwise_sum
+from braidtrain.dist.flight import timing_events
 from braidtrain.parallel import buckets, expert, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
