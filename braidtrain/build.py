@@ -93,9 +93,8 @@ def build(cfg: Config) -> Run:
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
     # Data parallelism alone: each collective is a bucket (megabytes) or a few numbers a step, so
-    # NCCL's Simple protocol for all: ZeRO-3 on two H200s 7-14% faster, ZeRO-0/1 unchanged
-    # (docs/performance.md). tp's many mid-sized messages a layer keep NCCL's own choice, where
-    # LL/LL128's lower latency pays.
+    # NCCL's Simple protocol for all (ZeRO-3 faster, ZeRO-0/1 unchanged: docs/design-notes.md).
+    # tp's many mid-sized messages a layer keep NCCL's own choice, where LL/LL128's lower latency pays.
     rt.join(nccl_protocol="Simple" if lay.data_parallel_only else None)
     if cfg.exact:
         # same kernels, same reduction orders on every rank and every layout
@@ -166,8 +165,8 @@ def build(cfg: Config) -> Run:
 def _cublas_checked(device) -> None:
     """torch runs cuBLAS under deterministic algorithms only with CUBLAS_WORKSPACE_CONFIG :4096:8 or
     :16:8 -- checked once, remembered -- but while the variable is set, torch 2.11's cuBLAS calls
-    cost the H200 machine's host ~55 us more a matmul and ~165 us more one with a bias (deterministic
-    algorithms on or off): ~105 ms a gpt2 exact step of 8 micro-steps (issue #25). On compute
+    cost the host more time a matmul, deterministic algorithms on or off (docs/performance-history.md).
+    On compute
     capability 9.0 torch's own workspace, which it hands cuBLAS with every call, is that size (32 MiB)
     without the variable: there, one matmul passes the check and the variable this run set goes.
     Elsewhere it stays: without it the workspace, and so perhaps the bits, would differ."""

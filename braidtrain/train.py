@@ -20,8 +20,8 @@ pinned memory, so the host runs ahead of the GPU through the whole step; it read
 step's tokens while the GPU works, then waits once, at the end, to read the loss for the log.
 
 Python's garbage collector runs only by hand during the loop (collect_garbage), at the same steps
-on every rank: a full collection among torch.compile's objects takes 0.2-0.3 s (measured on CPU),
-and one that struck a single rank inside a step would hold its peers in the next collective.
+on every rank: a full collection among torch.compile's objects takes a noticeable fraction of a
+second, and one that struck a single rank inside a step would hold its peers in the next collective.
 
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
@@ -197,8 +197,7 @@ class Trainer:
         """Python's cyclic garbage, collected on every rank at the same steps and while the GPU
         works (the automatic collector is off during the loop: gc_by_hand). After the first step
         everything alive -- the model, torch.compile's graphs and caches -- is frozen: later
-        collections scan only what was made since (gpt2 --compile: 0.2 ms, against 240 ms for the
-        first one with its 410k objects)."""
+        collections scan only what was made since (docs/performance-history.md has the figures)."""
         if step == self.start_step:
             gc.collect()
             gc.freeze()

@@ -80,7 +80,7 @@ def _launch(comm, op, bufs, group, n, r):
 def _time(comm, op, bufs, group, n, r, iters) -> float:
     """Seconds per iteration. On CUDA, the GPU's own time: every launch is queued behind a sleeping
     kernel first and timed by the collectives' events from the second one's start to the last one's
-    end, so that neither the host's launch cost (~0.15 ms a call from Python, which would otherwise
+    end, so that neither the host's launch cost (a call from Python, which would otherwise
     cap the small messages' figures) nor the first call's wait for the peers is counted. On a host
     backend, the wall clock over the iterations."""
     if comm.cuda and group.pg is not None:

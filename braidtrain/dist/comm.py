@@ -70,8 +70,8 @@ class Group:
     """One process group as braidtrain uses it: the mesh axis it runs along, its members (global
     ranks, in group order), this rank's index among them, torch's group (None for a group of one
     rank: nothing to exchange) and the Comm that records every operation on it. The size and
-    index are plain numbers: torch's get_world_size cost 0.39 ms a call on the GPU machine (2
-    H200s, torch 2.11), ~80 ms of ZeRO-3's host time a step when it was asked every collective."""
+    index are plain numbers: asking torch's get_world_size at every collective cost ZeRO-3 a
+    noticeable share of its host time a step (docs/performance-history.md)."""
 
     axis: str
     ranks: tuple[int, ...]
@@ -141,9 +141,9 @@ class Comm:
             # Launch from our side stream: it first waits (an event) for what the compute stream has
             # queued -- the gradients this collective reads -- and the compute stream goes on with the
             # rest of the backward pass; Handle.wait() makes the compute stream wait for `join`.
-            # ZeRO-3 comes here ~100 times a step, so the host time counts (on the GPU machine: a
-            # new pair of timing events ~33 us, a reused pair ~7 us, a current-stream lookup ~8 us):
-            # streams are looked up once, and timing events reused once step_comm() has read them --
+            # ZeRO-3 comes here ~100 times a step, so the host time counts (a new pair of timing
+            # events costs several times a reused pair; docs/performance-history.md): streams are
+            # looked up once, and timing events reused once step_comm() has read them --
             # except inside a capture, where they are graph nodes that every replay records again
             # (and that order no streams: `join` is then a plain event of its own).
             capturing = torch.cuda.is_current_stream_capturing()

@@ -84,9 +84,8 @@ class Runtime:
         """The backend's options for the process groups of a mesh axis: NCCL's kernels on
         high-priority streams for the data-parallel groups, whose collectives overlap compute (a
         collective then gets its SMs as soon as blocks free up, rather than queueing behind the
-        compute kernels': ZeRO-3 on two H200s 686k -> 807k tokens/s, ZeRO-0/1 unchanged,
-        docs/performance.md), and for tp's, as measured with them; the others keep NCCL's
-        defaults. None: the defaults -- also wherever the user set TORCH_NCCL_HIGH_PRIORITY."""
+        compute kernels': ZeRO-3 gained most, docs/design-notes.md), and for tp's; the others keep
+        NCCL's defaults. None: the defaults -- also wherever the user set TORCH_NCCL_HIGH_PRIORITY."""
         if self.backend != "nccl" or axis not in HIGH_PRIORITY or "TORCH_NCCL_HIGH_PRIORITY" in os.environ:
             return None
         opts = dist.ProcessGroupNCCL.Options()

@@ -119,7 +119,7 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
         raise UserError(f"{path}: reading parquet needs pyarrow: run `pip install pyarrow`") from None
     try:
         # pre_buffer off (pyarrow's default is on): with it, what iter_batches had read stayed
-        # allocated to the file's end (measured: 200 MB of a 265 MB file); without, one buffer
+        # allocated to the file's end (docs/performance-history.md); without, one buffer
         pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"{path} is not a readable parquet file ({e})") from None

@@ -20,8 +20,8 @@ and the part split over tp (heads, the MLP's columns).
 One difference from a GPU the trace cannot see: on the CPU, SDPA returns its output laid out (B, T,
 H, D), so merging the heads is free and the next projection saves the same storage; on CUDA its
 output is (B, H, T, D) and the merge is a copy the projection saves: `HEAD_MERGE` bytes a channel of
-the attention output, added for the GPU (measured for gpt2 on an H200: 38 bytes a token x channel,
-docs/performance.md; the trace finds 36 and the lse).
+the attention output, added for the GPU (the trace and the GPU's measured peak compared:
+docs/design-notes.md).
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ weight.
 
 Why. The plain version materialises the (N, Vp) logits in bf16, a float32 copy of them, the
 float32 log-probs that the cross-entropy keeps for the backward pass, and there float32 gradients
-of the log-probs and of the logits, then a bf16 one: for gpt2 at B=16, T=1024 one bf16 copy is
-1.65 GB, and on an H200 under torch.compile the cross-entropy kernels take ~3.4 ms a micro-step
-where its memory traffic needs ~0.7 ms. Here, per row, one pass:
+of the log-probs and of the logits, then a bf16 one: gigabytes at GPT-2's vocabulary, and several
+times the time its memory traffic needs (docs/performance-history.md). Here, per row, one pass:
 
     forward   logits = h @ wᵀ                   one cuBLAS matmul, (N, Vp) in h's dtype
               per row (one Triton program):      read the row in chunks: online max m and
@@ -72,9 +71,8 @@ _MAX_BLOCK = 4096
 
 def _config(vocab_size: int) -> _Config:
     """Chunk size by vocab_size only (never by N: a row's bits must not depend on the batch),
-    16 columns a thread. Chosen by measurement (benchmarks/loss_gpu.py --configs, H200,
-    2026-11-29, gpt2's V): chunks of 4096 columns with 8 warps ran the fused pass in 1.19 ms,
-    against 1.42-1.57 ms at 8192-16384 columns and 2.0-3.0 ms at 32768-65536 (docs/performance.md)."""
+    16 columns a thread. Chosen by measurement: 4096 columns with 8 warps ran fastest of the
+    chunk sizes tried (benchmarks/loss_gpu.py --configs; docs/performance-history.md)."""
     block = min(_MAX_BLOCK, 1 << max(vocab_size - 1, 1).bit_length())
     return _Config(block, max(4, min(32, block // 512)))
 

@@ -187,9 +187,8 @@ class Engine:
         """Zero the bucket's gradient buffer `buf` (None: a fresh one) and point its parameters'
         .grad at views into it: autograd then adds each gradient into it in place. ZeRO-2/3 open a
         scratch as the backward reaches the bucket (zero.py) and hand it to the reduce-scatter
-        when it is complete. (Copying each gradient out in a hook instead cost the GPU machine's
-        host 28-30 us a parameter, 33-36 ms a gpt2 ZeRO-3 step; the GPU now zeroes and adds: more
-        bytes, less host time.)"""
+        when it is complete. (Copying each gradient out in a hook instead cost host time a
+        parameter; the GPU now zeroes and adds: more bytes, less host time. docs/design-notes.md.)"""
         b.grad = buf if buf is not None else self.take(b.padded)
         b.grad.zero_()
         for p, view in b.views(b.grad):
