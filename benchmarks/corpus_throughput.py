@@ -51,7 +51,7 @@ def make_corpus(root: Path, mb: float, seed: int = 0) -> tuple[int, int]:
     (root / "parquet").mkdir(parents=True, exist_ok=True)
     target, total, n, part, batch = mb * 1e6, 0, 0, 0, []
     with gzip.open(root / "corpus.jsonl.gz", "wt", encoding="utf-8", compresslevel=6) as jsonl:
-        writer = None
+        writer, writer_rows = None, 0
         while total < target:
             want, i, doc = g.lognormal(np.log(3000), 0.8), int(g.integers(len(paras))), []
             while sum(map(len, doc)) < want:

@@ -68,7 +68,7 @@ def serve(path: str) -> None:
     waiting = {}  # pid -> its requester's connection
     print("ready", flush=True)
     while os.getppid() == parent:
-        for key, _ in sel.select(timeout=0.05):
+        for _key, _ in sel.select(timeout=0.05):
             conn, _ = listener.accept()
             with conn.makefile("r") as f:
                 req = json.loads(f.readline())

@@ -159,7 +159,7 @@ def check_gpt(res, mesh, pre="gpt"):
             key = f"{pre}.{tag}{'.recompute' if recompute else ''}"
             res[f"{key}.loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             losses = gather(loss.detach().reshape(1), group, tp)
-            res[f"{key}.loss_same_on_tp_ranks"] = all(torch.equal(l, losses[0]) for l in losses)
+            res[f"{key}.loss_same_on_tp_ranks"] = all(torch.equal(loss, losses[0]) for loss in losses)
             partial = table.sp_partial()
             worst, worst_name, replicated_equal = 0.0, "", True
             for n, p in model.named_parameters():

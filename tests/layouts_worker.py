@@ -168,7 +168,7 @@ def matrix(rank, out):
         exact = group.endswith("exact")
         steps, mid = MATRIX_STEPS[exact]
         cfg = MOE if model == "moe" else SHALLOW
-        ckpt = lambda name: Path(out) / "ckpt" / group / name  # noqa: E731
+        ckpt = lambda name: Path(out) / "ckpt" / group / name
         members = [base] + cells
         results[group] = {}
         for i, (name, kw) in enumerate(members):
@@ -328,7 +328,7 @@ def dispatch(rank, ep, capacity):
     y = layer(x)
     y.backward(dys[rank])
     errs, dropped_ok = [], True
-    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()  # noqa: E731
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
     xr = xs.clone().requires_grad_()
     outs = []
     for r in range(ep):  # the reference: each rank's tokens a group of their own, as its capacity is

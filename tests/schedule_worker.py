@@ -59,7 +59,7 @@ def run(rt, zero, exact, order, bf16):
     engine.finish_step()
     norm = engine.grad_norm().item()
     grads = torch.cat([g.clone() for _, _, g in engine.owned()])
-    return {"loss": sum(l.item() for l in losses), "norm": norm, "grads": grads, "max_live": executor.max_live}
+    return {"loss": sum(loss.item() for loss in losses), "norm": norm, "grads": grads, "max_live": executor.max_live}
 
 
 def main(out):

@@ -206,7 +206,7 @@ def test_bench_train_fails_when_the_variants_do_other_work(shakespeare, monkeypa
     p = bench_train("--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
                     "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "2", "--warmup", "1", "--nproc", "1",
                     "--layout", "-z 0", "--layout", "-z 0 --lr 0.01", "--torch", "", monkeypatch=monkeypatch, capsys=capsys)
-    err = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    err = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
     assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
     assert "final losses disagree: braidtrain -z 0 --lr 0.01" in err[0] and "against braidtrain -z 0 " in err[0]
     assert "braidtrain -z 0 --lr 0.01" in p.stdout  # the table came first

@@ -274,7 +274,7 @@ def test_exact_needs_power_of_two_micro_steps(paths, jobs):
     out = paths.scratch / "runs" / "exact"
     proc = jobs["exact"].result()
     assert proc.returncode != 0, proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if "braidtrain: error:" in l]
+    errors = [line for line in proc.stderr.splitlines() if "braidtrain: error:" in line]
     assert errors, f"no braidtrain error line from the children:\n{proc.stderr}"
     for line in errors:
         line = line[line.index("braidtrain: error:"):]
@@ -313,7 +313,7 @@ def test_train_two_steps(run):
     out = run.out
     cfg = (out / "config.toml").read_text()
     assert "batch_size = 2" in cfg and "seq_len = 64" in cfg and "n_layer = 2" in cfg
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert METRIC_KEYS <= r.keys(), sorted(r)
@@ -345,7 +345,7 @@ def test_llmc_ignored_flags_are_accepted(paths, jobs):
     out = paths.scratch / "runs" / "llmc"
     proc = jobs["llmc"].result()
     assert proc.returncode == 0, proc.stderr
-    notes = [l for l in proc.stderr.splitlines() if l.startswith("braidtrain: note:")]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("braidtrain: note:")]
     assert len(notes) == 1 and "-h" in notes[0] and "-f" in notes[0] and "no effect" in notes[0], proc.stderr
     assert (out / "summary.json").is_file()
 
@@ -362,7 +362,7 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
 
     proc = jobs["auto"].result()
     assert proc.returncode == 0, proc.stderr
-    said = next(l for l in proc.stdout.splitlines() if "--layout auto:" in l)
+    said = next(line for line in proc.stdout.splitlines() if "--layout auto:" in line)
     cfg = tomllib.loads((paths.scratch / "runs" / "auto" / "config.toml").read_text())
     model = model_config("tiny", json.loads((Path(paths.data) / "tokenizer.json").read_text())["vocab_size"],
                          n_layer=2, n_embd=64, n_head=2)
@@ -370,4 +370,4 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
     best = plan(Setup(model, 1, mem, T, 4 * B * T, cpu=True))["rows"][0]["layout"]
     assert f"--layout auto: {best.name()}, dp 1" in said, (said, best)
     assert (cfg["batch_size"], cfg["zero"], cfg.get("recompute", False)) == (best.b, best.zero, best.recompute)
-    assert len([l for l in (paths.scratch / "runs" / "auto" / "metrics.jsonl").read_text().splitlines() if l]) == 2
+    assert len([line for line in (paths.scratch / "runs" / "auto" / "metrics.jsonl").read_text().splitlines() if line]) == 2

@@ -101,7 +101,7 @@ def test_a_glob_and_a_folder_of_parquet(tmp_path):
     docs = documents(plays=1)
     src = write_corpora(tmp_path / "src", docs)
     a = C.prepare(str(src["parquet"] / "part-*.parquet"), "bytes", tmp_path / "a", shard_tokens=50_000, progress=False)
-    b = C.prepare(str(src["parquet"]), "bytes", tmp_path / "b", name="pq", shard_tokens=50_000, progress=False)
+    C.prepare(str(src["parquet"]), "bytes", tmp_path / "b", name="pq", shard_tokens=50_000, progress=False)
     assert Path(a["files"][0]).name.startswith("pq_train_") and shards(tmp_path / "a") == shards(tmp_path / "b")
 
 
@@ -228,7 +228,7 @@ def test_llama3_shards_in_llmc_layout_train_and_sample_as_text(tmp_path):
     data = tmp_path / "data"
     braidtrain("data", "prepare", "--corpus", src["jsonl"], "--tokenizer", "llama3", "--name", "c",
                "--shard-tokens", 25_000, "--workers", 2, "--out", data)
-    encode = lambda d: meta.encode(d, bos=False, eos=False)  # noqa: E731
+    encode = lambda d: meta.encode(d, bos=False, eos=False)
     assert shards(data) == fineweb_by_hand(docs, encode, 128000, 25_000, "<u4", 20240801, 7)
     (data / "tokenizer.json").unlink()
     assert D.data_tokenizer(D.resolve_files(str(data), "train")) == ("llama3-ids", 128256)

@@ -113,7 +113,7 @@ def test_zero3_forward_that_raises_leaves_no_saved_tensor_hook():
     init_weights(model, seed=7)
     engine = solo_engine(model, zero=3)
     x = torch.randint(0, 256, (1, 32))
-    autocast = lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)  # noqa: E731
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)
     boom = model.h[1].mlp.register_forward_pre_hook(lambda *_: 1 / 0)
     engine.begin_step(1)
     with pytest.raises(ZeroDivisionError), engine.forward(0), autocast():
@@ -308,7 +308,7 @@ def test_timing_events_are_recorded_again_once_read_but_a_captured_graphs_never(
         return h
 
     captured = [collective(reuse=False)]
-    for step in range(3):
+    for _ in range(3):
         eager = collective(reuse=True)
         comm.step_handles.append(eager)
         comm.replayed(captured, world)

@@ -60,7 +60,7 @@ def while_frozen(p: subprocess.Popen, ready, wait_s: float, check) -> str:
     deadline = time.monotonic() + wait_s
     while not ready() and time.monotonic() < deadline:
         time.sleep(0.5)
-    stopped = [l for l in err_lines if "fault injected: SIGSTOP" in l]
+    stopped = [line for line in err_lines if "fault injected: SIGSTOP" in line]
     pid = int(stopped[0].split("pid ")[1].split()[0]) if stopped else None
     try:
         check()
@@ -212,7 +212,7 @@ def test_sigterm_writes_the_flight_log(tmp_path, shakespeare):
     lines = (run / "flight" / "rank_00000.jsonl").read_text().splitlines()
     head = json.loads(lines[0])
     assert head["reason"] == "signal SIGTERM" and head["step"] >= 1 and head["world_size"] == 1
-    assert all(json.loads(l)["op"] for l in lines[1:])
+    assert all(json.loads(line)["op"] for line in lines[1:])
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, shakespeare, ref):
@@ -293,7 +293,7 @@ def write_logs(run: Path, logs: dict[int, list[tuple]], world: int = 4, session:
             group, gseq = where or ("replica", s)
             lines.append({"seq": s, "op": op, "group": group, "gseq": gseq, "shape": [8], "dtype": "float32",
                           "nbytes": 32, "t_start": 1.0 + s, "t_end": 2.0 + s if done else None, "step": 40 + s // 10})
-        (run / "flight" / f"rank_{rank:05d}.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+        (run / "flight" / f"rank_{rank:05d}.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
 
 
 def history(n: int, *tail) -> list[tuple]:
@@ -317,7 +317,7 @@ def test_doctor_infers_a_silent_rank_and_ignores_older_sessions(tmp_path):
     write_logs(tmp_path, {r: history(13, (13, "all_gather", False), (14, "all_reduce", False)) for r in (0, 2, 3)})
     lines = diagnose(tmp_path)
     assert "none from rank 1" in lines[0]
-    assert any("rank_00001.jsonl is from an earlier session" in l for l in lines)
+    assert any("rank_00001.jsonl is from an earlier session" in line for line in lines)
     assert lines[-1].startswith("rank 1 stopped after collective #12 (all_reduce replica, step 41) and wrote no flight log")
     assert lines[-1].endswith("ranks 0,2,3 waited in #13 (all_gather replica, step 41)")
 
@@ -400,12 +400,12 @@ def test_doctor_reads_flight_logs_from_before_groups_were_named(tmp_path):
 
     write_logs(tmp_path, {r: history(13, (13, "all_gather", False)) for r in (0, 1, 2)} | {3: history(13)})
     for f in (tmp_path / "flight").iterdir():
-        lines = [json.loads(l) for l in f.read_text().splitlines()]
+        lines = [json.loads(line) for line in f.read_text().splitlines()]
         del lines[0]["groups"]
         for x in lines[1:]:
             x["axis"] = x.pop("group")
             del x["gseq"]
-        f.write_text("".join(json.dumps(l) + "\n" for l in lines))
+        f.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     assert diagnose(tmp_path)[-1] == ("rank 3 stopped at collective #12 (all_reduce replica, step 41); "
                                       "ranks 0,1,2 waited in #13 (all_gather replica, step 41)")
 

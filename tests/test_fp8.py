@@ -306,7 +306,7 @@ def test_a_mixture_trains_with_float8_under_context_and_expert_parallelism(runs)
 def test_an_unknown_recipe_is_refused_in_one_line(runs):
     proc, _ = runs["bad-recipe"]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--fp8" in lines[0] and "columnwise" in lines[0], proc.stderr
 
 

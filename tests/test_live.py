@@ -54,7 +54,7 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
              for r, flags in how.items()}
     codes = {}
     try:
-        for r, (conn, f, pid) in ranks.items():
+        for r, (conn, f, _pid) in ranks.items():
             conn.settimeout(240)
             codes[r] = int(f.readline() or -9)
     finally:
@@ -69,7 +69,7 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
 
 
 def membership(run: Path) -> list[dict]:
-    return [json.loads(l) for l in (run / "flight" / "membership.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in (run / "flight" / "membership.jsonl").read_text().splitlines() if line.strip()]
 
 
 def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, joined: int | None = None) -> None:
@@ -221,7 +221,7 @@ def test_layouts_live_recovery_cannot_keep_are_refused(tmp_path, shakespeare, fl
     flags = [f for f in flags if f != "--no-live"]
     p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", *live, *flags, check=False)
     assert p.returncode == 2 and words in p.stderr, p.stderr[-2000:]
-    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+    assert len([line for line in p.stderr.splitlines() if line.strip()]) == 1, p.stderr
 
 
 def test_zero_1_to_3_fall_back_to_the_restart_in_one_line(tmp_path, shakespeare):

@@ -203,7 +203,7 @@ def test_the_planners_verdicts_on_llama_70b():
     from braidtrain.plan.space import Candidate, Setup
 
     s = Setup(registry.model_config("llama3.1-70b"), gpus=64, mem_gb=80, t=1024, d=524288)
-    est = lambda **kw: estimate(s, Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))  # noqa: E731
+    est = lambda **kw: estimate(s, Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))
     ddp, zero3, tp8_z2, tp8_z1 = est(dp=64, zero=0), est(dp=64, zero=3), est(dp=8, zero=2, tp=8), est(dp=8, zero=1, tp=8)
     assert not ddp["fits"] and ddp["mem"]["total"] > 16 * 70e9
     assert zero3["fits"] and tp8_z2["fits"] and not tp8_z1["fits"]

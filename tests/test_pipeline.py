@@ -94,8 +94,8 @@ def test_a_slow_link_or_stage_shows_in_the_simulated_step():
     B0 to 4+h, F1, B1 to 7+h, so rank 0's B0 runs 4+2h..6+2h and its B1 ends at 9+2h. Rank 1
     twice as slow: F0 1-3, B0 3-7, F1 7-9, B1 9-13, and rank 0's B1 ends at 15."""
     plan = pipeline.build("1f1b", 2, 1, 2)
-    unit = lambda a: 1.0 if a.op == "F" else 2.0  # noqa: E731
-    ends = lambda ranks: [r["end"] for r in ranks]  # noqa: E731
+    unit = lambda a: 1.0 if a.op == "F" else 2.0
+    ends = lambda ranks: [r["end"] for r in ranks]
     assert ends(pipeline.simulate(plan, 2, unit)) == [9.0, 7.0]
     assert ends(pipeline.simulate(plan, 2, unit, hop=0.25)) == [9.5, 7.25]
     slow = pipeline.simulate(plan, 2, lambda a: unit(a) * (2 if a.stage == 1 else 1))

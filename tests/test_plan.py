@@ -115,7 +115,7 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
     lines = out.splitlines()
     assert "124.5M parameters" in lines[0] and "8 x 80 GB," in lines[0]
     assert lines[1].split()[:7] == ["dp", "zero", "b", "micro", "recomp", "mem", "GB"]
-    rows = [l.split() for l in lines[2:] if l.split() and l.split()[0] == "8"]
+    rows = [line.split() for line in lines[2:] if line.split() and line.split()[0] == "8"]
     assert len(rows) == 12 and all(r[-1] == "yes" for r in rows)  # gpt2 fits 80 GB at the top
     times = [float(r[-3]) for r in rows]
     assert times == sorted(times)
@@ -123,7 +123,7 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
     # by default one row a mesh (its best ZeRO stage, b and recompute), still ranked
     lines = run_plan("--model", "gpt2", "--gpus", 8, "--gpu-mem", 80, "--top", 0, capsys=capsys).splitlines()
     assert lines[1].split()[:7] == ["dp", "tp", "sp", "pp", "sched", "bubble", "cp"]
-    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    rows = [line.split() for line in lines[2:] if line[:1] == " " or line[:1].isdigit()]
     meshes = [tuple(r[:7]) for r in rows]  # dp, tp, sp, pp, schedule, bubble (a function of the rest), cp
     assert len(meshes) == len(set(meshes)) > 12 and {"4", "2"} <= {r[3] for r in rows} and "2" in {r[1] for r in rows}
     fit = [float(r[-3]) for r in rows if r[-1] == "yes"]
@@ -132,7 +132,7 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
 
 def test_gpt2_xl_on_one_24gb_gpu_names_the_smallest_change(capsys):
     out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute", capsys=capsys)
-    fix = next(l for l in out.splitlines() if l.startswith("ZeRO-0 b=1 needs"))
+    fix = next(line for line in out.splitlines() if line.startswith("ZeRO-0 b=1 needs"))
     # 16P of model state alone is 25 GB: no setting fits one GPU, so the fix is hardware
     assert "> 24 GB: use GPUs with >= " in fix and "GPUs with ZeRO-3" in fix
     assert out.splitlines()[-1].startswith("nothing fits on 1 x 24 GB")
@@ -190,7 +190,7 @@ def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
                    capsys=capsys)
     lines = out.splitlines()
     assert lines[1].split()[:4] == ["dp", "tp", "sp", "zero"]  # the mesh columns, when tp rows are shown
-    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    rows = [line.split() for line in lines[2:] if line[:1] == " " or line[:1].isdigit()]
     assert len(rows) == 4 * 7 * 2 and all(r[:3] == ["4", "2", "on"] for r in rows)
     assert lines[-1].startswith("recommended: ZeRO-") and " tp=2 --sp" in lines[-1]
 
@@ -370,7 +370,7 @@ def test_pipelines_in_the_table(capsys):
     out = run_plan("--model", "gpt2-xl", "--gpus", 8, "--gpu-mem", 16, "--pp", 4, "--top", 0, capsys=capsys)
     lines = out.splitlines()
     assert lines[1].split()[:6] == ["dp", "pp", "sched", "bubble", "cp", "zero"]  # cp: pp 4 leaves 2 ranks to share
-    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    rows = [line.split() for line in lines[2:] if line[:1] == " " or line[:1].isdigit()]
     assert rows and {r[1] for r in rows} == {"4"} and {r[2] for r in rows} == {"gpipe", "1f1b", "interleavedx2", "zb"}
     assert " pp=4 " in lines[-1]
     zb = json.loads(run_plan("--model", "gpt2", "--gpus", 4, "--pp-schedule", "zb", "--json", capsys=capsys))
@@ -452,7 +452,7 @@ def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
     cfg = model_config("gpt2", 50257, block_size=262144)
     s = Setup(cfg, gpus=2, mem_gb=80, t=262144, d=2 * 262144)
     r = plan(s, recomputes=(False,))
-    pick = lambda cp: next(e for e in r["rows"] if (e["layout"].cp, e["layout"].tp, e["layout"].pp,  # noqa: E731
+    pick = lambda cp: next(e for e in r["rows"] if (e["layout"].cp, e["layout"].tp, e["layout"].pp,
                                                     e["layout"].zero) == (cp, 1, 1, 0))
     one, two = pick(1), pick(2)
     assert not one["fits"] and two["fits"]
@@ -594,7 +594,7 @@ def test_gpt2_xl_on_two_nodes_lists_pp_cp_and_tp_with_memory_that_adds_up(capsys
     out = run_plan(*argv, "--pp", 1, "--cp", 1, "-z", 3, capsys=capsys)  # (the header does not depend on the filters)
     assert "no tp: no divisor of n_head 25" in out.splitlines()[0]
     data = json.loads(run_plan(*argv, "--n-head", 32, "--json", capsys=capsys))
-    used = lambda k: any(r[k] > 1 and r["fits"] for r in data["layouts"])  # noqa: E731
+    used = lambda k: any(r[k] > 1 and r["fits"] for r in data["layouts"])
     assert used("pp") and used("cp") and used("tp")
     assert any(r["pp"] > 1 and r["cp"] > 1 and r["tp"] > 1 for r in data["layouts"])
     for row in data["layouts"]:

@@ -25,7 +25,7 @@ def run(*args, fault=None, nproc=1, fsize=None):
 
 def stopped(p) -> str:
     """The one error line of a run that stopped itself (exit 3)."""
-    lines = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
     assert p.returncode == 3 and len(lines) == 1, (p.returncode, p.stderr[-3000:])
     assert "Traceback" not in p.stderr
     return lines[0]
@@ -110,13 +110,13 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_or_goes_on(tmp_path
     args = [*BASE, "-i", shakespeare, "--ckpt-every", 2, "--out", out]
     assert run(*args, "-x", 2).returncode == 0
     p = run(*args, "-x", 4, "--resume", "auto", fsize=1 << 20)
-    err = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    err = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
     assert p.returncode == 2 and len(err) == 1 and "could not write checkpoint" in err[0], p.stderr[-3000:]
     assert "File too large" in err[0] and "previous checkpoint is intact" in err[0]
     checkpoint.verify(out / "checkpoints" / "step_00000002")
     p = run(*args, "-x", 6, "--resume", "auto", "--on-save-error", "continue", fsize=1 << 20)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sum("training goes on (--on-save-error continue)" in l for l in p.stdout.splitlines()) == 2  # steps 4, 6
+    assert sum("training goes on (--on-save-error continue)" in line for line in p.stdout.splitlines()) == 2  # steps 4, 6
     assert [m["step"] for m in metrics(out)][-1] == 6
     assert [c.name for c in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
     p = run(*args, "-x", 3, "--resume", "auto")
@@ -127,7 +127,7 @@ def test_out_of_memory_is_one_line_with_the_planners_view(tmp_path, shakespeare)
     """(The hook's own line announces the fault; the run's is the one error line, exit 2.)"""
     out = tmp_path / "run"
     p = run(*BASE, "-i", shakespeare, "-x", 3, "--out", out, fault="oom:step=2")
-    errors = [l for l in p.stderr.splitlines() if not l.startswith("braidtrain: fault injected")]
+    errors = [line for line in p.stderr.splitlines() if not line.startswith("braidtrain: fault injected")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr
     for w in ("braidtrain: error: out of memory on cpu (rank 0) at step 2", "the planner estimates", "braidtrain plan"):
         assert w in errors[0], (w, errors[0])
@@ -148,7 +148,7 @@ def test_checkpoint_folders_that_are_not_shared_are_named_at_the_first_save(tmp_
     """Rank 1's marker lands in a folder of its own (the hook standing in for a node-local disk)."""
     p = run(*BASE, "-i", shakespeare, "-x", 2, "--out", tmp_path / "run", fault="local-disk:step=1:rank=1", nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]
-    warn = [l for l in p.stdout.splitlines() if "does not see the checkpoint files of rank(s) 1" in l]
+    warn = [line for line in p.stdout.splitlines() if "does not see the checkpoint files of rank(s) 1" in line]
     assert len(warn) == 1 and "--out" in warn[0] and "node-local" in warn[0], p.stdout
     # (and no such line where the folder is shared: test_one_nan_on_one_rank_is_skipped_on_every_rank's run)
 

@@ -209,7 +209,7 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
             group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        total = torch.as_tensor(sum(l.detach().float() for l in micro) if micro else 0.0, device=device).float()
+        total = torch.as_tensor(sum(loss.detach().float() for loss in micro) if micro else 0.0, device=device).float()
         dist.all_reduce(total)
         losses.append(total.item())
         step_s.append(time.time() - t0)

@@ -39,7 +39,7 @@ import os
 import re
 from collections import deque
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

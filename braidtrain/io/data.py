@@ -20,7 +20,7 @@ import importlib.util
 import json
 import os
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +82,7 @@ class Tokenizer:
         return self._encode_array(text)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gpt2_encoding():
     import tiktoken
     spec = importlib.util.find_spec("whisper")
@@ -106,7 +106,7 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-@lru_cache(maxsize=None)
+@cache
 def _llama3_encoding():
     import tiktoken
     spec = importlib.util.find_spec("llama_models")  # (found, not imported: it needs more than tiktoken)
@@ -126,7 +126,7 @@ def _llama3_encoding():
 _WINDOW, _RUN = 400_000, 25_000  # Meta's TIKTOKEN_MAX_ENCODE_CHARS and MAX_NO_WHITESPACES_CHARS
 # A run of more than _RUN whitespace, or non-whitespace, characters; the look-behinds let a match
 # start only where its run starts (no retry from inside a long run: linear time).
-_LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (_RUN + 1, _RUN + 1))
+_LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (_RUN + 1, _RUN + 1))  # noqa: UP031 (a regex's braces)
 
 
 def llama3_pieces(text: str):

@@ -53,7 +53,7 @@ def counts(cfg) -> dict:
             for p in module.experts.parameters():
                 share[p] = module.k / module.E
     lookups = {p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-    used = lambda ps: sum(p.numel() * share.get(p, 1.0) for p in ps)  # noqa: E731
+    used = lambda ps: sum(p.numel() * share.get(p, 1.0) for p in ps)
     head = used(p for n, p in model.named_parameters() if n in model.head_names() and p not in lookups)
     head += model.head_weight().numel() if cfg.tied else 0  # the tied head's matmul (the table is a lookup too)
     linear = [tuple((*m.weight.shape, 0 if isinstance(m, ColumnParallelLinear) else 1) for m in block.modules()

@@ -93,8 +93,8 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     ring = ring_bytes(s, lay) if cp > 1 else {"ring_out": 0, "ring_scores": 0}
     one_ring = ring["ring_out"] / (1 if lay.recompute else cfg.n_layer)  # one block's
     moe = moe_layer_bytes(s, lay) if cfg.moe_experts else 0
-    kept = lambda i: per_block + (0 if lay.recompute else one_ring + moe * cfg.is_moe(i))  # noqa: E731
-    size = lambda c: sum(map(kept, split[c])) + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)  # noqa: E731
+    kept = lambda i: per_block + (0 if lay.recompute else one_ring + moe * cfg.is_moe(i))
+    size = lambda c: sum(map(kept, split[c])) + (terms["head"] + terms["logits"] if c == chunks - 1 else 0)
     flops = pipeline.flop_cost(cfg, s.t, chunks)
     whole = sum(flops(c, r) for c, r in enumerate(split))
     micro_s = flops_per_token(s, tp) * lay.b * s.t / (tp * cp * s.tflops * 1e12)  # one micro-batch, the whole model
@@ -158,7 +158,7 @@ def simulated(name: str, pp: int, v: int, m: int, cost: tuple, hop: float, size:
     """pipeline.simulate of the schedule with per-chunk costs (F, B, W) and sizes; past SIM_MICRO
     cycles of pp micro-batches, simulated at two lengths and extrapolated linearly in m (after
     the warm-up each cycle adds the same time, and the same activations -- none but gpipe's)."""
-    run = lambda k: pipeline.simulate(pipeline.build(name, pp, v, k), pp,  # noqa: E731
+    run = lambda k: pipeline.simulate(pipeline.build(name, pp, v, k), pp,
                                       lambda a: cost["FBW".index(a.op)][a.stage], hop, lambda c: size[c])
     lo = SIM_MICRO * pp * v
     if m <= lo + pp:

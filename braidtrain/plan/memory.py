@@ -59,7 +59,7 @@ def param_counts(cfg, tp: int = 1) -> dict:
     `block` and `embed` are one block's and the groups of no block's (the embedding, and an untied
     head) share of `rank`, the sum."""
     table = placement.for_config(cfg)
-    count = lambda entries: sum(e.local_numel(tp) for e in entries)  # noqa: E731
+    count = lambda entries: sum(e.local_numel(tp) for e in entries)
     block = next(entries for module, entries in table.units if module is not None)
     embed = [e for module, entries in table.units if module is None for e in entries]
     return {"rank": count(table), "block": count(block), "embed": count(embed),
@@ -86,7 +86,7 @@ def stage_counts(cfg, split: tuple, pp: int, r: int, tp: int, bucket_mb: float) 
     """Pipeline rank r's parameters (placement.for_rank), its experts', its replicated ones, and
     its buckets (cached: each (mesh, split) is weighed at many ZeRO stages, b and recompute)."""
     table = placement.for_rank(cfg, split, pp, r)
-    count = lambda keep: sum(e.local_numel(tp) for e in table if keep(e))  # noqa: E731
+    count = lambda keep: sum(e.local_numel(tp) for e in table if keep(e))
     return (count(lambda e: True), count(lambda e: e.expert), count(lambda e: e.replicated),
             bucket_numels(cfg, bucket_mb, tp, table))
 
@@ -132,7 +132,7 @@ def bf16_kept(cfg, tp: int, P: int, block: int, head: bool) -> int:
     return min(P, block + (cfg.vocab_rows(tp) // tp * cfg.n_embd if head else 0))
 
 
-def fp8_params(s: "Setup", tp: int, blocks) -> int:
+def fp8_params(s: Setup, tp: int, blocks) -> int:
     """Elements of the blocks' float8 weights (their linears', this tp rank's) under --fp8, else 0."""
     linear = counts(s.cfg)["linear"]
     return sum(n * k for i in blocks for n, k, _ in linear[i]) // tp if s.fp8 else 0

@@ -56,7 +56,7 @@ def rank(rows: list[dict]) -> list[dict]:
 SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "ep", "zero", "b", "recompute")  # what a fix may change (dp follows)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def settings(lay: Candidate) -> tuple:
     return tuple(getattr(lay, k) for k in SETTINGS)
 
@@ -85,13 +85,13 @@ def fix(s: Setup, e: dict, fitting: list[dict], grid=None) -> str:
     grid = settings_grid(fitting) if grid is None else grid
     differs = grid != np.array(settings(lay), dtype=object)  # fitting x SETTINGS
     counts = differs.sum(axis=1)
-    changed = lambda i: tuple(k for k, d in zip(SETTINGS, differs[i]) if d)  # noqa: E731
-    say = {"tp": lambda l: f"tp={l.tp}", "sp": lambda l: "--sp" if l.sp else "no sp",
-           "pp": lambda l: f"pp={l.pp}", "schedule": lambda l: l.schedule if l.pp > 1 else "",
-           "cp": lambda l: f"cp={l.cp}", "cp_impl": lambda l: f"--cp-impl {l.cp_impl}" if l.cp > 1 else "",
-           "ep": lambda l: f"ep={l.ep}",
-           "zero": lambda l: f"ZeRO-{l.zero}", "b": lambda l: f"b={l.b}",
-           "recompute": lambda l: "--recompute" if l.recompute else "no recompute"}
+    changed = lambda i: tuple(k for k, d in zip(SETTINGS, differs[i]) if d)
+    say = {"tp": lambda c: f"tp={c.tp}", "sp": lambda c: "--sp" if c.sp else "no sp",
+           "pp": lambda c: f"pp={c.pp}", "schedule": lambda c: c.schedule if c.pp > 1 else "",
+           "cp": lambda c: f"cp={c.cp}", "cp_impl": lambda c: f"--cp-impl {c.cp_impl}" if c.cp > 1 else "",
+           "ep": lambda c: f"ep={c.ep}",
+           "zero": lambda c: f"ZeRO-{c.zero}", "b": lambda c: f"b={c.b}",
+           "recompute": lambda c: "--recompute" if c.recompute else "no recompute"}
     opts = []
     if fitting:
         for i in np.flatnonzero(counts == counts.min()):  # best first: the first of each kind of change is its best
@@ -137,7 +137,7 @@ def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout. variants=False: only each mesh's best layout."""
     seen = {}
-    weigh = lambda lay: seen[lay] if lay in seen else seen.setdefault(lay, estimate(s, lay))  # noqa: E731
+    weigh = lambda lay: seen[lay] if lay in seen else seen.setdefault(lay, estimate(s, lay))
     grid = rank([weigh(lay) for lay in layouts(s)])
     rows = rank([weigh(lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)])
     rows = rows if variants else best_per_mesh(rows)

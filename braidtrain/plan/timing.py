@@ -43,7 +43,7 @@ def fp8_speedup(recipe: str, k: int, n: int) -> float:
     return r_lo + f * (r_hi - r_lo)
 
 
-def flops_per_token(s: "Setup", tp: int = 1) -> float:
+def flops_per_token(s: Setup, tp: int = 1) -> float:
     """Training FLOPs per token at bf16's rate: the model's, with each block linear's 6 * K * N under
     --fp8 counted 1/fp8_speedup of itself, at its shape on a tp rank."""
     total = s.cfg.flops_per_token(s.t)
@@ -88,7 +88,7 @@ def tp_comm_s(s: Setup, lay: Candidate) -> float:
         return 0.0
     m = tp_messages(s.cfg, lay.b, s.t // lay.cp, lay.sp, s.cpu)  # a rank's t/cp tokens under cp
     bw = busbw_of(s, lay, "tp")
-    t = lambda msgs: sum(collective_s(s, kind, nb, lay.tp, bw) for kind, nb in msgs)  # noqa: E731
+    t = lambda msgs: sum(collective_s(s, kind, nb, lay.tp, bw) for kind, nb in msgs)
     passes = 2 if lay.recompute else 1  # recompute runs each block's forward (and its messages) again
     return s.cfg.n_layer * (passes * t(m["layer_fwd"]) + t(m["layer_bwd"])) + t(m["ends"])
 
@@ -147,7 +147,7 @@ def cp_comm_s(s: Setup, lay: Candidate) -> float:
     if lay.cp_impl == "allgather":
         gather = collective_s(s, "all_gather", kv * cp, cp, bw)
         return s.cfg.n_layer * (passes * gather + gather + collective_s(s, "reduce_scatter", dkv * cp, cp, bw))
-    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (bw * 1e9)  # noqa: E731
+    hop = lambda nbytes: s.alpha_us * 1e-6 + nbytes / (bw * 1e9)
     pairs_s = 2 * 4 * b * c * c * C / (s.tflops * 1e12)  # a ring step's attention, forward
     fwd = (cp - 1) * max(0.0, hop(kv) - pairs_s)
     bwd = (cp - 1) * max(0.0, hop(kv) - 2 * pairs_s) + cp * hop(dkv)
