@@ -144,7 +144,8 @@ def live_main(a) -> int:
             rows.append(r)
             print(f"trial {k}: {r['fault']}, ZeRO-0, world {r['world']}: "
                   f"{'bitwise equal, survivors the same processes' if r['ok'] else 'FAILED'}; fault to that step "
-                  f"completed {fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
+                  "completed "
+                  f"{fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
                   flush=True)
             if not r["ok"]:
                 print((work / f"live{k}.log").read_text()[-3000:], file=sys.stderr)

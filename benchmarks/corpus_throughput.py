@@ -110,11 +110,13 @@ def main() -> None:
     root = Path(args.dir)
     docs, nbytes = make_corpus(root, args.mb)
     print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB of text ({root})")
-    print(f"{'case':<18} {'documents':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'tokens/s':>10} {'CPU s':>6} {'peak RSS MB':>11}")
+    print(f"{'case':<18} {'documents':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'tokens/s':>10} {'CPU s':>6} "
+          f"{'peak RSS MB':>11}")
     for case in args.case or CASES:
         r = run(case, root, root / "out", args.shard_tokens)
-        print(f"{case:<18} {r['documents']:>9} {r['tokens']:>12} {r['seconds']:>8.1f} {nbytes / 1e6 / r['seconds']:>6.2f} "
-              f"{r['tokens'] / r['seconds']:>10,.0f} {r['cpu_s']:>6.0f} {r['peak_mb']:>11,.0f}", flush=True)
+        print(f"{case:<18} {r['documents']:>9} {r['tokens']:>12} {r['seconds']:>8.1f} "
+              f"{nbytes / 1e6 / r['seconds']:>6.2f} {r['tokens'] / r['seconds']:>10,.0f} {r['cpu_s']:>6.0f} "
+              f"{r['peak_mb']:>11,.0f}", flush=True)
 
 
 if __name__ == "__main__":

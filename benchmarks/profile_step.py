@@ -83,8 +83,10 @@ def report(prof, wall, tokens_per_s, is_main=True, rank=0):
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.time_range.end > e.time_range.start and not annotation(e)]
     waits = idle([e for e in kernels if category(e.name) != "communication"])
-    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the host)", waits)):
-        print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
+    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the "
+                                                    "host)", waits)):
+        print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the "
+              "largest:")
         for g, before, after in sorted(gaps, reverse=True)[:8]:
             print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
     if not is_main:  # the other ranks: one line each, to see which of them waits

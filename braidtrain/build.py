@@ -254,7 +254,8 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float, s
     return Path(out), session, claimed, fd
 
 
-BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}  # a checkpoint's layout from before pp, cp, ep
+# a checkpoint's layout from before pp, cp, ep
+BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}
 
 
 PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join")  # how a process runs, not what it trains

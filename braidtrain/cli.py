@@ -174,16 +174,19 @@ def main(argv=None) -> int:
     p.add_argument("--val-fraction", type=float, help="--split doc: each document's share for val (default 0.05)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M, llm.c's)")
     p.add_argument("--text-field", default="text", help="parquet column or JSON field holding the text (default text)")
-    p.add_argument("--workers", type=int, default=_cores(), help="tokenizing processes (default: every core, here %(default)s)")
+    p.add_argument("--workers", type=int, default=_cores(), help="tokenizing processes (default: every core, here "
+                                                                 "%(default)s)")
     parsers["data"] = p
     p = dsub.add_parser("prepare-eval", help="write an llm.c multiple-choice eval file from JSON lines")
     p.add_argument("--jsonl", required=True, help='lines of {"context": str, "endings": [str, ...], "label": int}')
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, llama3, or a data folder (its tokenizer.json)")
-    p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's timeline; --experts: MoE load")
+    p = parsers["plot"] = sub.add_parser("plot", help="overlay the loss curves of runs; --schedule: a pipeline's "
+                                                      "timeline; --experts: MoE load")
     p.add_argument("runs", nargs="*")
     p.add_argument("--schedule", metavar="RUN", help="draw each rank's forwards and backwards in the last step of RUN")
-    p.add_argument("--experts", metavar="RUN", help="draw each expert's share of the tokens over the steps of RUN (MoE)")
+    p.add_argument("--experts", metavar="RUN", help="draw each expert's share of the tokens over the steps of RUN "
+                                                    "(MoE)")
     p.add_argument("--out", default="loss.png")
     p = parsers["sample"] = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
     p.add_argument("run")
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device")
-    p = parsers["eval"] = sub.add_parser("eval", help="multiple-choice accuracy of a run's newest checkpoint (torchrun: over ranks)")
+    p = parsers["eval"] = sub.add_parser("eval", help="multiple-choice accuracy of a run's newest checkpoint "
+                                                      "(torchrun: over ranks)")
     p.add_argument("run", help="a run directory, or one checkpoint folder")
     p.add_argument("--eval-data", required=True, metavar="FILE", help="llm.c multiple-choice eval file")
     p.add_argument("--out", help="results JSON (default RUN/eval.json)")
@@ -201,7 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p = parsers["doctor"] = sub.add_parser("doctor", help="read a run's flight logs: which rank stopped where")
     p.add_argument("run")
-    p = parsers["export"] = sub.add_parser("export", help="write a run's newest checkpoint as a HuggingFace GPT-2 folder")
+    p = parsers["export"] = sub.add_parser("export", help="write a run's newest checkpoint as a HuggingFace GPT-2 "
+                                                          "folder")
     p.add_argument("run", help="a run directory, or one checkpoint folder")
     p.add_argument("--format", default="hf", choices=["hf"])
     p.add_argument("--out", required=True)

@@ -48,21 +48,25 @@ def train_parser(sub):
     g.add_argument("--val-every", "-v", type=int)
     g.add_argument("--val-steps", "-m", type=int)
     g.add_argument("--sample-tokens", "-g", type=int)
-    g.add_argument("--eval-data", metavar="FILE", help="llm.c multiple-choice eval file (HellaSwag; data prepare-eval writes one)")
-    g.add_argument("--eval-every", type=int, help="steps between evaluations on it (default: --val-every; 0: only at the end)")
+    g.add_argument("--eval-data", metavar="FILE", help="llm.c multiple-choice eval file (HellaSwag; data prepare-eval "
+                                                       "writes one)")
+    g.add_argument("--eval-every", type=int, help="steps between evaluations on it (default: --val-every; 0: only at "
+                                                  "the end)")
     g.add_argument("--out", "-o", help="run directory (default runs/<timestamp>)")
     g.add_argument("--ckpt-every", "-n", type=int)
     g.add_argument("--keep-ckpts", type=int)
     g.add_argument("--on-save-error", choices=["stop", "continue"],
-                   help="a checkpoint save that fails (a full disk): stop the run (default, exit 2) or log it and go on")
+                   help="a checkpoint save that fails (a full disk): stop the run (default, exit 2) or log it and go "
+                        "on")
     g.add_argument("--max-skipped", type=int,
                    help="stop (exit 3) after this many steps in a row whose loss or gradient is not finite (default 3)")
     g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder; "
                    "a group restarted by torchrun resumes by itself")
     g.add_argument("--start-over", action="store_true", default=None,
-                   help="--out holds another run: move its files aside (to OUT.replaced-TIME) and start a new run there")
-    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 or Llama folder (braidtrain export "
-                                                       "writes one)")
+                   help="--out holds another run: move its files aside (to OUT.replaced-TIME) and start a new run "
+                        "there")
+    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 or Llama folder (braidtrain "
+                                                      "export writes one)")
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g.add_argument("--tensorboard", action="store_true", default=None,
@@ -75,37 +79,47 @@ def train_parser(sub):
     g.add_argument("--moe-top-k", type=int, help="experts a token goes through (default 2)")
     g.add_argument("--moe-every", type=int, help="every n-th block is an MoE block: 0, n, 2n, ... (default 1: all)")
     g.add_argument("--moe-hidden", type=int, help="an expert's hidden width (default: the MLP's, 4 n_embd)")
-    g.add_argument("--moe-capacity", type=float, help="capacity factor (tokens over it skip the expert); 0: dropless (default)")
+    g.add_argument("--moe-capacity", type=float, help="capacity factor (tokens over it skip the expert); 0: dropless "
+                                                      "(default)")
     g.add_argument("--moe-aux", type=float, help="the load-balancing loss's coefficient (default 0.01)")
     g.add_argument("--moe-router", choices=["softmax-topk", "topk-softmax"],
                    help="softmax over all experts, top k renormalised (default; Qwen3-MoE, HF's Mixtral) or softmax "
                         "over the top k logits (Mixtral's paper)")
     g.add_argument("--moe-balance", choices=["aux", "bias"],
                    help="the balance loss (default) or DeepSeek-V3's auxiliary-loss-free per-expert bias")
-    g.add_argument("--moe-bias-rate", type=float, help="the bias's move a step under --moe-balance bias (default 0.001)")
+    g.add_argument("--moe-bias-rate", type=float, help="the bias's move a step under --moe-balance bias (default "
+                                                       "0.001)")
     g.add_argument("--moe-shared", type=int, help="shared experts of --moe-hidden's width that every token passes "
                                                   "(llama family; default 0)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--layout", choices=["auto"], help="auto: the planner's best layout for these processes and GPUs "
-                                                     "(pp, dp, cp, tp, sp, ep, ZeRO, b, recompute), printed at the start")
-    g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters")
+                                                      "(pp, dp, cp, tp, sp, ep, ZeRO, b, recompute), printed at the "
+                                                      "start")
+    g.add_argument("--zero", "-z", type=int, help="ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + "
+                                                  "gradients, 3 + parameters")
     g.add_argument("--tp", type=int, help="tensor-parallel degree (consecutive ranks split each layer)")
     g.add_argument("--pp", type=int, help="pipeline stages (consecutive blocks each; dp = processes / (pp * cp * tp))")
-    g.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], help="pipeline schedule (default 1f1b)")
+    g.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], help="pipeline schedule (default "
+                                                                                         "1f1b)")
     g.add_argument("--pp-virtual", type=int, help="model chunks a rank holds (interleaved; default 2)")
     g.add_argument("--pp-split", help="blocks per stage (per chunk), e.g. 3,4,4,3 (default: balanced by FLOPs)")
     g.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over cp ranks")
-    g.add_argument("--cp-impl", choices=["ring", "allgather"], help="keys and values passed round a ring (default) or all-gathered")
-    g.add_argument("--cp-order", choices=["zigzag", "contiguous"], help="the chunks each cp rank holds (default zigzag: balanced)")
-    g.add_argument("--ep", type=int, help="expert-parallel degree: the experts sharded over ep ranks of the dp*cp replicas")
+    g.add_argument("--cp-impl", choices=["ring", "allgather"], help="keys and values passed round a ring (default) or "
+                                                                    "all-gathered")
+    g.add_argument("--cp-order", choices=["zigzag", "contiguous"], help="the chunks each cp rank holds (default "
+                                                                        "zigzag: balanced)")
+    g.add_argument("--ep", type=int, help="expert-parallel degree: the experts sharded over ep ranks of the dp*cp "
+                                          "replicas")
     g.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside the tp group")
     g.add_argument("--exact", action="store_true", default=None,
                    help="bitwise-identical results across dp, ZeRO stages and restarts (at a fixed tp)")
     g.add_argument("--bucket-mb", type=float)
-    g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the backward pass")
+    g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the "
+                                                                          "backward pass")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block (training; tp = 1)")
     g.add_argument("--cuda-graph", action="store_true", default=None,
-                   help="capture a step's GPU work (its NCCL collectives too) once, after two warm-up steps, and replay it (ZeRO 0/1, tp = 1)")
+                   help="capture a step's GPU work (its NCCL collectives too) once, after two warm-up steps, and "
+                        "replay it (ZeRO 0/1, tp = 1)")
     g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])

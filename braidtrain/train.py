@@ -83,11 +83,13 @@ class Trainer:
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
         self.start_step, self.load_s = run.start_step, run.load_s
         self.batch = self.layout.batch
-        self.tokens = torch.zeros((2, self.batch.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)  # x, y
+        # x, y
+        self.tokens = torch.zeros((2, self.batch.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)
         self.passes = Passes(run, self.autocast, self.tokens)
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
         self.shared_checked = False  # the checkpoint folder seen by every rank (check_shared, at the first save)
-        self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
+        # --cuda-graph: the captured step, its outputs and collectives
+        self.graph = self.graph_out = self.graph_handles = None
         self.balance = run.balance  # --moe-balance bias: every MoE layer's expert biases (n_layer, E), all ranks alike
         try:
             self.trackers = self.open_trackers()
@@ -269,8 +271,9 @@ class Trainer:
         good = checkpoint.list_checkpoints(self.out / "checkpoints")
         where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)" if good else "no checkpoint was saved"
         return Diverged(f"steps {streak[0]['step']}-{streak[-1]['step']} were skipped, {len(streak)} in a row "
-                        f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; {where}; "
-                        f"try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now {self.cfg.grad_clip:g})")
+                        f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; "
+                        f"{where}; try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now "
+                        f"{self.cfg.grad_clip:g})")
 
     def save(self, step: int) -> float | None:
         """A checkpoint of step `step`, unless a weight or an Adam moment is not finite on some
@@ -317,8 +320,8 @@ class Trainer:
         cfg, rt, batch = self.cfg, self.rt, self.batch
         log = MetricsLog(self.out / "metrics.jsonl", self.start_step) if rt.is_main else None
         rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on "
-               f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} micro-steps "
-               f"x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
+               f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} "
+               f"micro-steps x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
         rec, val, bubbles, ev = None, None, [], None
         eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every

@@ -154,7 +154,8 @@ MATRIX = [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
 ]
 MATRIX_STEPS = {False: (10, 5), True: (4, 2)}  # (steps, midway) in default and exact mode
-SHALLOW = replace(CFG, n_layer=4)  # 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp's and cp's messages are per block
+# 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp's and cp's messages are per block
+SHALLOW = replace(CFG, n_layer=4)
 
 
 def matrix(rank, out):
@@ -359,7 +360,8 @@ def dispatch(rank, ep, capacity):
     (out * dys).sum().backward()
     errs.append(rel(y, out[rank]))
     errs.append(rel(x.grad, xr.grad[rank]))
-    router = comm.gather_rows(layer.router.weight.grad.reshape(-1), mesh.groups["world"]).sum(0)  # (each rank's: its tokens')
+    # (each rank's: its tokens')
+    router = comm.gather_rows(layer.router.weight.grad.reshape(-1), mesh.groups["world"]).sum(0)
     errs.append(rel(router, ref.router.weight.grad.reshape(-1)))
     for e, ex in layer.experts.items():
         for a, b in zip(ex.parameters(), ref.experts[e].parameters()):

@@ -108,7 +108,8 @@ def test_hf_yardstick_holds_braidtrain_weights(preset, shape):
     theirs = torchref.hf_model(mcfg, 7, torch.device("cpu"))
     arch = {"tiny": "GPT2LMHeadModel"}.get(preset, "Qwen3ForCausalLM" if shape.get("qk_norm") else "LlamaForCausalLM")
     assert type(theirs).__name__ == arch and theirs.config._attn_implementation == "sdpa"
-    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))  # past llama3-tiny's 64 unscaled positions
+    # past llama3-tiny's 64 unscaled positions
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=x).logits, ours(x), atol=1e-5, rtol=0)
 
@@ -197,7 +198,8 @@ def test_bench_bad_input_is_one_line(args, names):
     """One line that names what is wrong (not an error about something else, e.g. the missing default data)."""
     p = braidtrain("bench", *args, check=False)
     assert names in p.stderr, p.stderr
-    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: error:"), p.stderr
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: "
+                                                                                           "error:"), p.stderr
 
 
 def test_bench_train_fails_when_the_variants_do_other_work(shakespeare, monkeypatch, capsys):

@@ -31,7 +31,8 @@ TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", 
         "-x", "2", "--val-every", "0", "--sample-tokens", "0", "--no-progress"]
 
 
-AUTO = TINY[:TINY.index("-b")] + TINY[TINY.index("-b") + 2:] + ["-d", str(4 * B * T), "--layout", "auto"]  # TINY less -b
+# TINY less -b
+AUTO = TINY[:TINY.index("-b")] + TINY[TINY.index("-b") + 2:] + ["-d", str(4 * B * T), "--layout", "auto"]
 
 
 def cli(*args, cwd, timeout=180, nproc=1) -> subprocess.CompletedProcess:
@@ -171,7 +172,8 @@ TRAIN_CASES = [
     ("cuda-graph-on-cpu", lambda p: ["-i", p.data, "--device", "cpu", "--cuda-graph"], lambda p: ["--cuda-graph", "GPU", "cpu"]),
     # 9. the layout (layout.py's checks: test_layout has every one; here, that each reaches the user so)
     ("ep-without-experts", lambda p: ["-i", p.data, "--ep", 2], lambda p: ["--ep 2", "mixture of experts", "--ep 1"]),
-    ("cp-seq-len", lambda p: ["-i", p.data, "--cp", 2, "-t", 62], lambda p: ["-t 62", "2*cp = 4 chunks", "-t 60 or -t 64"]),
+    ("cp-seq-len", lambda p: ["-i", p.data, "--cp", 2, "-t", 62], lambda p: ["-t 62", "2*cp = 4 "
+                                                                                      "chunks", "-t 60 or -t 64"]),
     ("sp-without-tp", lambda p: ["-i", p.data, "--sp"], lambda p: ["--sp", "--tp 2 or more"]),
     ("tp-not-dividing-heads", lambda p: ["-i", p.data, "--tp", 3], lambda p: ["tp=3", "n_head=2", "{1,2}"]),
     ("tp-not-dividing-world", lambda p: ["-i", p.data, "--tp", 2], lambda p: ["= 2 does not divide the world size 1"]),

@@ -149,7 +149,8 @@ def test_bad_corpora_are_one_line_errors(tmp_path, monkeypatch):
     cases = [
         (dict(corpus=str(src["parquet"]), text_field="body"), "has no column 'body' (it has id, text)"),
         (dict(corpus=str(src["parquet"]), text_field="id"), "column 'id' holds int64, not text"),
-        (dict(corpus=str(src["jsonl"]), shard_tokens=10**8), "leaves none to train on; lower --shard-tokens, or use --split doc"),
+        (dict(corpus=str(src["jsonl"]), shard_tokens=10**8), "leaves none to train on; lower --shard-tokens, or use "
+                                                             "--split doc"),
         (dict(corpus=str(src["jsonl"]), val_fraction=0.1), "--val-fraction sets --split doc's share"),
         (dict(corpus=str(tmp_path / "nothing" / "*.parquet")), "no file matches"),
     ]

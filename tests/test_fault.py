@@ -318,7 +318,8 @@ def test_doctor_infers_a_silent_rank_and_ignores_older_sessions(tmp_path):
     lines = diagnose(tmp_path)
     assert "none from rank 1" in lines[0]
     assert any("rank_00001.jsonl is from an earlier session" in line for line in lines)
-    assert lines[-1].startswith("rank 1 stopped after collective #12 (all_reduce replica, step 41) and wrote no flight log")
+    assert lines[-1].startswith("rank 1 stopped after collective #12 (all_reduce replica, step 41) and wrote no "
+                                "flight log")
     assert lines[-1].endswith("ranks 0,2,3 waited in #13 (all_gather replica, step 41)")
 
 
@@ -329,7 +330,8 @@ def test_doctor_finds_mismatched_collectives(tmp_path):
     logs[2][17] = (17, "all_gather", False)
     write_logs(tmp_path, logs)
     last = diagnose(tmp_path)[-1]
-    assert last.startswith("mismatch at collective #17 (step 41): ranks 0,1,3 issued all_reduce") and "rank 2 issued all_gather" in last
+    assert last.startswith("mismatch at collective #17 (step 41): ranks 0,1,3 "
+                           "issued all_reduce") and "rank 2 issued all_gather" in last
 
 
 def test_doctor_says_when_all_is_well(tmp_path):
@@ -389,9 +391,9 @@ def test_doctor_blames_no_rank_when_every_member_issued_the_collective(tmp_path)
     write_logs(tmp_path, {r: [(0, "all_reduce", True, f"replica[{r % 2},{r % 2 + 2}]", 0),
                               (1, "reduce_scatter", False, f"replica[{r % 2},{r % 2 + 2}]", 1)] for r in range(4)},
                groups=groups)
-    assert diagnose(tmp_path)[-1] == ("every rank issued collective #1 (reduce_scatter replica[0,2], step 40) on ranks 0,2, "
-                                      "and #1 (reduce_scatter replica[1,3], step 40) on ranks 1,3, but it did not "
-                                      "complete: look at the network / NCCL rather than at one rank")
+    assert diagnose(tmp_path)[-1] == ("every rank issued collective #1 (reduce_scatter replica[0,2], step 40) on "
+                                      "ranks 0,2, and #1 (reduce_scatter replica[1,3], step 40) on ranks 1,3, but it "
+                                      "did not complete: look at the network / NCCL rather than at one rank")
 
 
 def test_doctor_reads_flight_logs_from_before_groups_were_named(tmp_path):

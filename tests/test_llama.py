@@ -40,7 +40,8 @@ def test_every_axis_matches_the_single_process(runs):
     assert_follows(runs, [k for k in default if not k.startswith("tied")], runs["ref"], 1e-5)
     assert_follows(runs, ["tied-pp2-dp2"], runs["ref-tied"], 1e-5)
     tied = runs["tied-pp2-dp2"]
-    assert tied["wte_copies"] == 4 and tied["wte_copies_equal"]  # each replica's first stage's embedding, the last's copy
+    # each replica's first stage's embedding, the last's copy
+    assert tied["wte_copies"] == 4 and tied["wte_copies_equal"]
     assert runs["pp2-1f1b"]["wte_copies"] == 0  # (untied: no copy)
     assert runs["ref"]["losses"] != runs["ref-tied"]["losses"]  # (two models)
 
@@ -172,7 +173,8 @@ def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakes
 def test_bad_input_is_one_line(tmp_path, shakespeare):
     p = braidtrain("train", *MODEL, "--n-kv-heads", "3", "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", check=False)
     assert_one_line_error(p, "n_head=4 is not divisible by n_kv_heads=3", "{1,2,4}")
-    with pytest.raises(UserError, match=r"^tp=4 does not divide n_kv_heads=2 .*whole key/value heads.*use tp in \{1,2\}$"):
+    with pytest.raises(UserError, match=r"^tp=4 does not divide n_kv_heads=2 .*whole key/value heads.*use tp in "
+                                        r"\{1,2\}$"):
         registry.model_config("llama3-tiny", 256, **SHAPE).check_tp(4)
     with pytest.raises(UserError, match="is not a setting of the gpt2 family"):
         registry.model_config("gpt2", 256, n_kv_heads=2)

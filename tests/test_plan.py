@@ -381,7 +381,8 @@ def test_pipelines_in_the_table(capsys):
 def test_bad_pipeline_or_cp_input_is_one_user_error(capsys):
     for argv, words in ((["--pp", 3], "does not divide --gpus 8"), (["--pp", 0], "--pp must be positive"),
                         (["--pp", 1, "--pp-schedule", "zb"], "give --pp 2 or more"),
-                        (["--cp", 3, "-t", 1020], "does not divide --gpus 8"), (["--cp", 2, "-t", 1022], "-t 1020 or -t 1024")):
+                        (["--cp", 3, "-t", 1020], "does not "
+                                                  "divide --gpus 8"), (["--cp", 2, "-t", 1022], "-t 1020 or -t 1024")):
         with pytest.raises(UserError, match=words):
             run_plan("--model", "gpt2", "--gpus", 8, *argv, capsys=capsys)
 

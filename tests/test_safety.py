@@ -38,7 +38,8 @@ def test_the_diverging_run_skips_its_steps_and_stops(tmp_path, shakespeare):
     out = tmp_path / "run"
     p = run(*BASE, "-i", shakespeare, "-x", 30, "--lr", "1e4", "--grad-clip", 0, "--ckpt-every", 5, "--out", out)
     line = stopped(p)
-    for w in ("steps 2-4 were skipped, 3 in a row", "stopped at step 4", "no checkpoint was saved", "--lr", "--grad-clip"):
+    for w in ("steps 2-4 were skipped, 3 in "
+              "a row", "stopped at step 4", "no checkpoint was saved", "--lr", "--grad-clip"):
         assert w in line, (w, line)
     rows = metrics(out)
     assert [r.get("skipped", False) for r in rows] == [False, True, True, True]
@@ -116,7 +117,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_or_goes_on(tmp_path
     checkpoint.verify(out / "checkpoints" / "step_00000002")
     p = run(*args, "-x", 6, "--resume", "auto", "--on-save-error", "continue", fsize=1 << 20)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sum("training goes on (--on-save-error continue)" in line for line in p.stdout.splitlines()) == 2  # steps 4, 6
+    # steps 4, 6
+    assert sum("training goes on (--on-save-error continue)" in line for line in p.stdout.splitlines()) == 2
     assert [m["step"] for m in metrics(out)][-1] == 6
     assert [c.name for c in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
     p = run(*args, "-x", 3, "--resume", "auto")

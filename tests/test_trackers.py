@@ -141,9 +141,9 @@ def test_missing_packages_are_one_line(monkeypatch, capsys):
 def test_imported_only_when_asked(tmp_path):
     """`import braidtrain` and its commands load none of the optional packages."""
     script = tmp_path / "probe.py"
-    script.write_text("import sys\n"
-                      "import braidtrain.cli, braidtrain.train, braidtrain.io.data, braidtrain.io.corpus, braidtrain.io.trackers\n"
-                      "print(sorted({'tensorboard', 'wandb', 'pyarrow', 'llama_models'} & set(sys.modules)))\n")
+    script.write_text("import sys\nimport braidtrain.cli, braidtrain.train, braidtrain.io.data, braidtrain.io.corpus, "
+                      "braidtrain.io.trackers\nprint(sorted({'tensorboard', 'wandb', 'pyarrow', 'llama_models'} & "
+                      "set(sys.modules)))\n")
     p = launch(script)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
 

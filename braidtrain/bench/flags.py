@@ -16,9 +16,11 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", 
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="measure collectives (bench comm) or training against torch DDP/FSDP2 (bench train)")
+    p = sub.add_parser("bench", help="measure collectives (bench comm) or training against torch DDP/FSDP2 (bench "
+                                     "train)")
     bsub = p.add_subparsers(dest="what", required=True, parser_class=sub._parser_class)  # one-line errors too
-    c = bsub.add_parser("comm", help="all_reduce, reduce_scatter, all_gather, all_to_all, send_recv, exact reduce-scatter")
+    c = bsub.add_parser("comm", help="all_reduce, reduce_scatter, all_gather, all_to_all, send_recv, exact "
+                                     "reduce-scatter")
     c.add_argument("--min-bytes", type=_size, default=_size("1K"))
     c.add_argument("--max-bytes", type=_size, default=_size("1G"))
     c.add_argument("--iters", type=int, default=20)
@@ -43,14 +45,16 @@ def add_parser(sub):
                         "the first flag is a long one (repeatable; default: "
                         + "; ".join(LAYOUTS) + "; on CUDA also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH),
-                   help="torch variants, a subset of " + ",".join(TORCH + HF + PIPE + FLOAT8) + " ('' for none; default "
-                        + ",".join(TORCH) + "); hf, hf-compile: transformers' model of the family (e.g. LlamaForCausalLM)")
+                   help="torch variants, a subset "
+                        "of " + ",".join(TORCH + HF + PIPE + FLOAT8) + " ('' for none; default "
+                        + ",".join(TORCH) + "); hf, hf-compile: transformers' model of the family (e.g. "
+                                            "LlamaForCausalLM)")
     t.add_argument("--baseline", help="the torch variant the ratios are against (default: ddp-compile if run, else "
                                       "the first of --torch)")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
     t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
-    t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (with --repeat, in DIR/round1, "
-                                                  "DIR/round2, ...; default: a temporary folder)")
+    t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (with --repeat, in "
+                                                 "DIR/round1, DIR/round2, ...; default: a temporary folder)")
     t.add_argument("--loss-tol", type=float, help="final losses of the variants must agree within this, relative "
                    f"(default {LOSS_TOL['cpu']:g} on the CPU, fp32; {LOSS_TOL['cuda']:g} on CUDA, bf16); else exit 2")
     t.add_argument("--repeat", type=int, default=1, metavar="N",

@@ -32,7 +32,8 @@ def read_logs(flight_dir: Path) -> tuple[dict[int, dict], dict[int, list[dict]],
         except (ValueError, OSError) as e:
             problems.append(f"{f.name} is unreadable ({e}); its rank counts as silent")
     if not logs:
-        raise UserError(f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a peer")
+        raise UserError(f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a "
+                        "peer")
     latest = max(l[0]["session"] for l in logs.values())
     headers, records = {}, {}
     for f, lines in logs.items():
@@ -112,7 +113,8 @@ def _diagnose_logs(flight: Path) -> list[str]:
             for r, v in logs.items():
                 sig.setdefault((v[k]["op"], tuple(v[k]["shape"]), v[k]["dtype"]), []).append(r)
             if len(sig) > 1:
-                what = "; ".join(f"{_ranks(rs)} issued {op} {g} {dtype}{list(shape)}" for (op, shape, dtype), rs in sig.items())
+                what = "; ".join(f"{_ranks(rs)} issued {op} {g} "
+                                 f"{dtype}{list(shape)}" for (op, shape, dtype), rs in sig.items())
                 return out + [f"mismatch at collective #{k} (step {logs[min(logs)][k]['step']}): {what}"]
     # 2. Who was left waiting where, and which member of that group never came.
     waiting = {}

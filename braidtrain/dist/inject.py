@@ -16,7 +16,8 @@ from braidtrain.errors import UserError
 FAULT_KINDS = {
     "kill": "SIGKILL this rank in the middle of the step (after its first micro-batch's forward)",
     "stop": "SIGSTOP (freeze) this rank at the same point",
-    "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed (--live-recovery)",
+    "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed "
+                 "(--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",
@@ -54,7 +55,8 @@ class Fault:
         return fault if attempt == 0 and fault.rank in (None, rank) else None
 
     def _announce(self, what: str) -> None:
-        print(f"braidtrain: fault injected: {what} at step {self.step} (t={time.time():.3f})", file=sys.stderr, flush=True)
+        print(f"braidtrain: fault injected: {what} at step {self.step} "
+              f"(t={time.time():.3f})", file=sys.stderr, flush=True)
 
     def mid_step(self, step: int) -> None:
         if step == self.step and self.kind == "oom":

@@ -119,7 +119,8 @@ def with_nonce(store, serve):
     try:
         return store, f"braidtrain/{store.get('braidtrain/nonce').decode()}"
     except RuntimeError:
-        raise UserError("the rendezvous store answered but never named its run: is another program on that port?") from None
+        raise UserError("the rendezvous store answered but never named its run: is another program on that "
+                        "port?") from None
 
 
 def fs_store(folder, rank, world, deadline, timeout_s):
@@ -176,7 +177,8 @@ def check_in(store, rank, world, deadline, timeout_s):
                      f"start every process with the same -pn")
             verdict = store.get("verdict").decode()
         except RuntimeError:
-            raise UserError(f"rank 0 did not confirm that all {world} processes arrived within {timeout_s:g} s") from None
+            raise UserError(f"rank 0 did not confirm that all {world} processes arrived within "
+                            f"{timeout_s:g} s") from None
         try:
             store.add("verdict_read", 1)
         except RuntimeError:  # rank 0 stopped waiting (and its store went with it): the verdict is read
@@ -216,7 +218,8 @@ def _check_rank(num_processes, process_rank):
         raise UserError(f"-pn (number of processes) must be at least 1, got {num_processes}")
     rank = 0 if process_rank is None and num_processes == 1 else process_rank
     if rank is None or not 0 <= rank < num_processes:
-        raise UserError(f"-pr (process rank) must be in 0..{num_processes - 1} for -pn {num_processes}, got {process_rank}")
+        raise UserError(f"-pr (process rank) must be in 0..{num_processes - 1} for -pn {num_processes}, got "
+                        f"{process_rank}")
     return rank, num_processes
 
 

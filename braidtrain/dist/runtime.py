@@ -124,7 +124,8 @@ class Runtime:
                                     **({"device_id": self.device} if self.backend == "nccl" else {}))
         except (RuntimeError, ValueError) as e:
             self.close()  # the environment as it was
-            raise UserError(f"rank {rank}: setting up the {self.backend} process group failed: {first_line(e)}") from None
+            raise UserError(f"rank {rank}: setting up the {self.backend} process group failed: "
+                            f"{first_line(e)}") from None
         self.store, self.launch_store, self._owns_group = dist.PrefixStore("app", run), launch, True
         self._store_addr = (store.host, store.port, f"{prefix}/{self.attempt}/app")
 

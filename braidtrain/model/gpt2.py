@@ -190,7 +190,8 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: GPTConfig, where: str) -> dic
            if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # old HF files carry the causal mask
     head = got.pop("lm_head.weight", None)
     if head is not None and not torch.equal(head, got.get("wte.weight", head)):
-        raise UserError(f"{where}: lm_head.weight differs from wte.weight; braidtrain's GPT-2 head is tied to the embedding")
+        raise UserError(f"{where}: lm_head.weight differs from wte.weight; braidtrain's GPT-2 head is tied to the "
+                        "embedding")
     return {n: (t.t() if n.endswith(CONV1D) else t) for n, t in got.items()}
 
 

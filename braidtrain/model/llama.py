@@ -55,7 +55,8 @@ from braidtrain.model.stage import Block as BlockBase, Blocks, Stage
 
 _3_1 = dict(rope_factor=8.0, block_size=131072)  # Llama-3.1: scaled RoPE, 128k context
 _3_2 = dict(rope_factor=32.0, block_size=131072, tie_embeddings=True)
-PRESETS = {  # Meta's published shapes (params.json: dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of)
+# Meta's published shapes (params.json: dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of)
+PRESETS = {
     "llama3-tiny": dict(n_layer=4, n_head=4, n_kv_heads=2, n_embd=128, multiple_of=32, block_size=256, rope_factor=8.0,
                         rope_original=64),  # (scaled RoPE from 64 positions to 256, as 3.1 from 8k to 128k)
     "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_heads=8, n_embd=2048, ffn_multiplier=1.5, multiple_of=256, **_3_2),
@@ -75,7 +76,8 @@ PRESETS = {  # Meta's published shapes (params.json: dim, n_layers, n_heads, n_k
                           moe_experts=64, moe_top_k=8, moe_hidden=512),
 }
 
-VOCAB = 128256  # the family's tokenizer (Llama-3's tiktoken BPE, 128,000 + 256 special tokens): the planner's default vocabulary
+# the family's tokenizer (Llama-3's tiktoken BPE, 128,000 + 256 special tokens): the planner's default vocabulary
+VOCAB = 128256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,7 +93,8 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, voca
     if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise ValueError(f"head_loss: weight must be (Vp, C={h.shape[1]}); got {tuple(weight.shape)}")
     if targets.shape[0] != h.shape[0] or targets.is_floating_point():
-        raise ValueError(f"head_loss: targets must be {h.shape[0]} integers; got {tuple(targets.shape)} {targets.dtype}")
+        raise ValueError(f"head_loss: targets must be {h.shape[0]} integers; got {tuple(targets.shape)} "
+                         f"{targets.dtype}")
     if not 1 <= vocab_size <= weight.shape[0]:
         raise ValueError(f"head_loss: vocab_size={vocab_size} must be in [1, {weight.shape[0]}] (the weight's rows)")
     if torch.is_autocast_enabled(h.device.type):

@@ -109,7 +109,8 @@ class ModelConfig:
     def check_tp(self, tp: int) -> None:
         """A tensor-parallel degree this model can be split by: its heads (of queries, and of keys
         and values: each rank holds whole heads, never replicated) and its MLP width."""
-        for what, n in (("n_head", self.n_head), ("n_kv_heads", self.kv_heads), (f"the MLP width {self.mlp_name}", self.mlp_width)):
+        for what, n in (("n_head", self.n_head), ("n_kv_heads", self.kv_heads), ("the MLP width "
+                                                                                 f"{self.mlp_name}", self.mlp_width)):
             if n % tp:
                 why = " (each tp rank holds whole key/value heads: they are not replicated)" if what == "n_kv_heads" else ""
                 raise UserError(f"tp={tp} does not divide {what}={n}{why}: use tp in {divisors(n)}")

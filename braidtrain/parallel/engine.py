@@ -175,7 +175,8 @@ class Engine:
             b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
             if b.sourced:  # (its gradients come by expert.Sourced)
                 continue
-            if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):  # a fresh buffer for this backward
+            # a fresh buffer for this backward
+            if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):
                 self.open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
         self.backward_phase = True
         try:

@@ -113,7 +113,8 @@ class ExactNorm:
             col = 0
             for b in mine:
                 k = (b.shard_size if b.zero >= 1 else b.padded) // Q
-                whole = torch.cat([gathered[:, col : col + k].reshape(-1), gathered.new_zeros(1)])  # the bucket's chunks
+                # the bucket's chunks
+                whole = torch.cat([gathered[:, col : col + k].reshape(-1), gathered.new_zeros(1)])
                 index, slots = self.rows[b]
                 per_param[slots] = pairwise_sum(whole[index].T)
                 col += k

@@ -68,7 +68,8 @@ class Executor:
                 comm.transfer(buf, self._group(a), self._what(a)).wait()
                 (inputs if a.op == "RECV_F" else grads)[key] = buf.requires_grad_(a.op == "RECV_F")
             elif a.op in ("SEND_F", "SEND_B"):
-                t = (outputs[key].detach() if a.op == "SEND_F" else inputs.pop(key).grad).contiguous()  # (sp, b > 1: a slice)
+                # (sp, b > 1: a slice)
+                t = (outputs[key].detach() if a.op == "SEND_F" else inputs.pop(key).grad).contiguous()
                 sends.append(comm.transfer(t, self._group(a), self._what(a)))
                 if not train and a.op == "SEND_F":
                     del outputs[key]

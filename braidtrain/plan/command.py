@@ -52,7 +52,8 @@ def setup_from(args) -> Setup:
         fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_experts",
                                                  "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
         cfg = registry.model_config(args.model or "gpt2", vocab, **fields)
-        if args.block_size is None and cfg.block_size < args.seq_len:  # a longer context than the preset's: train's --block-size
+        # a longer context than the preset's: train's --block-size
+        if args.block_size is None and cfg.block_size < args.seq_len:
             cfg = replace(cfg, block_size=args.seq_len)
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw, gpus_per_node=args.gpus_per_node,
@@ -77,11 +78,13 @@ def run(args) -> int:
     s = setup_from(args)
     if args.check is not None:
         if not args.data:
-            raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out DIR)")
+            raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out "
+                            "DIR)")
         r = check.check(s, check.check_layout(args), args.data, args.out)
         print(json.dumps(r) if args.json else
               f"check {Candidate(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
-              f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error {100 * r['rel_error']:+.1f}%")
+              f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error "
+              f"{100 * r['rel_error']:+.1f}%")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
@@ -98,6 +101,7 @@ def run(args) -> int:
     heads = [k for k in range(2, c.n_head + 1) if c.n_head % k == 0]
     no_tp = f"; no tp: no divisor of n_head {c.n_head} ({heads}) divides {s.gpus}" if s.gpus > 1 and tp_degrees(s) == [1] else ""
     print(f"{c.num_params() / 1e6:,.1f}M parameters (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
-          f"block_size={c.block_size}, vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB{node}, -t {s.t} -d {s.d}{no_tp}")
+          f"block_size={c.block_size}, vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB{node}, -t {s.t} -d "
+          f"{s.d}{no_tp}")
     print(table(result, args.top))
     return 0

@@ -26,7 +26,8 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed)
     kept = bf16_kept(cfg, tp, P, counts["block"], True) if lay.recompute else P
     P8 = fp8_params(s, tp, range(1 if lay.recompute else cfg.n_layer))  # (recompute: one block's at a time)
-    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8)  # a rank's t/cp tokens
+    # a rank's t/cp tokens
+    act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8)
     if cfg.moe_experts:
         act["moe"] = moe_bytes(s, lay)
         act["peak"] += act["moe"]
@@ -144,7 +145,8 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         owned = max(row["replicated"] for row in rows) / (n if lay.zero >= 1 else 1)
         tp_comm += collective_s(s, "all_gather", 4 * owned * tp, tp, busbw_of(s, lay, "tp"))
     wte = sum(e.local_numel(tp) for e in placement.for_config(cfg) if e.users) / (n if lay.zero >= 1 else 1)
-    tied = (s.alpha_us * 1e-6 + 4 * wte / (busbw_of(s, lay, "pp") * 1e9)) if wte else 0.0  # first and last stage swap their reduced shares
+    # first and last stage swap their reduced shares
+    tied = (s.alpha_us * 1e-6 + 4 * wte / (busbw_of(s, lay, "pp") * 1e9)) if wte else 0.0
     full = max(rows, key=lambda row: row["mem"]["total"])
     return finish(s, lay, m, full["mem"], full["allocated"], full["state"], full["act"], span, step_end - span,
                   tp_comm, tied, cp_comm=m * cp_comm_s(s, lay) * busiest,

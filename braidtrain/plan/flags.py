@@ -45,7 +45,8 @@ def add_parser(sub):
     for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int), ("moe-capacity", float)):
         a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
     a("--top", type=int, default=12, help="rows of the table (0: all)")
-    a("--variants", action="store_true", help="every ZeRO stage, b and recompute of each mesh (default: each mesh's best)")
+    a("--variants", action="store_true", help="every ZeRO stage, b and recompute of each mesh (default: each mesh's "
+                                              "best)")
     a("--json", action="store_true")
     a("--check", nargs="?", const="", metavar="ZERO,B[,recompute]",
       help="train two steps of this layout (or of -z, -b, --recompute; with --tp, --sp) and compare estimated "

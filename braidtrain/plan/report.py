@@ -48,5 +48,6 @@ def table(result: dict, top: int) -> str:
     if len(shown) < len(result["rows"]):
         out.append(f"({len(result['rows']) - len(shown)} more layouts: --top 0 shows all)")
     fixes = [e["fix"] for e in shown if e["fix"]]
-    out += fixes[:4] + ([f"({len(fixes) - 4} more such lines: --json has a fix for every layout)"] if len(fixes) > 4 else [])
+    out += fixes[:4] + ([f"({len(fixes) - 4} more such lines: --json has a fix for every "
+                         "layout)"] if len(fixes) > 4 else [])
     return "\n".join(out + [result["recommendation"]])

@@ -53,7 +53,8 @@ def rank(rows: list[dict]) -> list[dict]:
                                        e["mem"]["total"]))
 
 
-SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "ep", "zero", "b", "recompute")  # what a fix may change (dp follows)
+# what a fix may change (dp follows)
+SETTINGS = ("tp", "sp", "pp", "schedule", "cp", "cp_impl", "ep", "zero", "b", "recompute")
 
 
 @functools.cache
@@ -155,7 +156,8 @@ def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True
     else:
         rec = (f"recommended: {best['layout'].name()} on {s.gpus} GPU(s), {best['micro_steps']} micro-step(s): "
                f"{best['mem']['total'] / GB:.1f} of {s.mem_gb:g} GB, {best['step_s']:.3f} s/step, "
-               f"{best['tokens_per_s']:,.0f} tokens/s" + ("" if best is rows[0] else " (none of the layouts asked for fits)"))
+               f"{best['tokens_per_s']:,.0f} "
+               "tokens/s" + ("" if best is rows[0] else " (none of the layouts asked for fits)"))
     return {"rows": rows, "recommendation": rec}
 
 
