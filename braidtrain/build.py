@@ -129,7 +129,8 @@ def build(cfg: Config) -> Run:
         placement.init_weights(part, cfg.seed)
         if full is not None:  # before the engine: under ZeRO-3 a rank then holds only its shard
             table = placement.build(part)
-            part.load_state_dict({n: table[n].shard(full[n], part.tp_rank, part.tp) for n, _ in part.named_parameters()})
+            part.load_state_dict({n: table[n].shard(full[n], part.tp_rank, part.tp)
+                                  for n, _ in part.named_parameters()})
         if cfg.recompute:
             part.use_recompute()
         if cfg.exact and device.type == "cuda":

@@ -74,9 +74,9 @@ class AdamW:
             if decayed:
                 torch._foreach_mul_(decayed, self._keep if skip is None else torch.where(skip > 0, 1.0, self._keep))
         torch._fused_adamw_([p for _, p, _ in owned], [g for _, _, g in owned], [m for m, _, _ in self.groups],
-                            [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=self._lr, beta1=self.beta1,
-                            beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False,
-                            grad_scale=grad_scale, found_inf=skip)
+                            [v for _, v, _ in self.groups], [], [self._step] * len(owned), lr=self._lr,
+                            beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps, amsgrad=False,
+                            maximize=False, grad_scale=grad_scale, found_inf=skip)
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

@@ -159,7 +159,8 @@ def train_config(args):
         print(f"braidtrain: note: llm.c flag(s) {' '.join(ignored)} have no effect here{hint}", file=sys.stderr)
     overrides = {k: v for k, v in vars(args).items() if k in FIELD_TYPES}
     if args.layout == "auto":
-        given = [k for k in AUTO_CHOSEN if overrides.get(k) is not None] + (["recompute"] if args.llmc_recompute else [])
+        given = [k for k in AUTO_CHOSEN if overrides.get(k) is not None]
+        given += ["recompute"] if args.llmc_recompute else []
         if given:
             flags = " ".join("--" + k.replace("_", "-") for k in given)
             raise UserError(f"--layout auto chooses {flags} itself: drop {flags}, or --layout auto")

@@ -168,7 +168,8 @@ class Trainer:
                "exposed_comm_s": engine.exposed_comm_s()}
         if skipped:
             rec["skipped"] = True
-            rec["skip_reason"] = f"{'loss' if not math.isfinite(loss) else 'gradient norm'} is {loss if not math.isfinite(loss) else norm}"
+            bad_loss = not math.isfinite(loss)
+            rec["skip_reason"] = f"{'loss' if bad_loss else 'gradient norm'} is {loss if bad_loss else norm}"
         if self.layout.pp > 1:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:
@@ -269,7 +270,9 @@ class Trainer:
     def diverged(self, streak: list[dict]) -> Diverged:
         """The one line that ends a run whose last --max-skipped steps were all skipped."""
         good = checkpoint.list_checkpoints(self.out / "checkpoints")
-        where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)" if good else "no checkpoint was saved"
+        where = "no checkpoint was saved"
+        if good:
+            where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)"
         return Diverged(f"steps {streak[0]['step']}-{streak[-1]['step']} were skipped, {len(streak)} in a row "
                         f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; "
                         f"{where}; try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now "
@@ -294,8 +297,9 @@ class Trainer:
         if self.mcfg.moe_balance == "bias":
             info["moe_bias"] = self.balance.tolist()
         try:
+            midway = self.fault.mid_save if self.fault else None
             return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
-                                   self.cfg.keep_ckpts, self.built.run_id, midway=self.fault.mid_save if self.fault else None)
+                                   self.cfg.keep_ckpts, self.built.run_id, midway=midway)
         except SaveFailed as e:
             if self.cfg.on_save_error == "stop":
                 raise
@@ -365,8 +369,9 @@ class Trainer:
             ev = evaluate.in_training(self)
         save_s = self.save(cfg.max_steps)
         sha = checkpoint.weights_sha256(self.engine)
-        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val, "skipped_steps": skipped,
-                   "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s, **(ev or {})}
+        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
+                   "skipped_steps": skipped, "tokens_per_s": rec["tokens_per_s"] if rec else None,
+                   "weights_sha256": sha, "save_s": save_s, **(ev or {})}
         if self.layout.pp > 1:  # each stage's mean bubble over the run's steps
             summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
             self.passes.write_schedule(self.out / "schedule.json", rec["bubble"] if rec else None)

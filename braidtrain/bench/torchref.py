@@ -8,10 +8,10 @@ The model is braidtrain's GPT with tp = 1 (torch's own modules, SDPA attention),
 the same seed, its logits going into torch's cross-entropy inside the module (not loss.py's
 fused head); each rank reads the same global sequences braidtrain's loader gives it; the loss is
 the token sum over the global token count, as in braidtrain. The optimizer is torch's fused AdamW
-(weight decay on 2-D weights) with braidtrain's schedule and defaults, gradient clipping at 1.0, bf16 on GPU: autocast under DDP, FSDP2's
-MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under FSDP2, fp32 on CPU. Gradient
-accumulation skips the synchronisation of all but the last micro-step (DDP's no_sync, FSDP2's
-set_requires_gradient_sync). DDP and FSDP2 average the ranks' gradients, so each rank divides its
+(weight decay on 2-D weights) with braidtrain's schedule and defaults, gradient clipping at 1.0,
+bf16 on GPU: autocast under DDP, FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction)
+under FSDP2, fp32 on CPU. Gradient accumulation skips the synchronisation of all but the last
+micro-step (DDP's no_sync, FSDP2's set_requires_gradient_sync). DDP and FSDP2 average the ranks' gradients, so each rank divides its
 loss sum by its own token count: the gradient, its norm and the clipping are braidtrain's.
 What each compiles and fuses: ddp and fsdp2 nothing (eager; torch's fused AdamW, SDPA's flash
 attention); ddp-compile is nanoGPT's recipe, torch.compile of the whole model (head and
@@ -127,7 +127,8 @@ def build(mode, model, device, bf16):
     if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
         for block in model.gpt.blocks():
             if mode == "fsdp2-compile":  # each block compiled, then sharded (torchtitan's order)
                 block.compile()
@@ -206,7 +207,8 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
             if q.grad is not None:
                 q.grad.mul_(scale)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
+            group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps,
+                                final_frac=cfg.final_lr_frac)
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = torch.as_tensor(sum(loss.detach().float() for loss in micro) if micro else 0.0, device=device).float()
@@ -228,8 +230,8 @@ def dense(a, mcfg, loader, plan, cfg, device, bf16):
     net, sync, autocast = build(a.mode, model, device, bf16)  # FSDP2 replaces the parameters
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     first = rank * plan.seqs_per_rank
 
     def step(i):
@@ -283,7 +285,8 @@ def setup(a):
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
     cfg = Config(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t, total_batch=a.d)
-    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if a.mode.startswith("pipe") else dist.get_world_size())
+    dp = 1 if a.mode.startswith("pipe") else dist.get_world_size()
+    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, dp)
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
     mcfg = registry.model_config(a.model, data.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,

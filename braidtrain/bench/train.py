@@ -68,7 +68,8 @@ def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
         out.append((f"braidtrain {layout}", cmd, lambda run_dir=run_dir: _braidtrain_row(run_dir, args.warmup)))
     for mode in [m.strip() for m in args.torch.split(",") if m.strip()]:
         path = work / f"torch-{mode}.json"
-        cmd = [*launch, "braidtrain.bench.torchref", "--mode", mode, *common, "--steps", str(args.steps), "--json", str(path), *device]
+        cmd = [*launch, "braidtrain.bench.torchref", "--mode", mode, *common, "--steps", str(args.steps), "--json",
+               str(path), *device]
         out.append((f"torch {mode}", cmd, lambda path=path: _torch_row(path, args.warmup)))
     return out
 
@@ -122,7 +123,8 @@ def slowest(step_s: list[float]) -> float:
 def _check_train_args(args) -> None:
     """Every bad input a one-line UserError before any job starts (each layout parsed as `train` would)."""
     # the model and its shape flags, as every variant's job will build it
-    mcfg = registry.model_config(args.model, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_kv_heads")})
+    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_kv_heads")}
+    mcfg = registry.model_config(args.model, **shape)
     if args.seq_len > mcfg.block_size:
         raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
                         f"use -t {mcfg.block_size} or less")
@@ -277,14 +279,16 @@ def _last_error(text: str) -> str:
     """The failed job's own error: the last 'SomethingError: ...' line that is not torchrun's
     report about its child, else torchrun's word on a child killed by a signal."""
     lines = [line.strip() for line in text.splitlines() if line.strip().strip("=")]
-    errs = [line for line in lines if ("Error" in line.split(":")[0] or "error:" in line) and "ChildFailedError" not in line]
+    errs = [line for line in lines
+            if ("Error" in line.split(":")[0] or "error:" in line) and "ChildFailedError" not in line]
     errs = errs or [line for line in lines if "Signal" in line or "exitcode" in line]
     return (errs or lines or ["exited with an error"])[-1][:300]
 
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'host':>7}{'slowest':>9}{'SM MHz':>8}"
+    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'host':>7}{'slowest':>9}"
+          f"{'SM MHz':>8}"
           f"{'W':>6}{'loss':>9}{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
@@ -293,11 +297,13 @@ def _print_train(rows, baseline) -> None:
         pct = lambda v: None if v is None else 100 * v
         print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
-              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{cell(pct(r.get('host_frac')), '.0f', '%'):>7}{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
+              f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{cell(pct(r.get('host_frac')), '.0f', '%'):>7}"
+              f"{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
               f"{cell(r.get('power_w'), '.0f'):>6}{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")
     if len(rows[0]["runs_tokens_per_s"]) > 1:
         print("every run (tokens/s, and x the baseline run of its round):")
         for r in rows:
             runs = "  ".join("-" if t is None else f"{t:,.0f}" for t in r["runs_tokens_per_s"])
             ratios = "  ".join("-" if x is None else f"{x:.3f}" for x in r["runs_ratio"])
-            print(f"  {r['variant']:<40}{runs}" + (f"   x {ratios}" if any(x is not None for x in r["runs_ratio"]) else ""))
+            timed = any(x is not None for x in r["runs_ratio"])
+            print(f"  {r['variant']:<40}{runs}" + (f"   x {ratios}" if timed else ""))

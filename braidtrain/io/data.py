@@ -168,7 +168,8 @@ def get_tokenizer(name: str) -> Tokenizer:
             parts = [enc.encode_to_numpy(p, disallowed_special=()) for p in llama3_pieces(s)]
             return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, np.uint32)
 
-        return Tokenizer("llama3", LLAMA3_VOCAB, LLAMA3_BOS, lambda s: encode_array(s).tolist(), enc.decode, encode_array)
+        return Tokenizer("llama3", LLAMA3_VOCAB, LLAMA3_BOS, lambda s: encode_array(s).tolist(), enc.decode,
+                         encode_array)
     if name == LLAMA3_IDS:
         def no_text(_):
             raise UserError("these llama-3 shards came without a tokenizer.json, so no text can be encoded for "

@@ -36,8 +36,9 @@ dQ with atomics; computing dQ in its own pass recomputes S and dP, so 7 — the 
 `benchmarks/attention_gpu.py` measures it. Memory is flash's: O(B·H·T) for L and Δ.
 
 The kernels are in attention_kernels.py. The public entry points never import triton; it is
-imported on first use, so this module imports on machines without it (see `available`). Set TRITON_INTERPRET=1 before the first
-use to run the kernels on CPU tensors through Triton's interpreter (slow; for tests).
+imported on first use, so this module imports on machines without it (see `available`). Set
+TRITON_INTERPRET=1 before the first use to run the kernels on CPU tensors through Triton's
+interpreter (slow; for tests).
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def _launch(kernel, grid, *args, **kwargs):
 
 
 @torch.library.triton_op("braidtrain::causal_attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: O = softmax(Q Kᵀ/√D, causal) V, and L (row log2-sum-exp2, fp32), saved for backward."""
     if not available(q.device):
         raise RuntimeError(f"causal_attention needs triton and a CUDA device (or TRITON_INTERPRET=1); got {q.device}")

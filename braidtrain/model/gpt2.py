@@ -118,11 +118,13 @@ class GPT(Stage):
                  first: bool = True, last: bool = True, stage: int = 0, dispatch=None):
         super().__init__(cfg, mesh, sp, first, last, stage, dispatch)
         if first or last:
-            self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp, align=VOCAB_ALIGN)
+            self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp,
+                                              align=VOCAB_ALIGN)
         if first:
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         mine = self.my_experts()
-        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, (mine, self.dispatch) if cfg.is_moe(i) else None)
+        mixture = lambda i: (mine, self.dispatch) if cfg.is_moe(i) else None
+        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, mixture(i))
                          for i in (range(cfg.n_layer) if blocks is None else blocks)})
         if last:
             self.ln_f = nn.LayerNorm(cfg.n_embd)

@@ -62,7 +62,8 @@ PRESETS = {
     "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_heads=8, n_embd=2048, ffn_multiplier=1.5, multiple_of=256, **_3_2),
     "llama3.2-3b": dict(n_layer=28, n_head=24, n_kv_heads=8, n_embd=3072, ffn_multiplier=1.0, multiple_of=256, **_3_2),
     "llama3.1-8b": dict(n_layer=32, n_head=32, n_kv_heads=8, n_embd=4096, ffn_multiplier=1.3, multiple_of=1024, **_3_1),
-    "llama3.1-70b": dict(n_layer=80, n_head=64, n_kv_heads=8, n_embd=8192, ffn_multiplier=1.3, multiple_of=4096, **_3_1),
+    "llama3.1-70b": dict(n_layer=80, n_head=64, n_kv_heads=8, n_embd=8192, ffn_multiplier=1.3, multiple_of=4096,
+                         **_3_1),
     "llama3.1-405b": dict(n_layer=126, n_head=128, n_kv_heads=8, n_embd=16384, ffn_multiplier=1.2, multiple_of=4096,
                           **_3_1),
     # mixtures of SwiGLU experts: Mixtral's shape (8 experts, top 2, GQA, RoPE theta 1e6) CPU-sized and at
@@ -156,7 +157,8 @@ class Attention(nn.Module):
         self.n_head, self.n_kv, self.head_dim = H // tp, K // tp, D  # this rank's
         self.qkv_proj = ColumnParallelLinear(cfg.n_embd, (H + 2 * K) * D, group, bias=False, sp=sp, packed=(H, K, K))
         if cfg.qk_norm:  # (over D: the same weights for every head, so each tp rank's gradient is a part)
-            self.q_norm, self.k_norm = RMSNorm(D, cfg.norm_eps, tp_partial=True), RMSNorm(D, cfg.norm_eps, tp_partial=True)
+            self.q_norm = RMSNorm(D, cfg.norm_eps, tp_partial=True)
+            self.k_norm = RMSNorm(D, cfg.norm_eps, tp_partial=True)
         self.o_proj = RowParallelLinear(H * D, cfg.n_embd, group, bias=False, sp=sp)
         self.cp, self.deterministic = None, False  # context parallelism, exact mode on GPU (Stage sets them)
 
@@ -231,7 +233,8 @@ class Llama(Stage):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp,
                                                        align=VOCAB_ALIGN)
         mine = self.my_experts()
-        self.layers = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, (mine, self.dispatch) if cfg.is_moe(i) else None)
+        mixture = lambda i: (mine, self.dispatch) if cfg.is_moe(i) else None
+        self.layers = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, mixture(i))
                               for i in (range(cfg.n_layer) if blocks is None else blocks)})
         if last:
             self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -285,4 +288,5 @@ def is_norm(name: str) -> bool:
 
 # The family's HuggingFace adapter (protocol.py): llama_hf.py
 MODEL_TYPES, ARCHITECTURES = llama_hf.MODEL_TYPES, llama_hf.ARCHITECTURES
-to_hf, from_hf, hf_config, config_from_hf = llama_hf.to_hf, llama_hf.from_hf, llama_hf.hf_config, llama_hf.config_from_hf
+to_hf, from_hf = llama_hf.to_hf, llama_hf.from_hf
+hf_config, config_from_hf = llama_hf.hf_config, llama_hf.config_from_hf

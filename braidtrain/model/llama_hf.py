@@ -42,7 +42,8 @@ def _hf_block(arch: str, name: str, cfg):
     """[(HF name, rows)] of our block parameter `name` (after `layers.N.`): its parts, split by rows."""
     D, mix = cfg.head_dim, arch == "MixtralForCausalLM"
     if name == "self_attn.qkv_proj.weight":
-        return [(f"self_attn.{x}_proj.weight", w) for x, w in zip("qkv", (cfg.n_head * D, cfg.kv_heads * D, cfg.kv_heads * D))]
+        widths = (cfg.n_head * D, cfg.kv_heads * D, cfg.kv_heads * D)
+        return [(f"self_attn.{x}_proj.weight", w) for x, w in zip("qkv", widths)]
     if name == "mlp.gate_up_proj.weight":
         return [("mlp.gate_proj.weight", cfg.mlp_width), ("mlp.up_proj.weight", cfg.mlp_width)]
     if name == "mlp.router.weight":
@@ -157,7 +158,8 @@ def config_from_hf(c: dict, where: str) -> dict:
               "block_size": c.get("max_position_embeddings", 8192), "vocab_size": c["vocab_size"],
               "n_kv_heads": c.get("num_key_value_heads") or heads, "ffn_hidden": c["intermediate_size"],
               "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-              "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings", False))}
+              "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+              "tie_embeddings": bool(c.get("tie_word_embeddings", False))}
     if kind == "llama3":
         fields.update(rope_factor=float(rope["factor"]), rope_low_freq=float(rope["low_freq_factor"]),
                       rope_high_freq=float(rope["high_freq_factor"]),

@@ -112,7 +112,8 @@ class ModelConfig:
         for what, n in (("n_head", self.n_head), ("n_kv_heads", self.kv_heads), ("the MLP width "
                                                                                  f"{self.mlp_name}", self.mlp_width)):
             if n % tp:
-                why = " (each tp rank holds whole key/value heads: they are not replicated)" if what == "n_kv_heads" else ""
+                why = (" (each tp rank holds whole key/value heads: they are not replicated)" if what == "n_kv_heads"
+                       else "")
                 raise UserError(f"tp={tp} does not divide {what}={n}{why}: use tp in {divisors(n)}")
 
     # -- counts, from the model itself (see the module docstring) --------------------------------

@@ -1,8 +1,8 @@
 """The engine: data parallelism and ZeRO 0-3 over flat buffers, driven by a schedule.
 
-The protocol (docs/design-notes.md, "One validator, one table, one schedule"). The schedule decides the order of work; the engine
-is told which micro-batch each forward and backward belongs to, and which backward is the step's
-last:
+The protocol (docs/design-notes.md, "One validator, one table, one schedule"). The schedule decides
+the order of work; the engine is told which micro-batch each forward and backward belongs to, and
+which backward is the step's last:
 
     engine.begin_step(n_micro)
     with engine.forward(micro):  out = stage(x)           any order: 1F1B runs forward k+1
@@ -72,7 +72,8 @@ class Engine:
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
         self.trees = {b: exact_sums.TreeSum(self.recycle) for b in self.buckets} if exact else {}
-        self.scratch = {b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact else {}
+        self.scratch = ({b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact
+                        else {})
         self._pool: dict[int, list[torch.Tensor]] = {}
         self.pending: list = []  # ZeRO-2/3: reductions of earlier backwards still in flight
         self.last_grad_time = 0.0

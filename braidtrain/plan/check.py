@@ -65,9 +65,11 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
         run_dir = Path(out or tmp)
         p = run_job([sys.executable, *map(str, cmd), "--out", str(run_dir)])
         if p.returncode:
-            lines = [line for line in p.stderr.splitlines() if "error" in line.lower()] or p.stderr.splitlines() or ["no output"]
+            lines = ([line for line in p.stderr.splitlines() if "error" in line.lower()] or p.stderr.splitlines()
+                     or ["no output"])
             raise UserError(f"the --check run failed (exit {p.returncode}): {lines[-1].strip()}")
-        measured = max(json.loads(line)["mem_gb"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
+        records = (run_dir / "metrics.jsonl").read_text().splitlines()
+        measured = max(json.loads(line)["mem_gb"] for line in records if line.strip())
     st = e["stage_state"][0] if lay.pp > 1 else e["state"]  # rank 0's: the first stage's
     est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if s.cpu else e["allocated"]) / GB
     return {"layout": asdict(lay), "device": "cpu" if s.cpu else "cuda", "estimated_gb": est,

@@ -36,8 +36,8 @@ def assumed_shape(n_params: int, vocab: int, block_size: int):
 
 
 def setup_from(args) -> Setup:
-    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp", "pp", "cp",
-              "ep", "gpus_per_node", "node_busbw"):
+    for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp",
+              "pp", "cp", "ep", "gpus_per_node", "node_busbw"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     if args.alpha_us < 0 or args.top < 0:
@@ -49,8 +49,8 @@ def setup_from(args) -> Setup:
     if args.params:
         cfg = assumed_shape(parse_count(args.params), vocab or 50257, args.block_size or max(1024, args.seq_len))
     else:
-        fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_experts",
-                                                 "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
+        fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads",
+                                                 "moe_experts", "moe_top_k", "moe_every", "moe_hidden", "moe_capacity")}
         cfg = registry.model_config(args.model or "gpt2", vocab, **fields)
         # a longer context than the preset's: train's --block-size
         if args.block_size is None and cfg.block_size < args.seq_len:
@@ -87,19 +87,23 @@ def run(args) -> int:
               f"{100 * r['rel_error']:+.1f}%")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
-    result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES), pick(args.recompute, (False, True)),
-                  None if args.tp is None else (args.tp,), pick(args.sp, (False, True)),
+    result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES),
+                  pick(args.recompute, (False, True)), None if args.tp is None else (args.tp,),
+                  pick(args.sp, (False, True)),
                   None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
                   None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,),
                   variants=args.variants or args.json)
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},
-                          "layouts": [row_json(e) for e in result["rows"]], "recommendation": result["recommendation"]}))
+                          "layouts": [row_json(e) for e in result["rows"]],
+                          "recommendation": result["recommendation"]}))
         return 0
     node = f" ({s.gpus_per_node} a node)" if s.gpus_per_node and s.gpus_per_node < s.gpus else ""
     heads = [k for k in range(2, c.n_head + 1) if c.n_head % k == 0]
-    no_tp = f"; no tp: no divisor of n_head {c.n_head} ({heads}) divides {s.gpus}" if s.gpus > 1 and tp_degrees(s) == [1] else ""
+    no_tp = ""
+    if s.gpus > 1 and tp_degrees(s) == [1]:
+        no_tp = f"; no tp: no divisor of n_head {c.n_head} ({heads}) divides {s.gpus}"
     print(f"{c.num_params() / 1e6:,.1f}M parameters (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
           f"block_size={c.block_size}, vocab={c.vocab_size}), {s.gpus} x {s.mem_gb:g} GB{node}, -t {s.t} -d "
           f"{s.d}{no_tp}")

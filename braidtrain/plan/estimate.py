@@ -118,7 +118,10 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         held = [i for c in mine for i in split[c]]
         rebuilt = terms["block_recomputed"] + (one_ring + moe * any(map(cfg.is_moe, held)) if lay.recompute else 0)
         held_p = P - experts + experts // lay.ep
-        kept = bf16_kept(cfg, tp, held_p, param_counts(cfg, tp)["block"], chunks - 1 in mine) if lay.recompute else held_p
+        if lay.recompute:
+            kept = bf16_kept(cfg, tp, held_p, param_counts(cfg, tp)["block"], chunks - 1 in mine)
+        else:
+            kept = held_p
         P8 = fp8_params(s, tp, held[:1] if lay.recompute else held)
         act = {"live": sim["peak"], "block_recomputed": rebuilt, "ring_scores": ring["ring_scores"],
                "weights_bf16": (0 if s.cpu else 2 * (kept - P8)) + P8}
@@ -135,8 +138,8 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         dp = dp_comm_s(s, lay.zero, n, buckets, m, sum(f[c] for c in mine), sum(b[c] for c in mine), False,
                        busbw_of(s, lay, "dp"))
         rows.append({"mem": mem, "allocated": allocated, "state": state, "act": act, "end": sim["end"] + dp,
-                     "blocks": len(held), "moe": sum(map(cfg.is_moe, held)), "bubble": max(0.0, 1 - sim["busy"] / sim["end"]),
-                     "replicated": replicated})
+                     "blocks": len(held), "moe": sum(map(cfg.is_moe, held)),
+                     "bubble": max(0.0, 1 - sim["busy"] / sim["end"]), "replicated": replicated})
     span = max(sim["end"] for sim in ranks)
     step_end = max(row["end"] for row in rows)
     busiest = max(row["blocks"] for row in rows) / cfg.n_layer  # tp's and cp's messages are on its critical path

@@ -42,7 +42,8 @@ def add_parser(sub):
     a("--pp-schedule", choices=pipeline.SCHEDULES, help="only pipelines of this schedule")
     a("--cp", type=int, help="only this context-parallel degree (each sequence over cp GPUs)")
     a("--ep", type=int, help="only this expert-parallel degree (a mixture of experts)")
-    for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int), ("moe-capacity", float)):
+    for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int),
+                    ("moe-capacity", float)):
         a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--variants", action="store_true", help="every ZeRO stage, b and recompute of each mesh (default: each mesh's "

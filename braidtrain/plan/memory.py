@@ -63,8 +63,8 @@ def param_counts(cfg, tp: int = 1) -> dict:
     block = next(entries for module, entries in table.units if module is not None)
     embed = [e for module, entries in table.units if module is None for e in entries]
     return {"rank": count(table), "block": count(block), "embed": count(embed),
-            "replicated": count(e for e in table if e.replicated), "sharded": count(e for e in table if not e.replicated),
-            "expert": count(e for e in table if e.expert)}
+            "replicated": count(e for e in table if e.replicated),
+            "sharded": count(e for e in table if not e.replicated), "expert": count(e for e in table if e.expert)}
 
 
 @functools.lru_cache(maxsize=256)

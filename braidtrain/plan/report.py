@@ -14,8 +14,8 @@ def row_json(e: dict) -> dict:
             "mem_gb": {k: v / GB for k, v in e["mem"].items()}, "allocated_gb": e["allocated"] / GB,
             "activations_gb": {k: v / GB for k, v in e["activations"].items()},
             "compute_s": e["compute_s"], "exposed_comm_s": e["comm_s"], "dp_exposed_comm_s": e["dp_comm_s"],
-            "tp_comm_s": e["tp_comm_s"], "pp_comm_s": e["pp_comm_s"], "cp_comm_s": e["cp_comm_s"], "step_s": e["step_s"],
-            "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix"),
+            "tp_comm_s": e["tp_comm_s"], "pp_comm_s": e["pp_comm_s"], "cp_comm_s": e["cp_comm_s"],
+            "step_s": e["step_s"], "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix"),
             **({"bubble": e["bubble"], "stages_gb": e["stages_gb"]} if "bubble" in e else {})}
 
 

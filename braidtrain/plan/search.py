@@ -113,8 +113,8 @@ def advice(s: Setup, lay: Candidate) -> str:
     e = estimate(s, lay)
     est = f"the planner estimates {e['mem']['total'] / GB:.1f} GB a rank for {lay.name()} (of {s.mem_gb:.1f} GB)"
     if e["fits"]:
-        fitting = sorted((f for f in rank([estimate(s, x) for x in layouts(s)]) if f["mem"]["total"] < 0.8 * e["mem"]["total"]),
-                         key=lambda f: f["step_s"])
+        leaner = (f for f in rank([estimate(s, x) for x in layouts(s)]) if f["mem"]["total"] < 0.8 * e["mem"]["total"])
+        fitting = sorted(leaner, key=lambda f: f["step_s"])
         return est + " -- an underestimate here" + (f"; leaner: {fitting[0]['layout'].name()}" if fitting else "")
     grid = rank([estimate(s, x) for x in layouts(s)])
     change = fix(s, e, [f for f in grid if f["fits"]])
@@ -180,16 +180,20 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
     for e in (e for e in rows if e["fits"]):
         lay = e["layout"]
         try:
-            make_layout(world, model, seq_len=s.t, batch_size=lay.b, total_batch=s.d, exact=cfg.exact, compile=cfg.compile,
-                        cuda_graph=cfg.cuda_graph, cp_order=cfg.cp_order, device=device, **lay.layout_kw())
+            make_layout(world, model, seq_len=s.t, batch_size=lay.b, total_batch=s.d, exact=cfg.exact,
+                        compile=cfg.compile, cuda_graph=cfg.cuda_graph, cp_order=cfg.cp_order, device=device,
+                        **lay.layout_kw())
         except UserError:
             continue
         chosen = dict(pp=lay.pp, pp_schedule=lay.schedule if lay.pp > 1 else "1f1b", pp_split=None,
-                      pp_virtual=lay.virtual if lay.pp > 1 and lay.virtual > 1 else None, cp=lay.cp, cp_impl=lay.cp_impl,
-                      tp=lay.tp, sp=lay.sp, ep=lay.ep, zero=lay.zero, batch_size=lay.b, recompute=lay.recompute)
+                      pp_virtual=lay.virtual if lay.pp > 1 and lay.virtual > 1 else None, cp=lay.cp,
+                      cp_impl=lay.cp_impl, tp=lay.tp, sp=lay.sp, ep=lay.ep, zero=lay.zero, batch_size=lay.b,
+                      recompute=lay.recompute)
         speed = "" if cpu else f", {e['tokens_per_s']:,.0f} tokens/s at {s.tflops:g} TFLOP/s"
-        return chosen, f"--layout auto: {lay.name()}, dp {lay.dp} (planned {e['mem']['total'] / GB:.1f} of {s.mem_gb:.1f} GB{speed})"
+        return chosen, (f"--layout auto: {lay.name()}, dp {lay.dp} (planned {e['mem']['total'] / GB:.1f} of "
+                        f"{s.mem_gb:.1f} GB{speed})")
     if not any(e["fits"] for e in rows):
         raise UserError("--layout auto: " + nothing_fits(s, rows))
-    flags = " ".join(f for f, on in (("--exact", cfg.exact), ("--compile", cfg.compile), ("--cuda-graph", cfg.cuda_graph)) if on)
+    asked = (("--exact", cfg.exact), ("--compile", cfg.compile), ("--cuda-graph", cfg.cuda_graph))
+    flags = " ".join(f for f, on in asked if on)
     raise UserError(f"--layout auto: no layout that fits runs with {flags}: drop {flags}, or choose the layout by hand")

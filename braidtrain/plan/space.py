@@ -55,7 +55,9 @@ class Candidate:
         return self.dp * self.tp * self.pp * self.cp
 
     def name(self) -> str:
-        pipe = f" pp={self.pp} {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
+        pipe = ""
+        if self.pp > 1:
+            pipe = f" pp={self.pp} {self.schedule}" + (f"x{self.virtual}" if self.virtual > 1 else "")
         return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
                 + (f" cp={self.cp}" + (" allgather" if self.cp_impl == "allgather" else "") if self.cp > 1 else "")
                 + (f" ep={self.ep}" if self.ep > 1 else "") + (" --sp" if self.sp else "")
@@ -81,7 +83,8 @@ def valid(s: Setup, tp: int, sp: bool = False, b: int = 1, d: int | None = None,
           **kw) -> bool:
     """Whether `train` would accept this mesh (and, given d, this micro-batch; kw: Candidate's
     other fields): layout.py's verdict."""
-    return layout_of(s, Candidate(1, kw.pop("zero", 0), b, kw.pop("recompute", False), tp, sp, **kw), d, gpus) is not None
+    lay = Candidate(1, kw.pop("zero", 0), b, kw.pop("recompute", False), tp, sp, **kw)
+    return layout_of(s, lay, d, gpus) is not None
 
 
 def tp_degrees(s: Setup, gpus: int | None = None) -> list[int]:

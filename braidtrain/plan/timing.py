@@ -100,7 +100,8 @@ def dp_comm_s(s: Setup, zero: int, n: int, buckets: list, micro: int, fwd: float
     bwd: seconds of a micro-step's forward and backward that they can hide behind; again: ZeRO-3
     gathers the blocks again for the backward; busbw: the replica group's."""
     msg = [4 * k for _, k in buckets]
-    ar, rs, ag = ([collective_s(s, kind, m, n, busbw) for m in msg] for kind in ("all_reduce", "reduce_scatter", "all_gather"))
+    ar, rs, ag = ([collective_s(s, kind, m, n, busbw) for m in msg]
+                  for kind in ("all_reduce", "reduce_scatter", "all_gather"))
     if zero == 0:  # all-reduce on the last micro-step, overlapped with its backward
         return exposed(ar, bwd)
     if zero == 1:  # reduce-scatter likewise; then the updated parameters are all-gathered, exposed
