@@ -11,8 +11,9 @@ the token sum over the global token count, as in braidtrain. The optimizer is to
 (weight decay on 2-D weights) with braidtrain's schedule and defaults, gradient clipping at 1.0,
 bf16 on GPU: autocast under DDP, FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction)
 under FSDP2, fp32 on CPU. Gradient accumulation skips the synchronisation of all but the last
-micro-step (DDP's no_sync, FSDP2's set_requires_gradient_sync). DDP and FSDP2 average the ranks' gradients, so each rank divides its
-loss sum by its own token count: the gradient, its norm and the clipping are braidtrain's.
+micro-step (DDP's no_sync, FSDP2's set_requires_gradient_sync). DDP and FSDP2 average the ranks'
+gradients, so each rank divides its loss sum by its own token count: the gradient, its norm and the
+clipping are braidtrain's.
 What each compiles and fuses: ddp and fsdp2 nothing (eager; torch's fused AdamW, SDPA's flash
 attention); ddp-compile is nanoGPT's recipe, torch.compile of the whole model (head and
 cross-entropy included), then DDP; fsdp2-compile compiles each block (Module.compile), then
