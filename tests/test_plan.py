@@ -11,28 +11,29 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
+from braidtrain.errors import UserError
+from braidtrain.model.gpt2 import GPT
+from braidtrain.model.registry import model_config
+from braidtrain.options import Parser
+from braidtrain.parallel import placement
+from braidtrain.parallel.engine import Engine
 from braidtrain.plan import check
 from braidtrain.plan.command import run, setup_from
-from braidtrain.plan.flags import add_parser
 from braidtrain.plan.estimate import estimate
-from braidtrain.plan.memory import ALLOCATOR_SLACK, CONTEXT_BYTES, GB, NCCL_BYTES, activation_bytes, bucket_numels, model_state_bytes, param_counts
+from braidtrain.plan.flags import add_parser
+from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, NCCL_BYTES, activation_bytes, bucket_numels,
+                                    model_state_bytes, param_counts)
 from braidtrain.plan.report import COLUMNS, table
 from braidtrain.plan.search import auto_layout, plan
 from braidtrain.plan.space import Candidate, Setup, layout_of
 from braidtrain.plan.timing import busbw_of, tp_comm_s
-from dataclasses import replace
-from braidtrain.options import Parser
-from braidtrain.dist.comm import Comm
-from braidtrain.errors import UserError
-from braidtrain.dist.mesh import build_mesh
-from braidtrain.model.gpt2 import GPT
-from braidtrain.model.registry import model_config
-from braidtrain.parallel import placement
-from braidtrain.parallel.engine import Engine
 from helpers import braidtrain, forked, prepare_bytes
 
 
