@@ -14,6 +14,7 @@ folder) is removed at the end unless --out is given.
 """
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -39,8 +40,7 @@ def main(argv):
     assert a.steps > a.warmup >= 0, "--steps must exceed --warmup"
     cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
     tmp = None if cfg.out else tempfile.mkdtemp(prefix="braidtrain-fit-")
-    cfg.out = cfg.out or tmp
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = a.steps, 0, 0, False
+    cfg = dataclasses.replace(cfg, out=cfg.out or tmp, max_steps=a.steps, val_every=0, sample_tokens=0, progress=False)
     trainer = Trainer(cfg)
     lay = trainer.layout
     assert lay.tp == lay.pp == lay.cp == 1 and trainer.rt.world_size == 1, "one GPU: tp, pp, cp = 1, one process"

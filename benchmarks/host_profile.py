@@ -10,6 +10,7 @@ profile_step.py says what the GPU does meanwhile.
 """
 
 import cProfile
+import dataclasses
 import io
 import pstats
 import sys
@@ -27,7 +28,7 @@ STEPS = 3
 
 def main(argv):
     cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 4 + 2 * STEPS, 0, 0, False
+    cfg = dataclasses.replace(cfg, max_steps=4 + 2 * STEPS, val_every=0, sample_tokens=0, progress=False)
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     with gc_by_hand():

@@ -16,6 +16,7 @@ this and every other rank one line: its step time and its compute kernels' idle 
 """
 
 import builtins
+import dataclasses
 import os
 import sys
 import time
@@ -135,7 +136,7 @@ def main(argv):
     if argv[:1] == ["--torch"]:
         return torch_peer(["--mode", *argv[1:]])
     cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
+    cfg = dataclasses.replace(cfg, max_steps=10, val_every=0, sample_tokens=0, progress=False)
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     prof, wall, rec = profiled(trainer.step, sync)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -64,11 +64,13 @@ class Run:
 
 
 def build(cfg: Config) -> Run:
+    """The run's parts; its `cfg` is the config resolved for this run (the caller's is not changed): a
+    torchrun restart resumes, --layout auto's choices, -x -1's steps."""
     rt = find_runtime(cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
                       gpus_per_node=cfg.gpus_per_node, server=cfg.server, fs_path=cfg.fs_path,
                       device=cfg.device, timeout_s=cfg.timeout)
     if cfg.resume is None and rt.attempt > 0:  # torchrun restarted the group: carry on
-        cfg.resume = "auto"
+        cfg = replace(cfg, resume="auto")
     fault = Fault.from_env(rt.rank, rt.attempt)  # test hook; None in real runs
     device = rt.device
     train_files = resolve_files(cfg.train_data, "train")
@@ -86,8 +88,7 @@ def build(cfg: Config) -> Run:
     if cfg.layout == "auto":
         per_node = cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
-        for k, v in chosen.items():
-            setattr(cfg, k, v)
+        cfg = replace(cfg, **chosen)
         rt.log(f"braidtrain: {said}")
     lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
@@ -118,7 +119,7 @@ def build(cfg: Config) -> Run:
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     if cfg.max_steps == -1:  # llm.c's default: one epoch of the training data
-        cfg.max_steps = max(1, loader.n_chunks // lay.batch.seqs_per_step)
+        cfg = replace(cfg, max_steps=max(1, loader.n_chunks // lay.batch.seqs_per_step))
 
     parts = make_parts(mcfg, mesh, lay, cfg.sp)
     if lay.fp8 and mcfg.moe_experts:

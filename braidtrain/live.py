@@ -141,7 +141,7 @@ class LiveTrainer(Trainer):
         super().__init__(cfg, build_joiner(cfg) if cfg.join else None)
         self.on = cfg.live_recovery and (self.rt.world_size > 1 or cfg.join)
         self.ids = list(range(self.layout.dp))
-        self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, cfg.batch_size
+        self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, self.cfg.batch_size
         self.M = self.D * self.m  # micro-batches of a step
         self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.ids}  # id -> its global micro-batches
         self.epoch, self.degraded, self.recovering, self.noticed = 0, False, False, None
@@ -164,7 +164,7 @@ class LiveTrainer(Trainer):
             self.opt.update = tracked
         self.joined: dict = {}  # ranks admitted at the next change, and at which step
         if self.on and self.rt.is_main:
-            self.rt.store.set("live/config", cfg.to_toml())  # what a joiner checks its flags against
+            self.rt.store.set("live/config", self.cfg.to_toml())  # what a joiner checks its flags against
         if cfg.join:
             adm = self.built.admission
             self.arrive(adm["epoch"], adm["members"], adm["step"])

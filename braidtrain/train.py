@@ -78,6 +78,7 @@ class Trainer:
     def __init__(self, cfg: Config, built=None):
         self.mc = evaluate.read_evalfile(cfg.eval_data) if cfg.eval_data else None  # (a bad file fails first)
         run = self.built = built or build(cfg)  # (built: a live recovery's joiner, live.py)
+        cfg = run.cfg  # as resolved for this run (build)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
         self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
