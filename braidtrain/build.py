@@ -31,6 +31,7 @@ from braidtrain.model.protocol import ModelConfig
 from braidtrain.model.stage import Stage
 from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
+from braidtrain.parallel.context import Context
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.expert import Dispatch
 from braidtrain.plan.search import auto_layout
@@ -200,8 +201,6 @@ def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> l
     else:
         parts = registry.pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp, dispatch)
     if lay.cp > 1:
-        from braidtrain.parallel.context import Context
-
         cp = Context(mesh.groups["cp"], lay.cp_impl, lay.cp_order, lay.exact)
         for part in parts:
             part.use_context(cp)

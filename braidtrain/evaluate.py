@@ -20,13 +20,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from braidtrain.dist.runtime import init_runtime
 from braidtrain.errors import UserError
+from braidtrain.io.checkpoint import latest, load_model
+from braidtrain.io.data import get_tokenizer, tokenizer_for
 
 MAGIC, VERSION, HEADER_INTS = 20240522, 1, 256
 DELIM = 65535
@@ -126,8 +130,6 @@ def prepare(jsonl, out, tokenizer: str = "gpt2") -> dict:
     """`data prepare-eval`: lines of {"context", "endings", "label"} -> an eval file. Each ending is
     tokenized as it follows the context, after a space (llm.c's " " + ending). `tokenizer`: a name
     or a data folder (its tokenizer.json; none: gpt2, like llm.c's files)."""
-    from braidtrain.io.data import get_tokenizer, tokenizer_for
-
     if Path(tokenizer).is_dir():
         tokenizer = tokenizer_for([Path(tokenizer) / "_"]) or "gpt2"
     tok = get_tokenizer(tokenizer)
@@ -248,11 +250,6 @@ def in_training(trainer) -> dict:
 def run(args) -> int:
     """`braidtrain eval RUN --eval-data FILE`: the run's newest checkpoint (or RUN, a checkpoint
     folder), on one process or over torchrun's ranks; rank 0 prints and writes RUN/eval.json."""
-    from contextlib import nullcontext
-
-    from braidtrain.io.checkpoint import latest, load_model
-    from braidtrain.dist.runtime import init_runtime
-
     examples = read_evalfile(args.eval_data)
     run_dir = Path(args.run)
     ckpt = run_dir if (run_dir / "meta.json").exists() else latest(run_dir)

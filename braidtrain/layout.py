@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from braidtrain.errors import UserError, divisors
+from braidtrain.parallel import pipeline
 
 FP8_RECIPES = ("tensorwise", "rowwise")  # model/fp8.py's (named here: the layout is checked before torch loads)
 
@@ -114,8 +115,6 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
     `device` the device type ('cpu' or 'cuda'); `world_name`: what the world size is to the user
     (`plan`: its --gpus; `train`: the processes started)."""
-    from braidtrain.parallel import pipeline
-
     # 1. each degree, and the features against each other
     for name, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if size < 1:
@@ -225,7 +224,7 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
         raise UserError(f"--exact with dp={dp} needs a power-of-two number of micro-steps per rank, got "
                         f"d/(b*t*dp) = {micro}: use -d {lo * unit} or -d {2 * lo * unit}")
     if device == "cuda":  # (under cp, context.py's attention, which needs neither: the caller passes "cpu")
-        from braidtrain.model import attention
+        from braidtrain.model import attention  # (here: importing it costs seconds, and `plan` parses with layout.py)
 
         if not attention.available("cuda"):
             raise UserError("--exact on GPU needs triton (for the deterministic attention): pip install triton")

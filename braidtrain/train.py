@@ -41,16 +41,17 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from braidtrain import evaluate
-from braidtrain.io import checkpoint
 from braidtrain.build import build
 from braidtrain.config import Config
-from braidtrain.io.data import get_tokenizer, unigram_entropy
-from braidtrain.errors import Diverged, SaveFailed, UserError
 from braidtrain.dist.fault import crash_reason
+from braidtrain.errors import Diverged, SaveFailed, UserError
 from braidtrain.generate import generate, sample_prompt
+from braidtrain.io import checkpoint
+from braidtrain.io.data import get_tokenizer, unigram_entropy
 from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
-from braidtrain.parallel import expert
+from braidtrain.io.trackers import Trackers
 from braidtrain.optim import clip_scale, lr_at
+from braidtrain.parallel import expert
 from braidtrain.passes import Passes, reduce_loss
 from braidtrain.plan.search import advice
 from braidtrain.plan.space import Setup, candidate_of
@@ -103,8 +104,6 @@ class Trainer:
         start (W&B without a login) is the same one-line error on every rank."""
         if not (self.cfg.tensorboard or self.cfg.wandb):
             return None
-        from braidtrain.io.trackers import Trackers
-
         trackers, err = None, None
         if self.rt.is_main:
             try:

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 
 from braidtrain.io import export
 from braidtrain.config import Config
-from braidtrain.layout import batch_plan
+from braidtrain.layout import batch_plan, make_layout
+from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
 from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
 from braidtrain.io.metrics import peak_flops
 from braidtrain.model import registry
@@ -146,8 +147,6 @@ def build(mode, model, device, bf16):
     if mode.startswith("ao-"):  # torchao's float8 recipe on the linears --fp8 computes in float8
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
-
         linears = {m for block in model.gpt.blocks() for m in block.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
         convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: m in linears,
@@ -162,8 +161,6 @@ def build(mode, model, device, bf16):
 def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
     """pipe-*: torch's pipeline schedules over braidtrain's stages; returns (step_s, losses)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
-    from braidtrain.layout import make_layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     interleaved = a.mode == "pipe-interleaved"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from braidtrain.dist.comm import pairwise_sum
+from braidtrain.parallel import placement
 from braidtrain.parallel.buckets import Q
 
 
@@ -85,8 +86,6 @@ class ExactNorm:
     picking; an expert's place likewise on the ep rank that holds it."""
 
     def __init__(self, engine):
-        from braidtrain.parallel import placement
-
         self.e = engine
         whole = placement.for_config(engine.model.cfg)
         self.slot = {e.name: i for i, e in enumerate(whole)}
