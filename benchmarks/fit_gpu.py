@@ -61,7 +61,7 @@ def main(argv):
                        cpu=trainer.device.type == "cpu")
     candidate = Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute)
     e = estimate(setup, candidate)
-    st = e["state"]  # on the CPU mem_gb is the model state between steps (plan_cli.check compares the same)
+    st = e["state"]  # on the CPU mem_gb is the model state between steps (plan/check.py compares the same)
     est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if setup.cpu else e["allocated"]) / GB
     peak = max(r["mem_gb"] for r in recs)
     out = {"model": cfg.model, "layout": candidate.name() + (" --compile" if cfg.compile else "")

@@ -25,7 +25,7 @@ times the time its memory traffic needs (docs/performance-history.md). Here, per
 Memory: the logits buffer is the only (N, Vp) tensor, ever -- no fp32 logits or log-probs, no
 separate gradient buffer: it becomes dlogits, which is what the backward pass keeps. Under bf16
 autocast that is 2 bytes per token x vocabulary entry, kept and peak, where the plain version
-keeps 4 (fp32 log-probs) and peaks at ~12 (as plan.py counted it before this). The scale g is known only
+keeps 4 (fp32 log-probs) and peaks at ~12 (as the planner counted it before this). The scale g is known only
 in the backward pass, so it is applied to the small results, dh and dw, never to the big buffer.
 Outside grad mode (evaluation) the second pass is skipped.
 
