@@ -17,6 +17,7 @@ install:
 
 install-test: install
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
+	@$(PY) -m ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || $(PY) -m pip install -q ruff==0.17.6  # the linter (pyproject.toml)
 	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0  # its CPU interpreter runs the kernel tests
 	@$(PY) -c "import transformers" 2>/dev/null || $(PY) -m pip install -q transformers==5.24.0  # the export test; pulls no torch
 	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) -m pip install -q tensorboard==2.21.0  # --tensorboard's test; pulls no torch
@@ -33,4 +34,5 @@ run: data
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m braidtrain train --config tiny --out runs/tiny
 
 test: install-test
+	$(PY) -m ruff check braidtrain tests benchmarks
 	$(PY) -m pytest -q --durations=15

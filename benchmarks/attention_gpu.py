@@ -129,7 +129,8 @@ def main():
                 tol = 2 * max(rel(a, b) for a, b in zip(run(flash, q, k, v, do), ref) if b.norm() > 0) + 1e-3
             rep = all(same_bits(causal_attention, q, k, v, do, n=2).values())
             good = max(errs) <= tol and rep
-            print(f"  {name}  max rel err {max(errs):.1e} (tol {tol:.0e})  repeatable {rep}  {'ok' if good else 'FAIL'}")
+            print(f"  {name}  max rel err {max(errs):.1e} (tol {tol:.0e})  repeatable {rep}  "
+                  f"{'ok' if good else 'FAIL'}")
         except Exception as e:  # e.g. a configuration that does not fit this GPU
             good = False
             print(f"  {name}  ERROR {type(e).__name__}: {str(e)[:300]}")
@@ -145,8 +146,8 @@ def main():
     ok &= good
     dense = run(causal_attention, q.contiguous(), k.contiguous(), v.contiguous(), do)
     same = all(torch.equal(a, b) for a, b in zip(strided, dense))
-    print(f"  gpt.py strided q/k/v bf16 B={B} T={T} H={H} D={D}: max rel err {max(errs):.1e}  {'ok' if good else 'FAIL'}"
-          f"  same bits as contiguous q/k/v: {same} (reported)")
+    print(f"  gpt.py strided q/k/v bf16 B={B} T={T} H={H} D={D}: max rel err {max(errs):.1e}  "
+          f"{'ok' if good else 'FAIL'}  same bits as contiguous q/k/v: {same} (reported)")
 
     print("\n== median ms (triton.testing.do_bench), bf16, causal")
     print(f"  {'B,H,T,D':16s} {'ours fwd':>9s} {'flash fwd':>9s} {'ours f+b':>9s} {'flash f+b':>9s} "
@@ -154,8 +155,8 @@ def main():
     for shape, t, rep_o, rep_f in table:
         print(f"  {','.join(map(str, shape)):16s} {t['ours', 'fwd']:9.3f} {t['flash', 'fwd']:9.3f} "
               f"{t['ours', 'fwd+bwd']:9.3f} {t['flash', 'fwd+bwd']:9.3f} "
-              f"{t['ours', 'fwd+bwd'] / t['flash', 'fwd+bwd']:8.2f}x {t['cudnn', 'fwd']:9.3f} {t['cudnn', 'fwd+bwd']:9.3f}"
-              f"  {rep_o} / {rep_f}")
+              f"{t['ours', 'fwd+bwd'] / t['flash', 'fwd+bwd']:8.2f}x {t['cudnn', 'fwd']:9.3f} "
+              f"{t['cudnn', 'fwd+bwd']:9.3f}  {rep_o} / {rep_f}")
     print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'}  ({time.time() - t_start:.0f} s)")
     sys.exit(0 if ok else 1)
 

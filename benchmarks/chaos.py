@@ -100,9 +100,9 @@ def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, aga
     pids = {int(r): int(x) for r, x in re.findall(r"live.sh: rank (\d+): pid (\d+)", p.stderr)}
     summary, changes = run / "summary.json", run / "flight" / "membership.jsonl"
     got = json.loads(summary.read_text())["weights_sha256"] if summary.is_file() else None
-    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] \
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").is_file() else []
-    moved = [json.loads(l) for l in changes.read_text().splitlines()] if changes.is_file() else []
+    moved = [json.loads(line) for line in changes.read_text().splitlines()] if changes.is_file() else []
     same_pids = len(moved) == 1 and {int(r): x for r, x in moved[0]["pids"].items()} == \
         {r: x for r, x in pids.items() if r != rank}
     r = {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": zero, "world": "4 -> 3",
@@ -123,7 +123,7 @@ def restart_time(k: int, kind: str, rank: int, step: int, zero: int, data: str, 
     t0 = ev1.get("fault injected")
     if rc or not t0 or "resumed from" not in ev2:
         return None
-    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     after = recs[max(i for i, x in enumerate(recs) if "load_s" in x):]
     return ev2["resumed from"] - t0 + sum(x["step_s"] for x in after if x["step"] <= step)
 
@@ -139,13 +139,14 @@ def live_main(a) -> int:
             return 1
         want = json.loads((work / "ref" / "summary.json").read_text())["weights_sha256"]
         rows = []
-        fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
+        fmt = lambda x: "-" if x is None else f"{x:.1f} s"
         for k in range(a.trials):
             r = live_trial(k, rnd, a.data, work, want, k < a.against_restart)
             rows.append(r)
             print(f"trial {k}: {r['fault']}, ZeRO-{r['zero']}, world {r['world']}: "
                   f"{'bitwise equal, survivors the same processes' if r['ok'] else 'FAILED'}; fault to that step "
-                  f"completed {fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
+                  "completed "
+                  f"{fmt(r['live_s'])}" + (f" (restart path: {fmt(r['restart_s'])})" if "restart_s" in r else ""),
                   flush=True)
             if not r["ok"]:
                 print((work / f"live{k}.log").read_text()[-3000:], file=sys.stderr)
@@ -187,7 +188,7 @@ def main() -> int:
         for k in range(a.trials):
             r = trial(k, rnd, a.data, work, want)
             rows.append(r)
-            fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
+            fmt = lambda x: "-" if x is None else f"{x:.1f} s"
             print(f"trial {k}: {r['fault']}, ZeRO-{r['zero']}, world {r['world']}: "
                   f"{'bitwise equal' if r['ok'] else 'FAILED'}; fault to exit {fmt(r['to_exit_s'])}, "
                   f"to resumed {fmt(r['to_resumed_s'])}", flush=True)

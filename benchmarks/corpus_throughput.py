@@ -51,7 +51,7 @@ def make_corpus(root: Path, mb: float, seed: int = 0) -> tuple[int, int]:
     (root / "parquet").mkdir(parents=True, exist_ok=True)
     target, total, n, part, batch = mb * 1e6, 0, 0, 0, []
     with gzip.open(root / "corpus.jsonl.gz", "wt", encoding="utf-8", compresslevel=6) as jsonl:
-        writer = None
+        writer, writer_rows = None, 0
         while total < target:
             want, i, doc = g.lognormal(np.log(3000), 0.8), int(g.integers(len(paras))), []
             while sum(map(len, doc)) < want:
@@ -110,11 +110,13 @@ def main() -> None:
     root = Path(args.dir)
     docs, nbytes = make_corpus(root, args.mb)
     print(f"corpus: {docs} documents, {nbytes / 1e6:.1f} MB of text ({root})")
-    print(f"{'case':<18} {'documents':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'tokens/s':>10} {'CPU s':>6} {'peak RSS MB':>11}")
+    print(f"{'case':<18} {'documents':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'tokens/s':>10} {'CPU s':>6} "
+          f"{'peak RSS MB':>11}")
     for case in args.case or CASES:
         r = run(case, root, root / "out", args.shard_tokens)
-        print(f"{case:<18} {r['documents']:>9} {r['tokens']:>12} {r['seconds']:>8.1f} {nbytes / 1e6 / r['seconds']:>6.2f} "
-              f"{r['tokens'] / r['seconds']:>10,.0f} {r['cpu_s']:>6.0f} {r['peak_mb']:>11,.0f}", flush=True)
+        print(f"{case:<18} {r['documents']:>9} {r['tokens']:>12} {r['seconds']:>8.1f} "
+              f"{nbytes / 1e6 / r['seconds']:>6.2f} {r['tokens'] / r['seconds']:>10,.0f} {r['cpu_s']:>6.0f} "
+              f"{r['peak_mb']:>11,.0f}", flush=True)
 
 
 if __name__ == "__main__":

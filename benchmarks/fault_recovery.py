@@ -81,7 +81,8 @@ def main() -> None:
           f"heartbeat timeout {args.heartbeat_timeout:g} s, {args.repeat} runs each; seconds after the fault")
     print("| fault | flight logs written | group resumed | first step after resume |")
     print("|---|---|---|---|")
-    for name, fault in (("SIGKILL rank 2, step 10", "kill:rank=2:step=10"), ("SIGSTOP rank 1, step 10", "stop:rank=1:step=10")):
+    for name, fault in (("SIGKILL rank "
+                         "2, step 10", "kill:rank=2:step=10"), ("SIGSTOP rank 1, step 10", "stop:rank=1:step=10")):
         rs = [run_once(data, work, args.nproc, fault, args.heartbeat_timeout) for _ in range(args.repeat)]
         col = lambda k: f"{statistics.median(r[k] for r in rs):.1f} (max {max(r[k] for r in rs):.1f})"
         print(f"| {name} | {col('detected_s')} | {col('resumed_s')} | {col('first_step_s')} |", flush=True)

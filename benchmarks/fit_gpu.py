@@ -3,7 +3,7 @@ through braidtrain's own Trainer (as profile_step.py does), and no checkpoint wr
 final checkpoint of llama3.1-8b (96 GB of weights and Adam moments) would not fit the GPU
 machine's disk. Prints tokens/s and MFU over the steps after --warmup, the host's share of the
 step, and the measured peak memory (metrics' mem_gb, torch's peak allocation) against the
-planner's estimate of the same layout (plan.estimate's `allocated`; on the CPU the model state:
+planner's estimate of the same layout (plan/estimate.py's `allocated`; on the CPU the model state:
 what `plan --check` compares).
 
     python benchmarks/fit_gpu.py [--steps 6] [--warmup 3] [--json FILE] TRAIN_FLAGS ...
@@ -14,6 +14,7 @@ folder) is removed at the end unless --out is given.
 """
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -23,8 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from braidtrain import plan  # noqa: E402
-from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
+from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
+from braidtrain.plan.estimate import estimate  # noqa: E402
+from braidtrain.plan.memory import GB  # noqa: E402
+from braidtrain.plan.space import Candidate, Setup  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 
 
@@ -35,10 +38,9 @@ def main(argv):
     ap.add_argument("--json", help="also write the result here")
     a, flags = ap.parse_known_args(argv)
     assert a.steps > a.warmup >= 0, "--steps must exceed --warmup"
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
+    cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
     tmp = None if cfg.out else tempfile.mkdtemp(prefix="braidtrain-fit-")
-    cfg.out = cfg.out or tmp
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = a.steps, 0, 0, False
+    cfg = dataclasses.replace(cfg, out=cfg.out or tmp, max_steps=a.steps, val_every=0, sample_tokens=0, progress=False)
     trainer = Trainer(cfg)
     lay = trainer.layout
     assert lay.tp == lay.pp == lay.cp == 1 and trainer.rt.world_size == 1, "one GPU: tp, pp, cp = 1, one process"
@@ -54,13 +56,13 @@ def main(argv):
     secs = sum(r["step_s"] for r in timed)
     tps = sum(r["tokens_per_s"] * r["step_s"] for r in timed) / secs
     mfu = timed[0]["mfu"] and timed[0]["mfu"] / timed[0]["tokens_per_s"] * tps
-    gpu_gb = torch.cuda.get_device_properties(0).total_memory / plan.GB if torch.cuda.is_available() else 0.0
-    setup = plan.Setup(trainer.mcfg, 1, gpu_gb, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
-                       cpu=trainer.device.type == "cpu", fp8=cfg.fp8, compile=cfg.compile)
-    candidate = plan.Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute)
-    e = plan.estimate(setup, candidate)
-    st = e["state"]  # on the CPU mem_gb is the model state between steps (plan_cli.check compares the same)
-    est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if setup.cpu else e["allocated"]) / plan.GB
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 0.0
+    setup = Setup(trainer.mcfg, 1, gpu_gb, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
+                  cpu=trainer.device.type == "cpu", fp8=cfg.fp8, compile=cfg.compile)
+    candidate = Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute)
+    e = estimate(setup, candidate)
+    st = e["state"]  # on the CPU mem_gb is the model state between steps (plan/check.py compares the same)
+    est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if setup.cpu else e["allocated"]) / GB
     peak = max(r["mem_gb"] for r in recs)
     out = {"model": cfg.model, "layout": candidate.name() + (" --compile" if cfg.compile else "")
            + (" --cuda-graph" if cfg.cuda_graph else ""), "tokens_per_s": tps, "mfu": mfu, "mem_gb": peak,

@@ -12,7 +12,7 @@
 #           --compile --cuda-graph --fp8 tensorwise (300 steps) against the eager run's losses. These
 #           six small runs share the GPU at once (no timing is read from them).
 #   ao      torchao's float8 (its tensorwise and rowwise recipes on the same linears, torch.compile
-#           of the whole model: braidtrain.torchref's ao-*) on llama3.2-3b (or AO_MODEL) beside
+#           of the whole model: braidtrain.bench.torchref's ao-*) on llama3.2-3b (or AO_MODEL) beside
 #           braidtrain's --compile bf16 and --fp8 (RECIPES for both: the 3b part and torchao's, side
 #           by side in one bench), if wheels/torchao-*.whl is there (installed into a scratch
 #           folder, --no-deps); skipped, saying so, without it. Fetch it where there is a network:
@@ -64,7 +64,7 @@ IDS=$WORK/llama3_ids
 python - "$IDS" <<'EOF'
 import sys
 from pathlib import Path
-from braidtrain.data import read_bin, resolve_files, write_bin
+from braidtrain.io.data import read_bin, resolve_files, write_bin
 out = Path(sys.argv[1]); out.mkdir(parents=True)
 for split in ("train", "val"):
     (src,) = resolve_files("data/shakespeare_bytes", split)

@@ -10,6 +10,7 @@ profile_step.py says what the GPU does meanwhile.
 """
 
 import cProfile
+import dataclasses
 import io
 import pstats
 import sys
@@ -19,15 +20,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
+from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 
 STEPS = 3
 
 
 def main(argv):
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 4 + 2 * STEPS, 0, 0, False
+    cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
+    cfg = dataclasses.replace(cfg, max_steps=4 + 2 * STEPS, val_every=0, sample_tokens=0, progress=False)
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     with gc_by_hand():

@@ -79,7 +79,8 @@ def weight_grad():
         grad.zero_(), grad2.zero_()
         autograd_way(), fused()  # once each from zero: they differ by the bf16 rounding of the first
         diff = (grad - grad2).abs().max().item()
-        print(f"weight grad ({o}, {i}): mm + cast + add {ta:.3f} ms, addmm into fp32 {tb:.3f} ms (max |diff| {diff:.2e})")
+        print(f"weight grad ({o}, {i}): mm + cast + add {ta:.3f} ms, addmm into fp32 {tb:.3f} ms (max |diff| "
+              f"{diff:.2e})")
         total_a, total_b = total_a + ta, total_b + tb
     print(f"weight grad, a block's four: {total_a:.3f} against {total_b:.3f} ms; x96 a step: "
           f"{total_a * 96:.1f} against {total_b * 96:.1f} ms")

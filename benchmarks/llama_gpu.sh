@@ -45,7 +45,7 @@ if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then
 # Llama-3's layout (uint32, magic 20240801) and no tokenizer.json: braidtrain reads the ids as Llama-3's 128,256
 import numpy as np
 from pathlib import Path
-from braidtrain.data import LLAMA3_VOCAB, read_bin, write_bin
+from braidtrain.io.data import LLAMA3_VOCAB, read_bin, write_bin
 src, dst = Path("data/shakespeare_bytes"), Path("data/shakespeare_128k")
 dst.mkdir(parents=True, exist_ok=True)
 for split in ("train", "val"):

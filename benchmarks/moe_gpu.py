@@ -72,7 +72,8 @@ def train(data, extra, loop=False):
             return
         r = rows[-1]
         print(f"| {' '.join(extra) or 'dropless'} | {'loop' if loop else 'grouped'} | {r['tokens_per_s']:,.0f} | "
-              f"{100 * r['mfu']:.1f}% | {r['mem_gb']:.1f} | {r['moe_dropped']:.4f} | {r['moe_load_max']:.2f} | {r['loss']:.4f} |",
+              f"{100 * r['mfu']:.1f}% | {r['mem_gb']:.1f} | {r['moe_dropped']:.4f} | {r['moe_load_max']:.2f} | "
+              f"{r['loss']:.4f} |",
               flush=True)
 
 

@@ -46,7 +46,7 @@ def run(args, schedule: str, m: int, out: Path) -> tuple[list[float], dict]:
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         sys.exit(f"{schedule} m={m} failed:\n{p.stderr[-2000:]}")
-    steps = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"bubble"' in l]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"bubble"' in line]
     measured = [statistics.mean(s["bubble"][r] for s in steps[2:]) for r in range(args.pp)]
     return measured, json.loads((out / "schedule.json").read_text())
 
@@ -81,7 +81,7 @@ def main() -> None:
     a.add_argument("--steps", type=int, default=6)
     a.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     args = a.parse_args()
-    pct = lambda xs: " ".join(f"{100 * x:4.0f}%" for x in xs)  # noqa: E731
+    pct = lambda xs: " ".join(f"{100 * x:4.0f}%" for x in xs)
     print(f"pp {args.pp}, tiny GPT {args.layers} layers x {args.width}, b {args.b}, t {args.t}, "
           f"{os.cpu_count()} cores, {args.threads} thread(s) a process; bubble by stage")
     print(f"{'schedule':<12}{'m':>4}  {'measured':<28}{'simulated (measured costs)':<30}{'formula, rank 0':>16}")

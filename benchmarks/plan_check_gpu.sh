@@ -9,9 +9,9 @@ mkdir -p $OUT
 plan() {  # the plan subcommand, whether or not cli.py has it wired yet
   python - "$@" <<'PY'
 import argparse, sys
-from braidtrain import plan_cli as plan
-p = argparse.ArgumentParser(); sub = p.add_subparsers(dest="cmd"); plan.add_parser(sub)
-sys.exit(plan.run(p.parse_args(["plan", *sys.argv[1:]])))
+from braidtrain.plan import command, flags
+p = argparse.ArgumentParser(); sub = p.add_subparsers(dest="cmd"); flags.add_parser(sub)
+sys.exit(command.run(p.parse_args(["plan", *sys.argv[1:]])))
 PY
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -4,7 +4,7 @@
     e.g. python benchmarks/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
     torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py ...   # rank 0's step
     python benchmarks/profile_step.py --torch ddp-compile --model gpt2 -i DATA -b 16 -t 1024 -d 131072
-        # the same step of bench train's torch yardstick (braidtrain.torchref), for side-by-side profiles
+        # the same step of bench train's torch yardstick (braidtrain.bench.torchref), for side-by-side profiles
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
 time, the GPU's busy time, and the kernel time by category (matrix products, attention, the
@@ -16,6 +16,7 @@ this and every other rank one line: its step time and its compute kernels' idle 
 """
 
 import builtins
+import dataclasses
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from braidtrain.cli import Parser, _train_parser, train_config  # noqa: E402
+from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 
 CATEGORIES = [  # first match wins
@@ -83,8 +84,10 @@ def report(prof, wall, tokens_per_s, is_main=True, rank=0):
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.time_range.end > e.time_range.start and not annotation(e)]
     waits = idle([e for e in kernels if category(e.name) != "communication"])
-    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the host)", waits)):
-        print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the largest:")
+    for what, gaps in (("the GPU", idle(kernels)), ("compute (collectives left out: where it waits for them or the "
+                                                    "host)", waits)):
+        print(f"{what} idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; the "
+              "largest:")
         for g, before, after in sorted(gaps, reverse=True)[:8]:
             print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
     if not is_main:  # the other ranks: one line each, to see which of them waits
@@ -117,8 +120,8 @@ def profiled(step, sync):
 
 
 def torch_peer(argv):
-    """--torch MODE: the same step through braidtrain.torchref (bench train's yardstick)."""
-    from braidtrain import torchref
+    """--torch MODE: the same step through braidtrain.bench.torchref (bench train's yardstick)."""
+    from braidtrain.bench import torchref
 
     a = torchref.parse(argv + ["--steps", "10", "--json", os.devnull])
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1")):
@@ -132,8 +135,8 @@ def torch_peer(argv):
 def main(argv):
     if argv[:1] == ["--torch"]:
         return torch_peer(["--mode", *argv[1:]])
-    cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
-    cfg.max_steps, cfg.val_every, cfg.sample_tokens, cfg.progress = 10, 0, 0, False
+    cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv))
+    cfg = dataclasses.replace(cfg, max_steps=10, val_every=0, sample_tokens=0, progress=False)
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     prof, wall, rec = profiled(trainer.step, sync)

@@ -11,26 +11,31 @@ from __future__ import annotations
 import os
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from braidtrain import checkpoint, export, layout, rundir
-from braidtrain.comm import Comm
+from braidtrain import layout
+from braidtrain.io import checkpoint, export, rundir
+from braidtrain.dist.comm import Comm
 from braidtrain.config import Config
-from braidtrain.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
+from braidtrain.io.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
 from braidtrain.errors import UserError
-from braidtrain.fault import Fault, Guard
-from braidtrain.mesh import Mesh, build_mesh
+from braidtrain.dist.fault import Guard
+from braidtrain.dist.inject import Fault
+from braidtrain.dist.mesh import Mesh, build_mesh
 from braidtrain.model import fp8, registry
-from braidtrain.model.protocol import ModelConfig, Stage
+from braidtrain.model.protocol import ModelConfig
+from braidtrain.model.stage import Stage
 from braidtrain.optim import AdamW
 from braidtrain.parallel import placement
+from braidtrain.parallel.context import Context
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.expert import Dispatch
-from braidtrain.runtime import Runtime, find_runtime
+from braidtrain.plan.search import auto_layout
+from braidtrain.dist.runtime import Runtime, find_runtime
 
 
 @dataclass
@@ -60,11 +65,13 @@ class Run:
 
 
 def build(cfg: Config) -> Run:
+    """The run's parts; its `cfg` is the config resolved for this run (the caller's is not changed): a
+    torchrun restart resumes, --layout auto's choices, -x -1's steps."""
     rt = find_runtime(cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
                       gpus_per_node=cfg.gpus_per_node, server=cfg.server, fs_path=cfg.fs_path,
                       device=cfg.device, timeout_s=cfg.timeout)
     if cfg.resume is None and rt.attempt > 0:  # torchrun restarted the group: carry on
-        cfg.resume = "auto"
+        cfg = replace(cfg, resume="auto")
     fault = Fault.from_env(rt.rank, rt.attempt)  # test hook; None in real runs
     device = rt.device
     train_files = resolve_files(cfg.train_data, "train")
@@ -80,20 +87,16 @@ def build(cfg: Config) -> Run:
     else:
         mcfg = registry.model_config(cfg.model, vocab, **model_fields(cfg))
     if cfg.layout == "auto":
-        from braidtrain.plan import auto_layout
-
         per_node = cfg.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
-        for k, v in chosen.items():
-            setattr(cfg, k, v)
+        cfg = replace(cfg, **chosen)
         rt.log(f"braidtrain: {said}")
     lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
     # Data parallelism alone: each collective is a bucket (megabytes) or a few numbers a step, so
-    # NCCL's Simple protocol for all: ZeRO-3 on two H200s 7-14% faster, ZeRO-0/1 unchanged
-    # (docs/performance.md). tp's many mid-sized messages a layer keep NCCL's own choice, where
-    # LL/LL128's lower latency pays.
+    # NCCL's Simple protocol for all (ZeRO-3 faster, ZeRO-0/1 unchanged: docs/design-notes.md).
+    # tp's many mid-sized messages a layer keep NCCL's own choice, where LL/LL128's lower latency pays.
     rt.join(nccl_protocol="Simple" if lay.data_parallel_only else None)
     if cfg.exact:
         # same kernels, same reduction orders on every rank and every layout
@@ -117,7 +120,7 @@ def build(cfg: Config) -> Run:
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     val_loader = Loader(val_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
     if cfg.max_steps == -1:  # llm.c's default: one epoch of the training data
-        cfg.max_steps = max(1, loader.n_chunks // lay.batch.seqs_per_step)
+        cfg = replace(cfg, max_steps=max(1, loader.n_chunks // lay.batch.seqs_per_step))
 
     parts = make_parts(mcfg, mesh, lay, cfg.sp)
     if lay.fp8 and mcfg.moe_experts:
@@ -129,7 +132,8 @@ def build(cfg: Config) -> Run:
         if full is not None:  # before the engine: under ZeRO-3 a rank then holds only its shard
             table = placement.build(part)
             part.load_state_dict({n: table.local(table[n], full[n]) for n, _ in part.named_parameters()})
-        part.recompute = cfg.recompute
+        if cfg.recompute:
+            part.use_recompute()
         if cfg.exact and device.type == "cuda":
             part.use_deterministic_attention()
         if lay.fp8:
@@ -140,8 +144,7 @@ def build(cfg: Config) -> Run:
         part.to(device)
     balance = torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=device)
     for part in parts:
-        for i, moe in part.moe_by_block().items():
-            moe.bias = balance[i]  # (a view: train.py moves the whole table at once)
+        part.use_expert_biases(balance)
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -164,8 +167,8 @@ def build(cfg: Config) -> Run:
 def _cublas_checked(device) -> None:
     """torch runs cuBLAS under deterministic algorithms only with CUBLAS_WORKSPACE_CONFIG :4096:8 or
     :16:8 -- checked once, remembered -- but while the variable is set, torch 2.11's cuBLAS calls
-    cost the H200 machine's host ~55 us more a matmul and ~165 us more one with a bias (deterministic
-    algorithms on or off): ~105 ms a gpt2 exact step of 8 micro-steps (issue #25). On compute
+    cost the host more time a matmul, deterministic algorithms on or off (docs/performance-history.md).
+    On compute
     capability 9.0 torch's own workspace, which it hands cuBLAS with every call, is that size (32 MiB)
     without the variable: there, one matmul passes the check and the variable this run set goes.
     Elsewhere it stays: without it the workspace, and so perhaps the bits, would differ."""
@@ -197,15 +200,11 @@ def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> l
     else:
         parts = registry.pipeline_chunks(mcfg, lay.split, lay.pp, mesh.coord("pp"), mesh, sp, dispatch)
     if lay.cp > 1:
-        from braidtrain.parallel.context import Context
-
         cp = Context(mesh.groups["cp"], lay.cp_impl, lay.cp_order, lay.exact)
         for part in parts:
             part.use_context(cp)
-    for part in parts:  # a mixture of experts: exact mode's per-source calls; the aux term's weight
-        part.dispatch.exact = lay.exact
-        for moe in part.moe_layers():
-            moe.loss_scale = 1.0 / lay.batch.total_tokens
+    for part in parts:
+        part.use_experts(lay.exact, 1.0 / lay.batch.total_tokens)
     return parts
 
 
@@ -255,7 +254,8 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float, s
     return Path(out), session, claimed, fd
 
 
-BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}  # a checkpoint's layout from before pp, cp, ep
+# a checkpoint's layout from before pp, cp, ep
+BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}
 
 
 PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join")  # how a process runs, not what it trains

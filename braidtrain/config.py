@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from braidtrain.errors import UserError
+from braidtrain.io.trackers import check_installed
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -227,8 +228,6 @@ def validate(cfg: Config) -> None:
         raise UserError(f"timeout must be positive, got {cfg.timeout}")
     if cfg.wandb is not None and not cfg.wandb.strip():
         raise UserError("--wandb needs a project name, e.g. --wandb my-project")
-    from braidtrain.trackers import check_installed
-
     check_installed(cfg.tensorboard, cfg.wandb)
     if not cfg.heartbeat_timeout >= 0:
         raise UserError(f"heartbeat_timeout must be >= 0 (0 turns the heartbeat off), got {cfg.heartbeat_timeout}")

@@ -20,13 +20,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from braidtrain.dist.runtime import init_runtime
 from braidtrain.errors import UserError
+from braidtrain.io.checkpoint import latest, load_model
+from braidtrain.io.data import get_tokenizer, tokenizer_for
 
 MAGIC, VERSION, HEADER_INTS = 20240522, 1, 256
 DELIM = 65535
@@ -87,7 +91,8 @@ def check_example(ex: Example, where: str) -> None:
     if not ex.endings:
         raise UserError(f"{where}: no completions")
     if not 0 <= ex.label < len(ex.endings):
-        raise UserError(f"{where}: label {ex.label} is not one of its {len(ex.endings)} completions (0..{len(ex.endings) - 1})")
+        raise UserError(f"{where}: label {ex.label} is not one of its {len(ex.endings)} completions "
+                        f"(0..{len(ex.endings) - 1})")
     if not ex.context:
         raise UserError(f"{where}: no context tokens (the first completion token would have nothing to follow)")
     if not all(ex.endings):
@@ -107,7 +112,8 @@ def write_evalfile(path, examples: list[Example]) -> None:
         if any(not 0 <= t < DELIM for t in ex.context + sum(ex.endings, [])):
             raise UserError(f"{path}: example {i} has a token outside 0..65534")
         if 2 * len(rec) >= 2**16:
-            raise UserError(f"{path}: example {i} takes {2 * len(rec)} bytes; the format's uint16 length holds at most 65535")
+            raise UserError(f"{path}: example {i} takes {2 * len(rec)} bytes; the format's uint16 length holds at most "
+                            "65535")
         rec[1] = 2 * len(rec)
         longest = max(longest, rec[1])
         stream += rec
@@ -124,8 +130,6 @@ def prepare(jsonl, out, tokenizer: str = "gpt2") -> dict:
     """`data prepare-eval`: lines of {"context", "endings", "label"} -> an eval file. Each ending is
     tokenized as it follows the context, after a space (llm.c's " " + ending). `tokenizer`: a name
     or a data folder (its tokenizer.json; none: gpt2, like llm.c's files)."""
-    from braidtrain.data import get_tokenizer, tokenizer_for
-
     if Path(tokenizer).is_dir():
         tokenizer = tokenizer_for([Path(tokenizer) / "_"]) or "gpt2"
     tok = get_tokenizer(tokenizer)
@@ -167,7 +171,8 @@ def _rows(ex: Example, limit: int, vocab: int) -> list[tuple[list[int], list[int
     rows = []
     for e in ex.endings:
         if len(e) > limit:
-            raise UserError(f"eval example {ex.index}: a completion of {len(e)} tokens is longer than the model's context ({limit})")
+            raise UserError(f"eval example {ex.index}: a completion of {len(e)} tokens is longer than the model's "
+                            f"context ({limit})")
         full = (ex.context + e)[-(limit + 1) :]
         if max(full) >= vocab:
             raise UserError(f"eval example {ex.index}: token {max(full)} is outside the model's vocabulary of {vocab} "
@@ -245,11 +250,6 @@ def in_training(trainer) -> dict:
 def run(args) -> int:
     """`braidtrain eval RUN --eval-data FILE`: the run's newest checkpoint (or RUN, a checkpoint
     folder), on one process or over torchrun's ranks; rank 0 prints and writes RUN/eval.json."""
-    from contextlib import nullcontext
-
-    from braidtrain.checkpoint import latest, load_model
-    from braidtrain.runtime import init_runtime
-
     examples = read_evalfile(args.eval_data)
     run_dir = Path(args.run)
     ckpt = run_dir if (run_dir / "meta.json").exists() else latest(run_dir)
@@ -269,7 +269,8 @@ def run(args) -> int:
                **totals(correct, len(examples), rt.cpu_sum)}
         if rt.is_main:
             print(f"eval_acc {res['eval_acc']:.4f} ({res['eval_correct']}/{len(examples)}, mean log-likelihood)")
-            print(f"eval_acc_sum {res['eval_acc_sum']:.4f} ({res['eval_correct_sum']}/{len(examples)}, summed log-likelihood)")
+            print(f"eval_acc_sum {res['eval_acc_sum']:.4f} ({res['eval_correct_sum']}/{len(examples)}, summed "
+                  "log-likelihood)")
             out = Path(args.out) if args.out else (run_dir if ckpt != run_dir else ckpt.parent.parent) / "eval.json"
             out.write_text(json.dumps(res, indent=1) + "\n")
             print(f"wrote {out}")

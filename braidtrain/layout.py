@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from braidtrain.errors import UserError, divisors
+from braidtrain.parallel import pipeline
 
 FP8_RECIPES = ("tensorwise", "rowwise")  # model/fp8.py's (named here: the layout is checked before torch loads)
 
@@ -71,10 +72,11 @@ class Layout:
             cut = " | ".join(f"{r.start}-{r.stop - 1}" for r in self.split)
             pipe = f" ({self.schedule}{f' x{self.virtual} chunks a rank' if self.virtual > 1 else ''}, blocks {cut})"
         ctx = f" ({self.cp_impl}, {self.cp_order})"
-        axes = " x ".join(f"{a} {getattr(self, a)}" + {"pp": pipe, "cp": ctx}.get(a, "") for a in ("pp", "dp", "cp", "tp", "ep")
-                          if getattr(self, a) > 1 or a == "dp")
-        features = [f"ZeRO-{self.zero}"] + [n for n, on in (("exact", self.exact), ("recompute", self.recompute),
-                                                             ("compile", self.compile), ("cuda-graph", self.cuda_graph)) if on]
+        axes = " x ".join(f"{a} {getattr(self, a)}" + {"pp": pipe, "cp": ctx}.get(a, "")
+                          for a in ("pp", "dp", "cp", "tp", "ep") if getattr(self, a) > 1 or a == "dp")
+        switches = (("exact", self.exact), ("recompute", self.recompute), ("compile", self.compile),
+                    ("cuda-graph", self.cuda_graph))
+        features = [f"ZeRO-{self.zero}"] + [n for n, on in switches if on]
         features += [f"fp8 {self.fp8}"] if self.fp8 else []
         return axes + (" (sp)" if self.sp else "") + ", " + ", ".join(features)
 
@@ -113,8 +115,6 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
     `device` the device type ('cpu' or 'cuda'); `world_name`: what the world size is to the user
     (`plan`: its --gpus; `train`: the processes started)."""
-    from braidtrain.parallel import pipeline
-
     # 1. each degree, and the features against each other
     for name, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if size < 1:
@@ -190,9 +190,12 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
     if schedule == "interleaved" and m % pp:
         raise UserError(f"--pp-schedule interleaved needs a multiple of pp = {pp} micro-steps per rank, got "
                         f"d/(b*t*dp) = {m}: use -d {m // pp * pp * unit} or -d {(m // pp + 1) * pp * unit}")
-    chunks = pipeline.split(model.n_layer, pp * v, by_hand=split) if split is not None else pipeline.cost_split(model, seq_len, pp * v)
-    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v, tuple(chunks),
-                  **ctx)
+    if split is not None:
+        chunks = pipeline.split(model.n_layer, pp * v, by_hand=split)
+    else:
+        chunks = pipeline.cost_split(model, seq_len, pp * v)
+    return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v,
+                  tuple(chunks), **ctx)
 
 
 def _check_cp(cp: int, tp: int, sp: bool, t: int, compile: bool, cuda_graph: bool, exact: bool) -> None:
@@ -221,7 +224,7 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
         raise UserError(f"--exact with dp={dp} needs a power-of-two number of micro-steps per rank, got "
                         f"d/(b*t*dp) = {micro}: use -d {lo * unit} or -d {2 * lo * unit}")
     if device == "cuda":  # (under cp, context.py's attention, which needs neither: the caller passes "cpu")
-        from braidtrain.model import attention
+        from braidtrain.model import attention  # (here: importing it costs seconds, and `plan` parses with layout.py)
 
         if not attention.available("cuda"):
             raise UserError("--exact on GPU needs triton (for the deterministic attention): pip install triton")

@@ -85,6 +85,7 @@ class AdamW:
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=skip)
 
+
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     """What to divide the gradient by to bring its global norm down to max_norm: norm / max_norm
     when above (1 when below, or when the norm is not finite); None when clipping is off.

@@ -11,8 +11,9 @@ import json
 
 import torch
 
-from braidtrain.comm import pairwise_sum
-from braidtrain.parallel import schedule
+from braidtrain.dist.comm import pairwise_sum
+from braidtrain.parallel import pipeline, schedule
+from braidtrain.parallel.actions import Action
 
 
 def reduce_loss(comm, mesh, sums: list[torch.Tensor]) -> float:
@@ -70,9 +71,7 @@ class Passes:
     def forward_only(self, n_micro: int) -> list:
         """This rank's actions of a forward-only pass of n_micro micro-batches through the pipeline."""
         if self.lay.pp == 1:
-            return [schedule.Action("F", 0, m) for m in range(n_micro)]
-        from braidtrain.parallel import pipeline
-
+            return [Action("F", 0, m) for m in range(n_micro)]
         return pipeline.forward_only(self.lay.pp, self.lay.virtual, n_micro)[self.mesh.coord("pp")]
 
     @torch.no_grad()

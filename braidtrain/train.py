@@ -20,8 +20,8 @@ pinned memory, so the host runs ahead of the GPU through the whole step; it read
 step's tokens while the GPU works, then waits once, at the end, to read the loss for the log.
 
 Python's garbage collector runs only by hand during the loop (collect_garbage), at the same steps
-on every rank: a full collection among torch.compile's objects takes 0.2-0.3 s (measured on CPU),
-and one that struck a single rank inside a step would hold its peers in the next collective.
+on every rank: a full collection among torch.compile's objects takes a noticeable fraction of a
+second, and one that struck a single rank inside a step would hold its peers in the next collective.
 
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
@@ -40,17 +40,21 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from braidtrain import checkpoint, evaluate
+from braidtrain import evaluate
 from braidtrain.build import build
 from braidtrain.config import Config
-from braidtrain.data import get_tokenizer, unigram_entropy
+from braidtrain.dist.fault import crash_reason
 from braidtrain.errors import Diverged, SaveFailed, UserError
-from braidtrain.fault import crash_reason
 from braidtrain.generate import generate, sample_prompt
-from braidtrain.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
-from braidtrain.parallel import expert
+from braidtrain.io import checkpoint
+from braidtrain.io.data import get_tokenizer, unigram_entropy
+from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
+from braidtrain.io.trackers import Trackers
 from braidtrain.optim import clip_scale, lr_at
+from braidtrain.parallel import expert
 from braidtrain.passes import Passes, reduce_loss
+from braidtrain.plan.search import advice
+from braidtrain.plan.space import Setup, candidate_of
 
 GRAPH_WARMUP = 2  # --cuda-graph: eager steps before the capture (compilation, lazy initialisation)
 GC_EVERY = 20  # steps between two collections of Python garbage (collect_garbage)
@@ -75,16 +79,19 @@ class Trainer:
     def __init__(self, cfg: Config, built=None):
         self.mc = evaluate.read_evalfile(cfg.eval_data) if cfg.eval_data else None  # (a bad file fails first)
         run = self.built = built or build(cfg)  # (built: a live recovery's joiner, live/join.py)
+        cfg = run.cfg  # as resolved for this run (build)
         self.cfg, self.rt, self.layout, self.mesh, self.comm = cfg, run.rt, run.layout, run.mesh, run.comm
         self.mcfg, self.parts, self.engine, self.opt, self.guard = run.mcfg, run.parts, run.engine, run.opt, run.guard
         self.device, self.bf16, self.fault, self.out = run.rt.device, run.bf16, run.fault, run.out
         self.start_step, self.load_s = run.start_step, run.load_s
         self.batch = self.layout.batch
-        self.tokens = torch.zeros((2, self.batch.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)  # x, y
+        # x, y
+        self.tokens = torch.zeros((2, self.batch.seqs_per_rank, cfg.seq_len), dtype=torch.long, device=self.device)
         self.passes = Passes(run, self.autocast, self.tokens)
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
         self.shared_checked = False  # the checkpoint folder seen by every rank (check_shared, at the first save)
-        self.graph = self.graph_out = self.graph_handles = None  # --cuda-graph: the captured step, its outputs and collectives
+        # --cuda-graph: the captured step, its outputs and collectives
+        self.graph = self.graph_out = self.graph_handles = None
         self.balance = run.balance  # --moe-balance bias: every MoE layer's expert biases (n_layer, E), all ranks alike
         try:
             self.trackers = self.open_trackers()
@@ -97,8 +104,6 @@ class Trainer:
         start (W&B without a login) is the same one-line error on every rank."""
         if not (self.cfg.tensorboard or self.cfg.wandb):
             return None
-        from braidtrain.trackers import Trackers
-
         trackers, err = None, None
         if self.rt.is_main:
             try:
@@ -163,7 +168,8 @@ class Trainer:
                "exposed_comm_s": engine.exposed_comm_s()}
         if skipped:
             rec["skipped"] = True
-            rec["skip_reason"] = f"{'loss' if not math.isfinite(loss) else 'gradient norm'} is {loss if not math.isfinite(loss) else norm}"
+            bad_loss = not math.isfinite(loss)
+            rec["skip_reason"] = f"{'loss' if bad_loss else 'gradient norm'} is {loss if bad_loss else norm}"
         if self.layout.pp > 1:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:
@@ -194,8 +200,7 @@ class Trainer:
         """Python's cyclic garbage, collected on every rank at the same steps and while the GPU
         works (the automatic collector is off during the loop: gc_by_hand). After the first step
         everything alive -- the model, torch.compile's graphs and caches -- is frozen: later
-        collections scan only what was made since (gpt2 --compile: 0.2 ms, against 240 ms for the
-        first one with its 410k objects)."""
+        collections scan only what was made since (docs/performance-history.md has the figures)."""
         if step == self.start_step:
             gc.collect()
             gc.freeze()
@@ -263,26 +268,26 @@ class Trainer:
 
     def out_of_memory(self) -> str:
         """The one line for a step that ran out of device memory: the planner's view of it."""
-        from braidtrain import plan
-
         lay, cfg = self.layout, self.cfg
         if self.device.type == "cuda":
             mem = torch.cuda.get_device_properties(self.device).total_memory / 1e9
         else:  # (a CPU run: this process's share of the machine)
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / self.rt.world_size
-        s = plan.Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
-                       cpu=self.device.type == "cpu", fp8=lay.fp8, compile=cfg.compile,
-                       live=cfg.live_recovery)
+        s = Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
+                  cpu=self.device.type == "cpu", fp8=lay.fp8, compile=cfg.compile, live=cfg.live_recovery)
         return (f"out of memory on {self.device} (rank {self.rt.rank}) at step {self.comm.step}: "
-                f"{plan.advice(s, plan.candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
+                f"{advice(s, candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
 
     def diverged(self, streak: list[dict]) -> Diverged:
         """The one line that ends a run whose last --max-skipped steps were all skipped."""
         good = checkpoint.list_checkpoints(self.out / "checkpoints")
-        where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)" if good else "no checkpoint was saved"
+        where = "no checkpoint was saved"
+        if good:
+            where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)"
         return Diverged(f"steps {streak[0]['step']}-{streak[-1]['step']} were skipped, {len(streak)} in a row "
-                        f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; {where}; "
-                        f"try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now {self.cfg.grad_clip:g})")
+                        f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; "
+                        f"{where}; try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now "
+                        f"{self.cfg.grad_clip:g})")
 
     def save(self, step: int) -> float | None:
         """A checkpoint of step `step`, unless a weight or an Adam moment is not finite on some
@@ -303,8 +308,9 @@ class Trainer:
         if self.mcfg.moe_balance == "bias":
             info["moe_bias"] = self.balance.tolist()
         try:
+            midway = self.fault.mid_save if self.fault else None
             return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
-                                   self.cfg.keep_ckpts, self.built.run_id, midway=self.fault.mid_save if self.fault else None)
+                                   self.cfg.keep_ckpts, self.built.run_id, midway=midway)
         except SaveFailed as e:
             if self.cfg.on_save_error == "stop":
                 raise
@@ -329,8 +335,8 @@ class Trainer:
         cfg, rt, batch = self.cfg, self.rt, self.batch
         log = MetricsLog(self.out / "metrics.jsonl", self.start_step) if rt.is_main else None
         rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on "
-               f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} micro-steps "
-               f"x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
+               f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} "
+               f"micro-steps x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
         rec, val, bubbles, ev = None, None, [], None
         eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every
@@ -374,8 +380,9 @@ class Trainer:
             ev = evaluate.in_training(self)
         save_s = self.save(cfg.max_steps)
         sha = checkpoint.weights_sha256(self.engine)
-        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val, "skipped_steps": skipped,
-                   "tokens_per_s": rec["tokens_per_s"] if rec else None, "weights_sha256": sha, "save_s": save_s, **(ev or {})}
+        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
+                   "skipped_steps": skipped, "tokens_per_s": rec["tokens_per_s"] if rec else None,
+                   "weights_sha256": sha, "save_s": save_s, **(ev or {})}
         if self.layout.pp > 1:  # each stage's mean bubble over the run's steps
             summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
             self.passes.write_schedule(self.out / "schedule.json", rec["bubble"] if rec else None)
@@ -413,17 +420,3 @@ def _ranges(ranks: list[int]) -> str:
             out.append(f"{start}-{r}" if r > start else str(r))
             start = None
     return ", ".join(out)
-
-
-def train(cfg: Config) -> dict:
-    if cfg.live_recovery or cfg.join:
-        from braidtrain.live import LiveTrainer, check_config
-
-        check_config(cfg)
-    trainer = LiveTrainer(cfg) if cfg.live_recovery else Trainer(cfg)
-    try:
-        return trainer.run()
-    finally:
-        trainer.drop_graph(wait=False)  # these two are no-ops after a clean finish
-        trainer.guard.close(clean=False)
-        trainer.rt.close()

@@ -12,7 +12,7 @@ from braidtrain.evaluate import read_evalfile, score, totals
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
-from braidtrain.runtime import init_runtime
+from braidtrain.dist.runtime import init_runtime
 
 
 def main(path, out):

@@ -16,8 +16,9 @@ import sys
 import traceback
 from pathlib import Path
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.bench",
-           "braidtrain.plan_cli", "braidtrain.data", "braidtrain.evaluate", "braidtrain.export", "braidtrain.metrics"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.live",
+           "braidtrain.bench.train", "braidtrain.plan.command", "braidtrain.io.data", "braidtrain.evaluate",
+           "braidtrain.io.export", "braidtrain.io.metrics"]
 
 
 def child(req: dict) -> None:
@@ -67,7 +68,7 @@ def serve(path: str) -> None:
     waiting = {}  # pid -> its requester's connection
     print("ready", flush=True)
     while os.getppid() == parent:
-        for key, _ in sel.select(timeout=0.05):
+        for _key, _ in sel.select(timeout=0.05):
             conn, _ = listener.accept()
             with conn.makefile("r") as f:
                 req = json.loads(f.readline())

@@ -67,7 +67,7 @@ def check_pinned(which: str, sha: str) -> None:
     pins = EXACT_PINS.get(key)
     if pins is None:
         warnings.warn(f"no pinned exact-mode hash for torch {key[0]} on {key[1]}: {which} gave {sha}, compared only "
-                      f"across layouts (add it to tests/helpers.py's EXACT_PINS to guard it here)")
+                      f"across layouts (add it to tests/helpers.py's EXACT_PINS to guard it here)", stacklevel=2)
         return
     assert sha == pins[which], f"exact mode's bits moved ({which}: {sha}, pinned {pins[which]}): re-pin only on purpose"
 
@@ -165,14 +165,14 @@ def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedPro
                     _signal(pid, signal.SIGKILL)
                 f.close()
                 conn.close()
-        read = lambda path: Path(path).read_text(encoding="utf-8", errors="replace")  # noqa: E731
+        read = lambda path: Path(path).read_text(encoding="utf-8", errors="replace")
         return subprocess.CompletedProcess(target, first or 0, read(out), read(err))
 
 
 def forked(cmd: list, env: dict | None = None) -> subprocess.CompletedProcess:
     """What subprocess.run(cmd) would return for `python [-m torch.distributed.run --standalone
     --nproc-per-node=N] ARGS`, the command forked instead (launch): a stand-in for the `run_job`
-    of bench.py and plan_cli.py, which start such commands."""
+    of bench/train.py and plan/check.py, which start such commands."""
     cmd = [str(a) for a in cmd]
     assert cmd[0] == sys.executable, cmd
     cmd, nproc = cmd[1:], 1
@@ -192,7 +192,7 @@ def braidtrain(*args, nproc: int = 1, timeout: float = 300, check: bool = True, 
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def summary(run: Path) -> dict:

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from braidtrain.comm import Comm
+from braidtrain.dist.comm import Comm
 from braidtrain.errors import UserError
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
@@ -159,7 +159,7 @@ def check_gpt(res, mesh, pre="gpt"):
             key = f"{pre}.{tag}{'.recompute' if recompute else ''}"
             res[f"{key}.loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             losses = gather(loss.detach().reshape(1), group, tp)
-            res[f"{key}.loss_same_on_tp_ranks"] = all(torch.equal(l, losses[0]) for l in losses)
+            res[f"{key}.loss_same_on_tp_ranks"] = all(torch.equal(loss, losses[0]) for loss in losses)
             partial = table.sp_partial()
             worst, worst_name, replicated_equal = 0.0, "", True
             for n, p in model.named_parameters():

@@ -24,11 +24,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from braidtrain.build import make_parts
-from braidtrain import checkpoint
-from braidtrain.checkpoint import weights_sha256
-from braidtrain.comm import Comm
+from braidtrain.io import checkpoint
+from braidtrain.io.checkpoint import weights_sha256
+from braidtrain.dist.comm import Comm
 from braidtrain.layout import make_layout
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at
@@ -154,7 +154,8 @@ MATRIX = [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
 ]
 MATRIX_STEPS = {False: (10, 5), True: (4, 2)}  # (steps, midway) in default and exact mode
-SHALLOW = replace(CFG, n_layer=4)  # 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp's and cp's messages are per block
+# 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp's and cp's messages are per block
+SHALLOW = replace(CFG, n_layer=4)
 
 
 def matrix(rank, out):
@@ -168,7 +169,7 @@ def matrix(rank, out):
         exact = group.endswith("exact")
         steps, mid = MATRIX_STEPS[exact]
         cfg = MOE if model == "moe" else SHALLOW
-        ckpt = lambda name: Path(out) / "ckpt" / group / name  # noqa: E731
+        ckpt = lambda name: Path(out) / "ckpt" / group / name
         members = [base] + cells
         results[group] = {}
         for i, (name, kw) in enumerate(members):
@@ -233,7 +234,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     parts = make_parts(cfg, mesh, lay, lay.sp)
     for part in parts:
         init_weights(part, 5)
-        part.recompute = lay.recompute
+        if lay.recompute:
+            part.use_recompute()
     engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
     opt = AdamW(engine)
     rows = lay.batch.seqs_per_rank
@@ -245,8 +247,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     ckpt_rt, t0 = SimpleNamespace(is_main=rank == 0, rank=rank, world_size=n), time.time()
     balance = torch.zeros(cfg.n_layer, max(1, cfg.moe_experts))  # (as build.py: the experts' biases)
     for part in parts:
-        for i, moe in part.moe_by_block().items():
-            moe.bias = balance[i]
+        part.use_expert_biases(balance)
     if resume is not None:
         first = checkpoint.load(checkpoint.list_checkpoints(resume)[-1], engine, opt)["step"]
     for step in range(first, until or steps):
@@ -329,7 +330,7 @@ def dispatch(rank, ep, capacity):
     y = layer(x)
     y.backward(dys[rank])
     errs, dropped_ok = [], True
-    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()  # noqa: E731
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
     xr = xs.clone().requires_grad_()
     outs = []
     for r in range(ep):  # the reference: each rank's tokens a group of their own, as its capacity is
@@ -361,7 +362,8 @@ def dispatch(rank, ep, capacity):
     (out * dys).sum().backward()
     errs.append(rel(y, out[rank]))
     errs.append(rel(x.grad, xr.grad[rank]))
-    router = comm.gather_rows(layer.router.weight.grad.reshape(-1), mesh.groups["world"]).sum(0)  # (each rank's: its tokens')
+    # (each rank's: its tokens')
+    router = comm.gather_rows(layer.router.weight.grad.reshape(-1), mesh.groups["world"]).sum(0)
     errs.append(rel(router, ref.router.weight.grad.reshape(-1)))
     for a, b in zip(layer.experts.parameters(), ref.experts.parameters()):
         errs.append(rel(a.grad, b.grad[held]))

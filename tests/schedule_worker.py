@@ -11,14 +11,15 @@ from contextlib import nullcontext
 
 import torch
 
-from braidtrain.comm import Comm
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.parallel.engine import Engine
-from braidtrain.parallel.schedule import Action, Executor, check
-from braidtrain.runtime import init_runtime
+from braidtrain.parallel.actions import Action, check
+from braidtrain.parallel.schedule import Executor
+from braidtrain.dist.runtime import init_runtime
 
 M = 4  # micro-batches per rank
 ORDERS = {
@@ -58,7 +59,7 @@ def run(rt, zero, exact, order, bf16):
     engine.finish_step()
     norm = engine.grad_norm().item()
     grads = torch.cat([g.clone() for _, _, g in engine.owned()])
-    return {"loss": sum(l.item() for l in losses), "norm": norm, "grads": grads, "max_live": executor.max_live}
+    return {"loss": sum(loss.item() for loss in losses), "norm": norm, "grads": grads, "max_live": executor.max_live}
 
 
 def main(out):

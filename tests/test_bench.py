@@ -13,8 +13,12 @@ import pytest
 import torch
 
 from helpers import braidtrain, forked
-from braidtrain import bench, cli, torchref
-from braidtrain.bench import BUSY, OPS, _median_row, bus_factor, gpu_load, sizes, slowest
+from braidtrain import cli
+from braidtrain.bench import torchref
+from braidtrain.bench import train as bench
+from braidtrain.bench.comm import OPS, sizes
+from braidtrain.bench.train import BUSY, _median_row, gpu_load, slowest
+from braidtrain.dist.comm import bus_factor
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 
@@ -110,7 +114,8 @@ def test_hf_yardstick_holds_braidtrain_weights(preset, shape):
     arch = {"tiny": "GPT2LMHeadModel", "mixtral-tiny": "Qwen3MoeForCausalLM"}.get(
         preset, "Qwen3ForCausalLM" if shape.get("qk_norm") else "LlamaForCausalLM")
     assert type(theirs).__name__ == arch and theirs.config._attn_implementation == "sdpa"
-    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))  # past llama3-tiny's 64 unscaled positions
+    # past llama3-tiny's 64 unscaled positions
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=x).logits, ours(x), atol=1e-5, rtol=0)
 
@@ -198,7 +203,8 @@ def test_bench_bad_input_is_one_line(args, names):
     """One line that names what is wrong (not an error about something else, e.g. the missing default data)."""
     p = braidtrain("bench", *args, check=False)
     assert names in p.stderr, p.stderr
-    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: error:"), p.stderr
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("braidtrain: "
+                                                                                           "error:"), p.stderr
 
 
 def test_bench_train_fails_when_the_variants_do_other_work(shakespeare, monkeypatch, capsys):
@@ -207,7 +213,7 @@ def test_bench_train_fails_when_the_variants_do_other_work(shakespeare, monkeypa
     p = bench_train("--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2",
                     "-i", shakespeare, "-b", "2", "-t", "64", "--steps", "2", "--warmup", "1", "--nproc", "1",
                     "--layout", "-z 0", "--layout", "-z 0 --lr 0.01", "--torch", "", monkeypatch=monkeypatch, capsys=capsys)
-    err = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    err = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
     assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
     assert "final losses disagree: braidtrain -z 0 --lr 0.01" in err[0] and "against braidtrain -z 0 " in err[0]
     assert "braidtrain -z 0 --lr 0.01" in p.stdout  # the table came first

@@ -74,7 +74,7 @@ def per_expert(ckpt):
 
     from safetensors.torch import save_file
 
-    from braidtrain.checkpoint import Reader
+    from braidtrain.io.checkpoint import Reader
 
     meta = json.loads((ckpt / "meta.json").read_text())
     read, table, tensors = Reader(ckpt, meta), {}, {}
@@ -174,7 +174,7 @@ def test_a_run_directory_belongs_to_one_run(tmp_path, shakespeare):
 def test_rotation_deletes_only_its_own_run(tmp_path):
     """Rotation keeps the newest of this run's checkpoints and removes its unfinished saves;
     another run's checkpoints and saves in progress it leaves alone (ids from before ids: ours)."""
-    from braidtrain.checkpoint import RUN_MARK, rotate
+    from braidtrain.io.checkpoint import RUN_MARK, rotate
 
     ckpts = tmp_path / "checkpoints"
     for step, run_id in ((1, "old"), (2, "mine"), (3, "other"), (4, None), (5, "mine"), (6, "mine")):

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from braidtrain import data as D
+from braidtrain.io import data as D
 from helpers import braidtrain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,8 @@ TINY = ["--model", "tiny", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", 
         "-x", "2", "--val-every", "0", "--sample-tokens", "0", "--no-progress"]
 
 
-AUTO = TINY[:TINY.index("-b")] + TINY[TINY.index("-b") + 2:] + ["-d", str(4 * B * T), "--layout", "auto"]  # TINY less -b
+# TINY less -b
+AUTO = TINY[:TINY.index("-b")] + TINY[TINY.index("-b") + 2:] + ["-d", str(4 * B * T), "--layout", "auto"]
 
 
 def cli(*args, cwd, timeout=180, nproc=1) -> subprocess.CompletedProcess:
@@ -171,7 +172,8 @@ TRAIN_CASES = [
     ("cuda-graph-on-cpu", lambda p: ["-i", p.data, "--device", "cpu", "--cuda-graph"], lambda p: ["--cuda-graph", "GPU", "cpu"]),
     # 9. the layout (layout.py's checks: test_layout has every one; here, that each reaches the user so)
     ("ep-without-experts", lambda p: ["-i", p.data, "--ep", 2], lambda p: ["--ep 2", "mixture of experts", "--ep 1"]),
-    ("cp-seq-len", lambda p: ["-i", p.data, "--cp", 2, "-t", 62], lambda p: ["-t 62", "2*cp = 4 chunks", "-t 60 or -t 64"]),
+    ("cp-seq-len", lambda p: ["-i", p.data, "--cp", 2, "-t", 62], lambda p: ["-t 62", "2*cp = 4 "
+                                                                                      "chunks", "-t 60 or -t 64"]),
     ("sp-without-tp", lambda p: ["-i", p.data, "--sp"], lambda p: ["--sp", "--tp 2 or more"]),
     ("tp-not-dividing-heads", lambda p: ["-i", p.data, "--tp", 3], lambda p: ["tp=3", "n_head=2", "{1,2}"]),
     ("tp-not-dividing-world", lambda p: ["-i", p.data, "--tp", 2], lambda p: ["= 2 does not divide the world size 1"]),
@@ -274,7 +276,7 @@ def test_exact_needs_power_of_two_micro_steps(paths, jobs):
     out = paths.scratch / "runs" / "exact"
     proc = jobs["exact"].result()
     assert proc.returncode != 0, proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if "braidtrain: error:" in l]
+    errors = [line for line in proc.stderr.splitlines() if "braidtrain: error:" in line]
     assert errors, f"no braidtrain error line from the children:\n{proc.stderr}"
     for line in errors:
         line = line[line.index("braidtrain: error:"):]
@@ -313,7 +315,7 @@ def test_train_two_steps(run):
     out = run.out
     cfg = (out / "config.toml").read_text()
     assert "batch_size = 2" in cfg and "seq_len = 64" in cfg and "n_layer = 2" in cfg
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert METRIC_KEYS <= r.keys(), sorted(r)
@@ -345,7 +347,7 @@ def test_llmc_ignored_flags_are_accepted(paths, jobs):
     out = paths.scratch / "runs" / "llmc"
     proc = jobs["llmc"].result()
     assert proc.returncode == 0, proc.stderr
-    notes = [l for l in proc.stderr.splitlines() if l.startswith("braidtrain: note:")]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("braidtrain: note:")]
     assert len(notes) == 1 and "-h" in notes[0] and "-f" in notes[0] and "no effect" in notes[0], proc.stderr
     assert (out / "summary.json").is_file()
 
@@ -355,17 +357,19 @@ def test_layout_auto_trains_the_planners_recommendation(paths, jobs):
     recommendation for the same model, memory and batch, and the run trains with it."""
     import tomllib
 
-    from braidtrain import plan
+    from braidtrain.plan.memory import GB
+    from braidtrain.plan.search import plan
+    from braidtrain.plan.space import Setup
     from braidtrain.model.registry import model_config
 
     proc = jobs["auto"].result()
     assert proc.returncode == 0, proc.stderr
-    said = next(l for l in proc.stdout.splitlines() if "--layout auto:" in l)
+    said = next(line for line in proc.stdout.splitlines() if "--layout auto:" in line)
     cfg = tomllib.loads((paths.scratch / "runs" / "auto" / "config.toml").read_text())
     model = model_config("tiny", json.loads((Path(paths.data) / "tokenizer.json").read_text())["vocab_size"],
                          n_layer=2, n_embd=64, n_head=2)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / plan.GB
-    best = plan.plan(plan.Setup(model, 1, mem, T, 4 * B * T, cpu=True))["rows"][0]["layout"]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    best = plan(Setup(model, 1, mem, T, 4 * B * T, cpu=True))["rows"][0]["layout"]
     assert f"--layout auto: {best.name()}, dp 1" in said, (said, best)
     assert (cfg["batch_size"], cfg["zero"], cfg.get("recompute", False)) == (best.b, best.zero, best.recompute)
-    assert len([l for l in (paths.scratch / "runs" / "auto" / "metrics.jsonl").read_text().splitlines() if l]) == 2
+    assert len([line for line in (paths.scratch / "runs" / "auto" / "metrics.jsonl").read_text().splitlines() if line]) == 2

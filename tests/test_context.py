@@ -84,12 +84,12 @@ def test_a_cp_run_validates_samples_and_resumes_at_cp_1(tmp_path, shakespeare):
         a = [r[key] for r in metrics(one) if key in r]
         b = [r[key] for r in metrics(two) if key in r]
         assert len(a) == len(b) > 0 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (key, a, b)
-    sample = lambda out: out.split("--- sample ---\n")[1].split("\n-----")[0]  # noqa: E731
+    sample = lambda out: out.split("--- sample ---\n")[1].split("\n-----")[0]
     assert sample(p.stdout) == sample(q.stdout)  # the same tokens as the single process's (whole sequences)
     p = braidtrain("train", *CP_MODEL, "-i", shakespeare, "-x", 6, "--out", two, "--resume", "auto")
     assert "cp 2 -> 1" in p.stdout, p.stdout
     braidtrain("train", *CP_MODEL, "-i", shakespeare, "-x", 6, "--out", one, "--resume", "auto")
-    after = lambda run: [r for r in metrics(run) if r.get("step", 0) > 4 and "grad_norm" in r]  # noqa: E731
+    after = lambda run: [r for r in metrics(run) if r.get("step", 0) > 4 and "grad_norm" in r]
     a, b = after(one), after(two)
     assert [r["step"] for r in b] == [5, 6]
     for x, y in zip(a, b):

@@ -1,4 +1,4 @@
-"""`data prepare` on real corpora (braidtrain/corpus.py): parquet, JSON lines (gzipped) and text files
+"""`data prepare` on real corpora (braidtrain/io/corpus.py): parquet, JSON lines (gzipped) and text files
 of the same documents give the same shards, llm.c's fineweb.py layout spelled out by hand; workers
 and streaming; one-line errors. And the llama3 tokenizer against Meta's own class."""
 import gzip
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from braidtrain import corpus as C
-from braidtrain import data as D
+from braidtrain.io import corpus as C
+from braidtrain.io import data as D
 from braidtrain.errors import UserError
 from helpers import SMALL, braidtrain
 
@@ -101,7 +101,7 @@ def test_a_glob_and_a_folder_of_parquet(tmp_path):
     docs = documents(plays=1)
     src = write_corpora(tmp_path / "src", docs)
     a = C.prepare(str(src["parquet"] / "part-*.parquet"), "bytes", tmp_path / "a", shard_tokens=50_000, progress=False)
-    b = C.prepare(str(src["parquet"]), "bytes", tmp_path / "b", name="pq", shard_tokens=50_000, progress=False)
+    C.prepare(str(src["parquet"]), "bytes", tmp_path / "b", name="pq", shard_tokens=50_000, progress=False)
     assert Path(a["files"][0]).name.startswith("pq_train_") and shards(tmp_path / "a") == shards(tmp_path / "b")
 
 
@@ -149,7 +149,8 @@ def test_bad_corpora_are_one_line_errors(tmp_path, monkeypatch):
     cases = [
         (dict(corpus=str(src["parquet"]), text_field="body"), "has no column 'body' (it has id, text)"),
         (dict(corpus=str(src["parquet"]), text_field="id"), "column 'id' holds int64, not text"),
-        (dict(corpus=str(src["jsonl"]), shard_tokens=10**8), "leaves none to train on; lower --shard-tokens, or use --split doc"),
+        (dict(corpus=str(src["jsonl"]), shard_tokens=10**8), "leaves none to train on; lower --shard-tokens, or use "
+                                                             "--split doc"),
         (dict(corpus=str(src["jsonl"]), val_fraction=0.1), "--val-fraction sets --split doc's share"),
         (dict(corpus=str(tmp_path / "nothing" / "*.parquet")), "no file matches"),
     ]
@@ -228,7 +229,7 @@ def test_llama3_shards_in_llmc_layout_train_and_sample_as_text(tmp_path):
     data = tmp_path / "data"
     braidtrain("data", "prepare", "--corpus", src["jsonl"], "--tokenizer", "llama3", "--name", "c",
                "--shard-tokens", 25_000, "--workers", 2, "--out", data)
-    encode = lambda d: meta.encode(d, bos=False, eos=False)  # noqa: E731
+    encode = lambda d: meta.encode(d, bos=False, eos=False)
     assert shards(data) == fineweb_by_hand(docs, encode, 128000, 25_000, "<u4", 20240801, 7)
     (data / "tokenizer.json").unlink()
     assert D.data_tokenizer(D.resolve_files(str(data), "train")) == ("llama3-ids", 128256)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from braidtrain import data as D
+from braidtrain.io import data as D
+from braidtrain.io.corpus import prepare
 from braidtrain.errors import UserError
 from helpers import SMALL, braidtrain, metrics, summary
 
@@ -111,7 +112,7 @@ def test_prepare_writes_llama3_for_a_wide_tokenizer(tmp_path, monkeypatch):
                        lambda s: np.frombuffer(s.encode(), np.uint8).astype(np.uint32) + 70_000)
     monkeypatch.setattr(D, "get_tokenizer", lambda name: wide)
     (tmp_path / "a.txt").write_text("hello, wide world")
-    s = D.prepare(str(tmp_path / "a.txt"), "wide", tmp_path / "out", val_fraction=0.25, progress=False)
+    s = prepare(str(tmp_path / "a.txt"), "wide", tmp_path / "out", val_fraction=0.25, progress=False)
     train, val = (D.resolve_files(str(tmp_path / "out"), split)[0] for split in ("train", "val"))
     text = [70_000 + b for b in b"hello, wide world"]
     n_val = round(len(text) * 0.25)
@@ -229,7 +230,7 @@ def test_prepare_shakespeare_bytes(tmp_path):
     plays = _plays()
     assert len(plays) == 38
     n_bytes = sum(p.stat().st_size for p in plays)
-    s = D.prepare("shakespeare", "bytes", tmp_path, shard_tokens=2_000_000, progress=False)
+    s = prepare("shakespeare", "bytes", tmp_path, shard_tokens=2_000_000, progress=False)
     # Rule in prepare()'s docstring: each play is split in two, each piece gets an eot.
     assert s["train_tokens"] + s["val_tokens"] == n_bytes + 2 * len(plays)
     n_val = sum(min(n - 1, max(1, round(n * 0.05))) + 1 for n in (p.stat().st_size for p in plays))
@@ -250,7 +251,7 @@ def test_prepare_shakespeare_bytes(tmp_path):
     assert int(vdata.window(vdata.n_tokens - 1, 1)[0]) == 0
     assert (vdata.window(0, vdata.n_tokens) == 0).sum() == len(plays)
     # A rerun with bigger shards removes the now-stale extra shards.
-    D.prepare("shakespeare", "bytes", tmp_path, progress=False)
+    prepare("shakespeare", "bytes", tmp_path, progress=False)
     assert len(D.resolve_files(str(tmp_path), "train")) == 1
 
 
@@ -261,23 +262,23 @@ def test_prepare_user_folder(tmp_path):
     (src / "sub" / "a.md").write_text("# first\nhello ☃\n")
     (src / "ignored.csv").write_text("x,y\n")
     out = tmp_path / "out"
-    s = D.prepare(str(src), "bytes", out, val_fraction=0.25, progress=False)
+    s = prepare(str(src), "bytes", out, val_fraction=0.25, progress=False)
     texts = [(src / "b.txt").read_bytes(), (src / "sub" / "a.md").read_bytes()]  # sorted by path
     assert s["train_tokens"] + s["val_tokens"] == sum(map(len, texts)) + 4
     train = D.TokenData(D.resolve_files(str(out), "train"), 256)
     assert [f.name for f in train.files] == ["corpus_train_000000.bin"]
     cut = len(texts[0]) - round(len(texts[0]) * 0.25)
     assert bytes(train.window(0, cut).astype(np.uint8)) == texts[0][:cut]
-    gpt = D.prepare(str(src / "b.txt"), "gpt2", tmp_path / "g", name="mine", progress=False)
+    gpt = prepare(str(src / "b.txt"), "gpt2", tmp_path / "g", name="mine", progress=False)
     assert Path(gpt["files"][0]).name == "mine_train_000000.bin" and gpt["vocab_size"] == 50257
     with pytest.raises(UserError, match="neither"):
-        D.prepare(str(tmp_path / "nope"), "bytes", out, progress=False)
+        prepare(str(tmp_path / "nope"), "bytes", out, progress=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no documents"):
-        D.prepare(str(tmp_path / "empty"), "bytes", out, progress=False)
+        prepare(str(tmp_path / "empty"), "bytes", out, progress=False)
     (tmp_path / "blank.txt").write_text("")
     with pytest.raises(UserError, match="empty"):
-        D.prepare(str(tmp_path / "blank.txt"), "bytes", out, progress=False)
+        prepare(str(tmp_path / "blank.txt"), "bytes", out, progress=False)
 
 
 def test_resolve_files(tmp_path):

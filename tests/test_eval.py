@@ -140,7 +140,8 @@ def test_train_and_eval_end_to_end(shakespeare, tmp_path, capsys):
     assert {k: s[k] for k in keys} == {k: rows[-1][k] for k in keys}
     assert s["eval_correct"] > 0 and s["eval_correct_sum"] > 0  # (lr 0.01: some right, so a count twice would show)
     capsys.readouterr()
-    assert cli.main(["eval", str(run), "--eval-data", str(FIXTURE), "--no-progress"]) == 0  # (in-process: no torch import)
+    # (in-process: no torch import)
+    assert cli.main(["eval", str(run), "--eval-data", str(FIXTURE), "--no-progress"]) == 0
     ev = json.loads((run / "eval.json").read_text())
     assert {k: ev[k] for k in keys} == {k: s[k] for k in keys} and ev["step"] == 4
     assert f"eval_acc {s['eval_acc']:.4f}" in capsys.readouterr().out
@@ -169,7 +170,8 @@ def test_bad_eval_files_and_lines(tmp_path, capsys):
     with pytest.raises(UserError, match="2 bytes after the 3 examples"):
         read_evalfile(tmp_path / "extra.bin")
     lines = tmp_path / "bad.jsonl"
-    for text, words in [('{"context": "a", "endings": ["b"], "label": 0}\n{"context": "a", "ending": []}', [":2:", '"endings"']),
+    for text, words in [('{"context": "a", "endings": ["b"], "label": 0}\n{"context": "a", '
+                         '"ending": []}', [":2:", '"endings"']),
                         ('\n\nnot json', [":3:", "JSON"]),
                         ('{"context": "a", "endings": ["b", "c"], "label": 2}', [":1:", "label 2"])]:
         lines.write_text(text)

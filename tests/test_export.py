@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from braidtrain import export
+from braidtrain.io import export
 from braidtrain.model.gpt2 import GPT, GPTConfig
 from braidtrain.parallel.placement import init_weights
 from helpers import SMALL, braidtrain, metrics
@@ -65,7 +65,7 @@ def test_same_logits_as_transformers(tmp_path):
 def test_export_and_init_from_through_the_cli(tmp_path, shakespeare):
     """Train, export, then start a new run from the export: its first loss (computed before any
     update) is the exported model's loss on that batch; mismatched sizes are one-line errors."""
-    from braidtrain.data import Loader, TokenData, resolve_files
+    from braidtrain.io.data import Loader, TokenData, resolve_files
 
     run, hf = tmp_path / "run", tmp_path / "hf"
     base = [*SMALL, "-i", shakespeare, "-d", 512]

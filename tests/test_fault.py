@@ -2,7 +2,7 @@
 the heartbeat and named by `doctor`, signals, a save that fails midway, damaged checkpoints, a
 slow save that must not look like a lost peer -- and doctor's reasoning on hand-made flight logs.
 
-Faults are injected with the BRAIDTRAIN_FAULT test hook (fault.Fault). Every run here is exact
+Faults are injected with the BRAIDTRAIN_FAULT test hook (dist/inject.py). Every run here is exact
 (or compared to itself), so "recovered" means: the same weights_sha256 as an uninterrupted run.
 """
 
@@ -60,7 +60,7 @@ def while_frozen(p: subprocess.Popen, ready, wait_s: float, check) -> str:
     deadline = time.monotonic() + wait_s
     while not ready() and time.monotonic() < deadline:
         time.sleep(0.5)
-    stopped = [l for l in err_lines if "fault injected: SIGSTOP" in l]
+    stopped = [line for line in err_lines if "fault injected: SIGSTOP" in line]
     pid = int(stopped[0].split("pid ")[1].split()[0]) if stopped else None
     try:
         check()
@@ -212,14 +212,14 @@ def test_sigterm_writes_the_flight_log(tmp_path, shakespeare):
     lines = (run / "flight" / "rank_00000.jsonl").read_text().splitlines()
     head = json.loads(lines[0])
     assert head["reason"] == "signal SIGTERM" and head["step"] >= 1 and head["world_size"] == 1
-    assert all(json.loads(l)["op"] for l in lines[1:])
+    assert all(json.loads(line)["op"] for line in lines[1:])
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, shakespeare, ref):
     """The save of step 6 fails after the rank's file is written (an injected ENOSPC): one clear
     line, the step-4 checkpoint intact and used, the half-written one never read, and the resumed
     run ends with the uninterrupted run's weights."""
-    from braidtrain import checkpoint
+    from braidtrain.io import checkpoint
 
     run = tmp_path / "run"
     p = braidtrain("train", *COMMON, "-i", shakespeare, "--ckpt-every", 2, "--out", run,
@@ -256,7 +256,7 @@ def _flip(f: Path):
 @pytest.mark.parametrize("kind", list(DAMAGE))
 def test_damaged_checkpoint_falls_back(tmp_path, ref, kind):
     """The newest checkpoint damaged one way or another: a warning that says how, and the previous one."""
-    from braidtrain import checkpoint
+    from braidtrain.io import checkpoint
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(ref / "checkpoints", ckpts)
@@ -293,7 +293,7 @@ def write_logs(run: Path, logs: dict[int, list[tuple]], world: int = 4, session:
             group, gseq = where or ("replica", s)
             lines.append({"seq": s, "op": op, "group": group, "gseq": gseq, "shape": [8], "dtype": "float32",
                           "nbytes": 32, "t_start": 1.0 + s, "t_end": 2.0 + s if done else None, "step": 40 + s // 10})
-        (run / "flight" / f"rank_{rank:05d}.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+        (run / "flight" / f"rank_{rank:05d}.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
 
 
 def history(n: int, *tail) -> list[tuple]:
@@ -301,7 +301,7 @@ def history(n: int, *tail) -> list[tuple]:
 
 
 def test_doctor_names_the_rank_that_stopped(tmp_path):
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     logs = {r: history(13, (13, "all_gather", False)) for r in (0, 1, 2)}
     logs[3] = history(13)  # stopped after #12: it never issued #13
@@ -311,29 +311,31 @@ def test_doctor_names_the_rank_that_stopped(tmp_path):
 
 
 def test_doctor_infers_a_silent_rank_and_ignores_older_sessions(tmp_path):
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     write_logs(tmp_path, {1: history(5)}, session=500.0)  # rank 1's file from an earlier session
     write_logs(tmp_path, {r: history(13, (13, "all_gather", False), (14, "all_reduce", False)) for r in (0, 2, 3)})
     lines = diagnose(tmp_path)
     assert "none from rank 1" in lines[0]
-    assert any("rank_00001.jsonl is from an earlier session" in l for l in lines)
-    assert lines[-1].startswith("rank 1 stopped after collective #12 (all_reduce replica, step 41) and wrote no flight log")
+    assert any("rank_00001.jsonl is from an earlier session" in line for line in lines)
+    assert lines[-1].startswith("rank 1 stopped after collective #12 (all_reduce replica, step 41) and wrote no "
+                                "flight log")
     assert lines[-1].endswith("ranks 0,2,3 waited in #13 (all_gather replica, step 41)")
 
 
 def test_doctor_finds_mismatched_collectives(tmp_path):
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     logs = {r: history(20, (20, "all_reduce", False)) for r in (0, 1, 2, 3)}
     logs[2][17] = (17, "all_gather", False)
     write_logs(tmp_path, logs)
     last = diagnose(tmp_path)[-1]
-    assert last.startswith("mismatch at collective #17 (step 41): ranks 0,1,3 issued all_reduce") and "rank 2 issued all_gather" in last
+    assert last.startswith("mismatch at collective #17 (step 41): ranks 0,1,3 "
+                           "issued all_reduce") and "rank 2 issued all_gather" in last
 
 
 def test_doctor_says_when_all_is_well(tmp_path):
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     write_logs(tmp_path, {r: history(9) for r in range(4)}, reason="signal SIGTERM")
     assert diagnose(tmp_path)[-1] == "no problem found: every rank's last collective completed"
@@ -346,7 +348,7 @@ def test_doctor_lines_up_each_group_on_its_own(tmp_path):
     own counts disagree; rank 1 freezes inside its tp group's collective #57. Doctor must name it by
     that group -- where its tp partner was left waiting -- and list the others, each waiting in its
     replica group (rank 2 behind rank 0, rank 3 behind rank 1), without blaming either."""
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     groups = {"world": [0, 1, 2, 3], "tp[0,1]": [0, 1], "tp[2,3]": [2, 3], "replica[0,2]": [0, 2], "replica[1,3]": [1, 3]}
 
@@ -370,7 +372,7 @@ def test_doctor_lines_up_each_group_on_its_own(tmp_path):
 def test_doctor_names_a_deadlock_between_two_groups(tmp_path):
     """Rank 0 waits in group a for rank 1, which waits in group b for rank 0: nobody stopped; the
     order of their collectives cannot meet."""
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     groups = {"a": [0, 1], "b": [0, 1]}
     write_logs(tmp_path, {0: [(0, "send_recv", True, "a", 0), (1, "send_recv", False, "a", 1)],
@@ -383,29 +385,29 @@ def test_doctor_names_a_deadlock_between_two_groups(tmp_path):
 def test_doctor_blames_no_rank_when_every_member_issued_the_collective(tmp_path):
     """dp 2 x tp 2, all four ranks inside their replica group's #3, each issued by both members: no
     rank held anyone up (nor is it a deadlock); the collectives themselves did not complete."""
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     groups = {"replica[0,2]": [0, 2], "replica[1,3]": [1, 3]}
     write_logs(tmp_path, {r: [(0, "all_reduce", True, f"replica[{r % 2},{r % 2 + 2}]", 0),
                               (1, "reduce_scatter", False, f"replica[{r % 2},{r % 2 + 2}]", 1)] for r in range(4)},
                groups=groups)
-    assert diagnose(tmp_path)[-1] == ("every rank issued collective #1 (reduce_scatter replica[0,2], step 40) on ranks 0,2, "
-                                      "and #1 (reduce_scatter replica[1,3], step 40) on ranks 1,3, but it did not "
-                                      "complete: look at the network / NCCL rather than at one rank")
+    assert diagnose(tmp_path)[-1] == ("every rank issued collective #1 (reduce_scatter replica[0,2], step 40) on "
+                                      "ranks 0,2, and #1 (reduce_scatter replica[1,3], step 40) on ranks 1,3, but it "
+                                      "did not complete: look at the network / NCCL rather than at one rank")
 
 
 def test_doctor_reads_flight_logs_from_before_groups_were_named(tmp_path):
     """A log of the code before: records with a mesh axis and one count per rank, no group table."""
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.doctor import diagnose
 
     write_logs(tmp_path, {r: history(13, (13, "all_gather", False)) for r in (0, 1, 2)} | {3: history(13)})
     for f in (tmp_path / "flight").iterdir():
-        lines = [json.loads(l) for l in f.read_text().splitlines()]
+        lines = [json.loads(line) for line in f.read_text().splitlines()]
         del lines[0]["groups"]
         for x in lines[1:]:
             x["axis"] = x.pop("group")
             del x["gseq"]
-        f.write_text("".join(json.dumps(l) + "\n" for l in lines))
+        f.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     assert diagnose(tmp_path)[-1] == ("rank 3 stopped at collective #12 (all_reduce replica, step 41); "
                                       "ranks 0,1,2 waited in #13 (all_gather replica, step 41)")
 
@@ -417,8 +419,9 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     timing events count for the step, beside any collective launched eagerly between steps."""
     import torch
 
-    from braidtrain.comm import Comm, Group, Handle
-    from braidtrain.fault import diagnose
+    from braidtrain.dist.comm import Comm, Group
+    from braidtrain.dist.flight import Handle
+    from braidtrain.dist.doctor import diagnose
 
     class Event:  # what Comm reads of a CUDA timing event pair: the start's, and a finished end
         def __init__(self, ms):
@@ -476,7 +479,7 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
                                           ("kill:step=x", "expected KIND:step=S")])
 def test_bad_fault_spec(spec, words):
     from braidtrain.errors import UserError
-    from braidtrain.fault import Fault
+    from braidtrain.dist.inject import Fault
 
     with pytest.raises(UserError, match=words):
         Fault(spec)

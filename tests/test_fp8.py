@@ -306,44 +306,47 @@ def test_a_mixture_trains_with_float8_under_context_and_expert_parallelism(runs)
 def test_an_unknown_recipe_is_refused_in_one_line(runs):
     proc, _ = runs["bad-recipe"]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--fp8" in lines[0] and "columnwise" in lines[0], proc.stderr
 
 
 # -- the planner -----------------------------------------------------------------------------------
 
 def test_the_planner_runs_the_linears_at_the_measured_float8_speed():
-    from braidtrain import plan
+    from braidtrain.plan.estimate import estimate
+    from braidtrain.plan.space import Candidate, Setup
+    from braidtrain.plan.timing import flops_per_token, fp8_speedup
 
     cfg = registry.model_config("gpt2", 50257)
-    assert plan.fp8_speedup("tensorwise", 768, 3072) == pytest.approx(1.54)
-    assert plan.fp8_speedup("rowwise", 8192, 8192) == pytest.approx(1.84)
-    assert plan.fp8_speedup("rowwise", 64, 64) == pytest.approx(1.30)  # held beyond the shapes measured
-    assert 1.54 < plan.fp8_speedup("tensorwise", 2048, 8192) < 1.88
-    bf16 = plan.Setup(cfg, 1, 80, 1024, 2**19)
+    assert fp8_speedup("tensorwise", 768, 3072) == pytest.approx(1.54)
+    assert fp8_speedup("rowwise", 8192, 8192) == pytest.approx(1.84)
+    assert fp8_speedup("rowwise", 64, 64) == pytest.approx(1.30)  # held beyond the shapes measured
+    assert 1.54 < fp8_speedup("tensorwise", 2048, 8192) < 1.88
+    bf16 = Setup(cfg, 1, 80, 1024, 2**19)
     C = cfg.n_embd  # gpt2's linears, (in, out): c_attn, attn.c_proj, c_fc, mlp.c_proj
     shapes = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]
     for tp in (1, 4):
         local = [(C, 3 * C // tp), (C // tp, C), (C, 4 * C // tp), (4 * C // tp, C)]  # column, row, column, row
-        saved = cfg.n_layer * sum(6 * k * n * (1 - 1 / plan.fp8_speedup("tensorwise", kl, nl))
+        saved = cfg.n_layer * sum(6 * k * n * (1 - 1 / fp8_speedup("tensorwise", kl, nl))
                                   for (k, n), (kl, nl) in zip(shapes, local))
-        fp = plan.Setup(cfg, 1, 80, 1024, 2**19, fp8="tensorwise")
-        assert plan.flops_per_token(fp, tp) == pytest.approx(plan.flops_per_token(bf16, tp) - saved)
-    lay = plan.Candidate(dp=1, zero=0, b=8, recompute=False)
-    ratio = plan.flops_per_token(fp) / plan.flops_per_token(bf16)
-    assert ratio < 0.85 and plan.estimate(fp, lay)["compute_s"] == pytest.approx(ratio * plan.estimate(bf16, lay)["compute_s"])
-    pipe = plan.Candidate(dp=1, zero=1, b=8, recompute=False, pp=2, schedule="1f1b")
-    fp, bf16 = (plan.Setup(cfg, 2, 80, 1024, 2**19, fp8=f) for f in ("tensorwise", None))
-    assert plan.estimate(fp, pipe)["step_s"] < 0.9 * plan.estimate(bf16, pipe)["step_s"]
+        fp = Setup(cfg, 1, 80, 1024, 2**19, fp8="tensorwise")
+        assert flops_per_token(fp, tp) == pytest.approx(flops_per_token(bf16, tp) - saved)
+    lay = Candidate(dp=1, zero=0, b=8, recompute=False)
+    ratio = flops_per_token(fp) / flops_per_token(bf16)
+    assert ratio < 0.85 and estimate(fp, lay)["compute_s"] == pytest.approx(ratio * estimate(bf16, lay)["compute_s"])
+    pipe = Candidate(dp=1, zero=1, b=8, recompute=False, pp=2, schedule="1f1b")
+    fp, bf16 = (Setup(cfg, 2, 80, 1024, 2**19, fp8=f) for f in ("tensorwise", None))
+    assert estimate(fp, pipe)["step_s"] < 0.9 * estimate(bf16, pipe)["step_s"]
 
 
 def test_the_planner_keeps_float8_copies_for_the_backward():
-    from braidtrain import plan
+    from braidtrain.plan.estimate import estimate
+    from braidtrain.plan.space import Candidate, Setup
 
     cfg = registry.model_config("gpt2", 50257)
-    lay = plan.Candidate(dp=1, zero=0, b=8, recompute=False)
-    bf16 = plan.estimate(plan.Setup(cfg, 1, 80, 1024, 2**19), lay)["activations"]
-    fp = plan.estimate(plan.Setup(cfg, 1, 80, 1024, 2**19, fp8="rowwise"), lay)["activations"]
+    lay = Candidate(dp=1, zero=0, b=8, recompute=False)
+    bf16 = estimate(Setup(cfg, 1, 80, 1024, 2**19), lay)["activations"]
+    fp = estimate(Setup(cfg, 1, 80, 1024, 2**19, fp8="rowwise"), lay)["activations"]
     linear = cfg.n_layer * 12 * cfg.n_embd**2
     assert bf16["weights_bf16"] - fp["weights_bf16"] == linear  # 1 byte a linear weight element instead of 2
     # per token x channel, the linears' inputs kept in float8 (1 byte) instead of bf16 (2): c_attn's (1

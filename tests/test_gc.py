@@ -10,8 +10,8 @@ from helpers import ROOT, SMALL, env
 
 SCRIPT = """
 import gc, json, sys
-from braidtrain import train
-from braidtrain.cli import Parser, _train_parser, train_config
+from braidtrain import cli, train
+from braidtrain.options import Parser, train_config, train_parser
 
 train.GC_EVERY = 3
 fail_at = int(sys.argv[1])
@@ -42,9 +42,9 @@ def step(self, s):
 
 gc.collect, train.Trainer.step = collect, step
 gc.callbacks.append(callback)
-cfg = train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(sys.argv[2:]))
+cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(sys.argv[2:]))
 try:
-    train.train(cfg)
+    cli.train(cfg)
     error = None
 except RuntimeError as e:
     error = str(e)

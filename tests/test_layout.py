@@ -105,9 +105,10 @@ def test_a_pipeline_layout_is_built_and_described():
 
 def test_the_planner_asks_the_same_question(capsys):
     """plan --tp 3 on 8 GPUs is refused by the same check, in the planner's terms (--gpus)."""
-    from braidtrain import plan, plan_cli
+    from braidtrain.plan.command import check_mesh
+    from braidtrain.plan.space import Setup, valid
 
-    s = plan.Setup(model_config("tiny", 256, n_head=12, n_embd=96), gpus=8, mem_gb=80, t=64, d=64 * 8)
+    s = Setup(model_config("tiny", 256, n_head=12, n_embd=96), gpus=8, mem_gb=80, t=64, d=64 * 8)
     with pytest.raises(UserError, match=r"^pp\*cp\*tp = 1\*1\*3 = 3 does not divide --gpus 8"):
-        plan_cli.check_mesh(s, 3, False)
-    assert not plan.valid(s, 2, True, gpus=3) and plan.valid(s, 2, True)
+        check_mesh(s, 3, False)
+    assert not valid(s, 2, True, gpus=3) and valid(s, 2, True)

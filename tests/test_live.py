@@ -67,7 +67,7 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
              for r, flags in how.items()}
     codes = {}
     try:
-        for r, (conn, f, pid) in ranks.items():
+        for r, (conn, f, _pid) in ranks.items():
             conn.settimeout(240)
             codes[r] = int(f.readline() or -9)
     finally:
@@ -82,7 +82,7 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
 
 
 def membership(run: Path) -> list[dict]:
-    return [json.loads(l) for l in (run / "flight" / "membership.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in (run / "flight" / "membership.jsonl").read_text().splitlines() if line.strip()]
 
 
 def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, zero: int, joined: int | None = None) -> None:
@@ -206,10 +206,10 @@ def test_the_redone_steps_tree_is_exact_modes():
     from braidtrain.parallel.exact import TreeSum
 
     class Pool:  # the engine's buffer pool, as LiveTree and TreeSum use it
-        def _recycle(self, buf):
+        def recycle(self, buf):
             pass
 
-        def _take(self, n):
+        def take(self, n):
             return torch.empty(n)
 
     rnd, n = random.Random(0), 16
@@ -250,7 +250,7 @@ def test_layouts_live_recovery_cannot_keep_are_refused(tmp_path, shakespeare, fl
     flags = [f for f in flags if f != "--no-live"]
     p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", *live, *flags, check=False)
     assert p.returncode == 2 and words in p.stderr, p.stderr[-2000:]
-    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+    assert len([line for line in p.stderr.splitlines() if line.strip()]) == 1, p.stderr
 
 
 def test_a_rank_lost_with_its_buddy_falls_back_in_one_line(tmp_path, shakespeare):
@@ -258,7 +258,8 @@ def test_a_rank_lost_with_its_buddy_falls_back_in_one_line(tmp_path, shakespeare
     leave a shard nobody holds: the survivors say so in one line each and exit 75 (the checkpoint
     restart path), and the membership log and doctor say it too. (Without --exact: the steps before
     show each rank's memory, which the planner must count with the copy, to 1%.)"""
-    from braidtrain import plan
+    from braidtrain.plan.estimate import estimate
+    from braidtrain.plan.space import Candidate, Setup
     from braidtrain.model import registry
 
     d = draw("buddy", zero=range(1, 4), rank=(2, 3))
@@ -269,13 +270,13 @@ def test_a_rank_lost_with_its_buddy_falls_back_in_one_line(tmp_path, shakespeare
     assert codes == {k: -signal.SIGKILL if k in (r - 1, r) else 75 for k in range(4)}, err[-5000:]
     line = (f"peer lost: ranks {r - 1},{r} lost: rank {r}'s shard of the sharded optimizer state had its one copy on "
             f"rank {r - 1}, lost with it; falling back to the checkpoint restart")
-    said = [l for l in err.splitlines() if line in l]
-    assert len(said) == 2 and all(l.startswith("braidtrain: rank ") for l in said), err[-3000:]
+    said = [x for x in err.splitlines() if line in x]
+    assert len(said) == 2 and all(x.startswith("braidtrain: rank ") for x in said), err[-3000:]
     (change,) = membership(run)
     assert change["fallback"] and change["step"] == 3 and f"rank {r - 1}, lost with it" in change["what"]
     assert f"membership change 1 at step 3: ranks {r - 1},{r} lost; rank {r}'s shard" in braidtrain("doctor", run).stdout
     cfg = registry.model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2)
-    s = plan.Setup(cfg, 4, 80, 64, D, cpu=True, live=True, bucket_mb=COMMON[COMMON.index("--bucket-mb") + 1])
-    state = plan.estimate(s, plan.Candidate(4, d["zero"], 2, False))["state"]
+    s = Setup(cfg, 4, 80, 64, D, cpu=True, live=True, bucket_mb=COMMON[COMMON.index("--bucket-mb") + 1])
+    state = estimate(s, Candidate(4, d["zero"], 2, False))["state"]
     want = (state["params"] + state["grads"] + state["optimizer"] - state["transient"]) / 1e9
     assert metrics(run)[0]["mem_gb"] == pytest.approx(want, rel=0.01)

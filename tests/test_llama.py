@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from braidtrain import export
+from braidtrain.io import export
 from braidtrain.errors import UserError
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
@@ -40,7 +40,8 @@ def test_every_axis_matches_the_single_process(runs):
     assert_follows(runs, [k for k in default if not k.startswith("tied")], runs["ref"], 1e-5)
     assert_follows(runs, ["tied-pp2-dp2"], runs["ref-tied"], 1e-5)
     tied = runs["tied-pp2-dp2"]
-    assert tied["wte_copies"] == 4 and tied["wte_copies_equal"]  # each replica's first stage's embedding, the last's copy
+    # each replica's first stage's embedding, the last's copy
+    assert tied["wte_copies"] == 4 and tied["wte_copies_equal"]
     assert runs["pp2-1f1b"]["wte_copies"] == 0  # (untied: no copy)
     assert runs["ref"]["losses"] != runs["ref-tied"]["losses"]  # (two models)
 
@@ -155,7 +156,7 @@ def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakes
     cfg = family.Config(**fields)
     model = registry.build(cfg)
     model.load_state_dict(export.load_hf(str(hf), cfg))
-    from braidtrain.data import Loader, TokenData, resolve_files
+    from braidtrain.io.data import Loader, TokenData, resolve_files
 
     loader = Loader(TokenData(resolve_files(str(shakespeare), "train"), 256), 64, 8, 1337)
     with torch.no_grad():
@@ -172,7 +173,8 @@ def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakes
 def test_bad_input_is_one_line(tmp_path, shakespeare):
     p = braidtrain("train", *MODEL, "--n-kv-heads", "3", "-i", shakespeare, "-x", 1, "--out", tmp_path / "r", check=False)
     assert_one_line_error(p, "n_head=4 is not divisible by n_kv_heads=3", "{1,2,4}")
-    with pytest.raises(UserError, match=r"^tp=4 does not divide n_kv_heads=2 .*whole key/value heads.*use tp in \{1,2\}$"):
+    with pytest.raises(UserError, match=r"^tp=4 does not divide n_kv_heads=2 .*whole key/value heads.*use tp in "
+                                        r"\{1,2\}$"):
         registry.model_config("llama3-tiny", 256, **SHAPE).check_tp(4)
     with pytest.raises(UserError, match="is not a setting of the gpt2 family"):
         registry.model_config("gpt2", 256, n_kv_heads=2)
@@ -198,16 +200,18 @@ def test_the_planners_verdicts_on_llama_70b():
     and so does TP 8 with its ZeRO stage that holds what the textbook's TP 8 + ZeRO-1 does (4 + 12/N
     bytes a parameter: braidtrain keeps fp32 weights and an fp32 gradient buffer, the textbook bf16
     copies of both; braidtrain's ZeRO-1 keeps 8 + 8/N and does not fit)."""
-    from braidtrain import plan
+    from braidtrain.plan.estimate import estimate
+    from braidtrain.plan.search import plan
+    from braidtrain.plan.space import Candidate, Setup
 
-    s = plan.Setup(registry.model_config("llama3.1-70b"), gpus=64, mem_gb=80, t=1024, d=524288)
-    est = lambda **kw: plan.estimate(s, plan.Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))  # noqa: E731
+    s = Setup(registry.model_config("llama3.1-70b"), gpus=64, mem_gb=80, t=1024, d=524288)
+    est = lambda **kw: estimate(s, Candidate(kw.pop("dp"), kw.pop("zero"), 1, True, **kw))
     ddp, zero3, tp8_z2, tp8_z1 = est(dp=64, zero=0), est(dp=64, zero=3), est(dp=8, zero=2, tp=8), est(dp=8, zero=1, tp=8)
     assert not ddp["fits"] and ddp["mem"]["total"] > 16 * 70e9
     assert zero3["fits"] and tp8_z2["fits"] and not tp8_z1["fits"]
     assert tp8_z1["state"]["grads"] == 8 * tp8_z2["state"]["optimizer"] / 2  # ZeRO-1's gradient buffer whole: 4P_tp
     for name in ("llama3.2-1b", "llama3.1-8b", "llama3.1-405b"):  # the presets plan
-        rows = plan.plan(plan.Setup(registry.model_config(name), gpus=8, mem_gb=80, t=2048, d=8 * 2048 * 8), pps=(1,),
+        rows = plan(Setup(registry.model_config(name), gpus=8, mem_gb=80, t=2048, d=8 * 2048 * 8), pps=(1,),
                          cps=(1,), tps=(1, 8), variants=False)
         assert rows["rows"] and "recommended" in rows["recommendation"] or "nothing fits" in rows["recommendation"]
 
@@ -216,13 +220,14 @@ def test_plan_check_of_a_llama_layout(tmp_path, shakespeare, monkeypatch):
     """`plan --check` on the CPU: a real run of llama3-tiny at tp 2 with sp and ZeRO-1 on 2 processes
     holds the model state the planner estimates, within 5% (its family reaches the check's run
     through the preset and train's flags: registry.command_line)."""
-    from braidtrain import plan_cli
+    from braidtrain.plan import check
+    from braidtrain.plan.command import setup_from
     from helpers import forked
     from test_plan import parse
 
-    monkeypatch.setattr(plan_cli, "run_job", forked)
+    monkeypatch.setattr(check, "run_job", forked)
     monkeypatch.delenv("RANK", raising=False)
     args = parse("--model", "llama3-tiny", "--vocab", 256, "--gpus", 2, "-t", 64, "-d", 256, "--check", "1,2",
                  "--tp", 2, "--sp", "--data", shakespeare)
-    r = plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(shakespeare), None)
+    r = check.check(setup_from(args), check.check_layout(args), str(shakespeare), None)
     assert r["layout"]["tp"] == 2 and r["layout"]["zero"] == 1 and abs(r["rel_error"]) < 0.05, r

@@ -177,7 +177,7 @@ def _measure() -> dict:
 
     # 4. Bitwise: two runs.
     h, w, t = data(33, 32, 640, 515)
-    fn = lambda h, w: L.head_loss(h, w, t, 515)  # noqa: E731
+    fn = lambda h, w: L.head_loss(h, w, t, 515)
     r1, r2 = _grads(fn, h, w), _grads(fn, h, w)
     for n, a, b in zip(names, r1, r2):
         out[f"repeat.{n}"] = torch.equal(a, b)

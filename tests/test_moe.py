@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
 from test_cli import assert_one_line_error
-from braidtrain.checkpoint import latest, load_model
+from braidtrain.io.checkpoint import latest, load_model
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
@@ -101,7 +101,7 @@ def test_llama_experts_and_a_shared_one_against_a_plain_reference():
     torch.manual_seed(0)
     for prm in moe.parameters():
         torch.nn.init.normal_(prm, std=0.2)
-    swiglu = lambda z, up, down: F.linear(F.silu(F.linear(z, up).chunk(2, -1)[0]) * F.linear(z, up).chunk(2, -1)[1], down)  # noqa: E731
+    swiglu = lambda z, up, down: F.linear(F.silu(F.linear(z, up).chunk(2, -1)[0]) * F.linear(z, up).chunk(2, -1)[1], down)
 
     def grads(f, x, dy):  # f's output, and its gradients of x and of the layer's parameters
         x = x.clone().requires_grad_()
@@ -275,7 +275,7 @@ def test_an_ep_run_logs_its_experts_and_resumes_at_ep_1(tmp_path, shakespeare):
     p = braidtrain("train", *flags, "-x", 4, "--out", two, "--resume", "auto")
     assert "ep 2 -> 1" in p.stdout, p.stdout
     braidtrain("train", *flags, "-x", 4, "--out", one, "--resume", "auto")
-    after = lambda run: [r for r in metrics(run) if r.get("step", 0) > 2 and "grad_norm" in r]  # noqa: E731
+    after = lambda run: [r for r in metrics(run) if r.get("step", 0) > 2 and "grad_norm" in r]
     assert [r["step"] for r in after(two)] == [3, 4]
     assert [(r["loss"], r["grad_norm"]) for r in after(one)] == [(r["loss"], r["grad_norm"]) for r in after(two)]
     assert summary(two)["weights_sha256"] == summary(one)["weights_sha256"]
@@ -364,7 +364,7 @@ def test_the_grouped_gemm_is_taken_only_where_it_runs():
 
     from braidtrain.model.moe import Dispatch
 
-    rows = lambda n, c=64: SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(n, c))  # noqa: E731
+    rows = lambda n, c=64: SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(n, c))
     d, moe = Dispatch(), SimpleNamespace(width=128)
     assert d._grouped(rows(5), moe) == hasattr(torch, "_grouped_mm")
     assert not d._grouped(rows(0), moe) and not d._grouped(rows(5, 100), moe)

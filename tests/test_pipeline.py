@@ -94,8 +94,8 @@ def test_a_slow_link_or_stage_shows_in_the_simulated_step():
     B0 to 4+h, F1, B1 to 7+h, so rank 0's B0 runs 4+2h..6+2h and its B1 ends at 9+2h. Rank 1
     twice as slow: F0 1-3, B0 3-7, F1 7-9, B1 9-13, and rank 0's B1 ends at 15."""
     plan = pipeline.build("1f1b", 2, 1, 2)
-    unit = lambda a: 1.0 if a.op == "F" else 2.0  # noqa: E731
-    ends = lambda ranks: [r["end"] for r in ranks]  # noqa: E731
+    unit = lambda a: 1.0 if a.op == "F" else 2.0
+    ends = lambda ranks: [r["end"] for r in ranks]
     assert ends(pipeline.simulate(plan, 2, unit)) == [9.0, 7.0]
     assert ends(pipeline.simulate(plan, 2, unit, hop=0.25)) == [9.5, 7.25]
     slow = pipeline.simulate(plan, 2, lambda a: unit(a) * (2 if a.stage == 1 else 1))
@@ -196,7 +196,7 @@ def test_a_pipeline_run_validates_samples_saves_and_resumes_on_other_pp(tmp_path
 
 
 def test_1f1b_matches_torch_pipelining(tmp_path, shakespeare):
-    """braidtrain's 1F1B and torch.distributed.pipelining's Schedule1F1B (braidtrain.torchref's
+    """braidtrain's 1F1B and torch.distributed.pipelining's Schedule1F1B (braidtrain.bench.torchref's
     pipe-1f1b: the same stages, split, initialisation, data and optimizer), 2 stages, 5 steps:
     the losses within 1e-5."""
     model = ["--model", "tiny", "--n-layer", "4", "--n-embd", "64", "--n-head", "2", "-t", "64", "-b", "2"]
@@ -204,7 +204,7 @@ def test_1f1b_matches_torch_pipelining(tmp_path, shakespeare):
     braidtrain("train", *model, "-i", shakespeare, "-d", 1024, "-x", 5, "--pp", 2, "--val-every", 0,
                "--sample-tokens", 0, "--no-progress", "--out", ours, nproc=2)
     theirs = tmp_path / "torch.json"
-    p = launch("-m", "braidtrain.torchref", "--mode", "pipe-1f1b", *model, "-i", shakespeare, "-d", 1024, "--steps", 5,
+    p = launch("-m", "braidtrain.bench.torchref", "--mode", "pipe-1f1b", *model, "-i", shakespeare, "-d", 1024, "--steps", 5,
                "--json", theirs, "--device", "cpu", nproc=2)
     assert p.returncode == 0, p.stderr[-4000:]
     want = json.loads(theirs.read_text())["loss"]

@@ -2,7 +2,7 @@
 engine's buckets against the engine, the table and its fixes, and `--check` against real CPU
 training runs (estimated model state within 5% of the run's mem_gb).
 
-The command is driven through plan_cli.add_parser on the CLI's own Parser class, in process, so the
+The command is driven through add_parser on the CLI's own Parser class, in process, so the
 test does not depend on cli.py's wiring (one test checks that wiring, and skips until it exists).
 The --check runs are real subprocesses (`braidtrain train`, under torchrun for 2 ranks), started
 together by a module fixture so their torch imports overlap.
@@ -11,30 +11,40 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 
-from braidtrain import plan, plan_cli
-from braidtrain.cli import Parser
-from braidtrain.comm import Comm
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.errors import UserError
-from braidtrain.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.model.registry import model_config
+from braidtrain.options import Parser
 from braidtrain.parallel import placement
 from braidtrain.parallel.engine import Engine
+from braidtrain.plan import check
+from braidtrain.plan.command import run, setup_from
+from braidtrain.plan.estimate import estimate
+from braidtrain.plan.flags import add_parser
+from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, NCCL_BYTES, activation_bytes, bucket_numels,
+                                    model_state_bytes, param_counts)
+from braidtrain.plan.report import COLUMNS, table
+from braidtrain.plan.search import auto_layout, plan
+from braidtrain.plan.space import Candidate, Setup, layout_of
+from braidtrain.plan.timing import busbw_of, tp_comm_s
 from helpers import braidtrain, forked, prepare_bytes
 
 
 def parse(*argv):
     parser = Parser(prog="braidtrain")
-    plan_cli.add_parser(parser.add_subparsers(dest="cmd", required=True, parser_class=Parser))
+    add_parser(parser.add_subparsers(dest="cmd", required=True, parser_class=Parser))
     return parser.parse_args(["plan", *map(str, argv)])
 
 
 def run_plan(*argv, capsys) -> str:
-    assert plan_cli.run(parse(*argv)) == 0
+    assert run(parse(*argv)) == 0
     return capsys.readouterr().out
 
 
@@ -46,7 +56,7 @@ def small_model(n_layer=4):
 
 def sizes(cfg, bucket_mb):
     """(P, largest block bucket, embedding group) from the planner."""
-    buckets = plan.bucket_numels(cfg, bucket_mb)
+    buckets = bucket_numels(cfg, bucket_mb)
     return cfg.num_params(), max(k for kind, k in buckets if kind == "block"), buckets[-1][1]
 
 
@@ -69,7 +79,7 @@ def test_model_state_formulas_match_hand_arithmetic(n):
     if n == 1:  # one rank: nothing to shard, every stage holds what ZeRO-0 does (buckets.zero_stage)
         want, scratch, working = {z: want[0] for z in want}, 0, 0
     for zero, (params, grads, opt) in want.items():
-        got = plan.model_state_bytes(P, n, zero, block, embed)
+        got = model_state_bytes(P, n, zero, block, embed)
         assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((params, grads, opt), rel=1e-12), zero
         assert got["transient"] == (0, 0, scratch, scratch + working)[zero]
 
@@ -83,7 +93,7 @@ def test_each_zero_stage_needs_no_more_than_the_one_before(n):
     cfg = small_model(n_layer=16)
     P, block, embed = sizes(cfg, 0.5)
     assert block == 12 * cfg.n_embd**2 + 13 * cfg.n_embd  # one block per bucket
-    total = [sum(v for k, v in plan.model_state_bytes(P, n, z, block, embed).items() if k != "transient")
+    total = [sum(v for k, v in model_state_bytes(P, n, z, block, embed).items() if k != "transient")
              for z in range(4)]
     assert total[0] == 16 * P
     assert all(b <= a for a, b in zip(total, total[1:])), total
@@ -95,7 +105,7 @@ def test_planner_buckets_are_the_engines(bucket_mb):
     comm = Comm(torch.device("cpu"))
     engine = Engine(GPT(cfg), build_mesh(0, 1, comm), comm, zero=0, exact=False, bucket_mb=bucket_mb,
                     device=torch.device("cpu"))
-    assert [b.numel for b in engine.buckets] == [k for _, k in plan.bucket_numels(cfg, bucket_mb)]
+    assert [b.numel for b in engine.buckets] == [k for _, k in bucket_numels(cfg, bucket_mb)]
 
 
 # ----------------------------------------------------------------------------- the table
@@ -106,7 +116,7 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
     lines = out.splitlines()
     assert "124.5M parameters" in lines[0] and "8 x 80 GB," in lines[0]
     assert lines[1].split()[:7] == ["dp", "zero", "b", "micro", "recomp", "mem", "GB"]
-    rows = [l.split() for l in lines[2:] if l.split() and l.split()[0] == "8"]
+    rows = [line.split() for line in lines[2:] if line.split() and line.split()[0] == "8"]
     assert len(rows) == 12 and all(r[-1] == "yes" for r in rows)  # gpt2 fits 80 GB at the top
     times = [float(r[-3]) for r in rows]
     assert times == sorted(times)
@@ -114,7 +124,7 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
     # by default one row a mesh (its best ZeRO stage, b and recompute), still ranked
     lines = run_plan("--model", "gpt2", "--gpus", 8, "--gpu-mem", 80, "--top", 0, capsys=capsys).splitlines()
     assert lines[1].split()[:7] == ["dp", "tp", "sp", "pp", "sched", "bubble", "cp"]
-    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    rows = [line.split() for line in lines[2:] if line[:1] == " " or line[:1].isdigit()]
     meshes = [tuple(r[:7]) for r in rows]  # dp, tp, sp, pp, schedule, bubble (a function of the rest), cp
     assert len(meshes) == len(set(meshes)) > 12 and {"4", "2"} <= {r[3] for r in rows} and "2" in {r[1] for r in rows}
     fit = [float(r[-3]) for r in rows if r[-1] == "yes"]
@@ -123,7 +133,7 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
 
 def test_gpt2_xl_on_one_24gb_gpu_names_the_smallest_change(capsys):
     out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute", capsys=capsys)
-    fix = next(l for l in out.splitlines() if l.startswith("ZeRO-0 b=1 needs"))
+    fix = next(line for line in out.splitlines() if line.startswith("ZeRO-0 b=1 needs"))
     # 16P of model state alone is 25 GB: no setting fits one GPU, so the fix is hardware
     assert "> 24 GB: use GPUs with >= " in fix and "GPUs with ZeRO-3" in fix
     assert out.splitlines()[-1].startswith("nothing fits on 1 x 24 GB")
@@ -181,7 +191,7 @@ def test_tp_layouts_appear_for_gpt2_on_8_gpus(capsys):
                    capsys=capsys)
     lines = out.splitlines()
     assert lines[1].split()[:4] == ["dp", "tp", "sp", "zero"]  # the mesh columns, when tp rows are shown
-    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    rows = [line.split() for line in lines[2:] if line[:1] == " " or line[:1].isdigit()]
     assert len(rows) == 4 * 7 * 2 and all(r[:3] == ["4", "2", "on"] for r in rows)
     assert lines[-1].startswith("recommended: ZeRO-") and " tp=2 --sp" in lines[-1]
 
@@ -203,22 +213,22 @@ def test_tp_divides_the_sharded_model_state_by_hand(tp):
     model = GPT(cfg)
     table = placement.build(model)
     by_spec = sum(p.numel() if table[n].replicated else p.numel() // tp for n, p in model.named_parameters())
-    assert by_spec + extra // tp == per_rank == plan.param_counts(cfg, tp)["rank"]
+    assert by_spec + extra // tp == per_rank == param_counts(cfg, tp)["rank"]
     assert sum(p.numel() for n, p in model.named_parameters() if table[n].replicated) == R
 
-    s = plan.Setup(cfg, gpus=tp, mem_gb=80, t=256, d=256 * 8)
-    dense, split = (plan.estimate(s, plan.Candidate(dp, 0, 8, False, t)) for dp, t in ((tp, 1), (1, tp)))
+    s = Setup(cfg, gpus=tp, mem_gb=80, t=256, d=256 * 8)
+    dense, split = (estimate(s, Candidate(dp, 0, 8, False, t)) for dp, t in ((tp, 1), (1, tp)))
     assert [dense["state"][k] for k in ("params", "grads", "optimizer")] == [4 * P, 4 * P, 8 * P]
     assert [split["state"][k] for k in ("params", "grads", "optimizer")] == [4 * per_rank, 4 * per_rank, 8 * per_rank]
     # ZeRO-0: 16 bytes per parameter; the sharded part divides by tp, the replicated part stays
     saved = 16 * P - sum(split["state"][k] for k in ("params", "grads", "optimizer"))
     assert saved == 16 * ((P - R) - (P + extra - R) // tp)
-    assert split["mem"]["comm"] == plan.NCCL_BYTES and dense["mem"]["comm"] == plan.NCCL_BYTES  # tp's; dp's
+    assert split["mem"]["comm"] == NCCL_BYTES and dense["mem"]["comm"] == NCCL_BYTES  # tp's; dp's
     # ZeRO over the replica group divides the per-tp-rank state further, as at tp 1
-    s8 = plan.replace(s, gpus=2 * tp)
-    z1 = plan.estimate(s8, plan.Candidate(2, 1, 8, False, tp))
+    s8 = replace(s, gpus=2 * tp)
+    z1 = estimate(s8, Candidate(2, 1, 8, False, tp))
     assert z1["state"]["optimizer"] == 8 * per_rank // 2
-    assert z1["mem"]["comm"] == 2 * plan.NCCL_BYTES  # a communicator for each group: replica and tp
+    assert z1["mem"]["comm"] == 2 * NCCL_BYTES  # a communicator for each group: replica and tp
 
 
 def test_tp_activations_by_hand():
@@ -228,7 +238,7 @@ def test_tp_activations_by_hand():
     and each LayerNorm's mean and rstd (2 x 2 x 4 bytes a token)."""
     cfg, b, t = model_config("gpt2", 50257), 4, 1024
     L, x, P, H, bt = cfg.n_layer, b * t * cfg.n_embd, 1000, cfg.n_head, b * t
-    act = lambda tp, sp, rc=False: plan.activation_bytes(cfg, b, t, rc, False, P, tp, sp)
+    act = lambda tp, sp, rc=False: activation_bytes(cfg, b, t, rc, False, P, tp, sp)
     assert act(1, False)["layers"] == (38 * x + (4 * H + 16) * bt) * L
     assert act(1, False)["logits"] == 2 * b * t * 50304  # the fused head's bf16 buffer
     # tp: LayerNorm inputs (4 + 4) and the column-parallel inputs (2 + 2) whole, 26 of 38 split
@@ -255,7 +265,7 @@ def test_compile_traces_its_own_partition():
     eager, compiled = block_activations(cfg), block_activations(cfg, compiled=True)
     assert compiled < eager  # SwiGLU's product and the norms' bf16 outputs are rebuilt, not kept
     for rc in (False, True):
-        e = [plan.estimate(plan.Setup(cfg, 1, 80, t, b * t, compile=c), plan.Candidate(1, 0, b, rc)) for c in (False, True)]
+        e = [estimate(Setup(cfg, 1, 80, t, b * t, compile=c), Candidate(1, 0, b, rc)) for c in (False, True)]
         layer = "block_recomputed" if rc else "layers"
         assert e[0]["activations"][layer] == eager * b * t * (1 if rc else cfg.n_layer)
         assert e[1]["activations"][layer] == compiled * b * t * (1 if rc else cfg.n_layer)
@@ -264,29 +274,29 @@ def test_compile_traces_its_own_partition():
 def test_tp_communication_by_hand():
     cfg, b, t, d = model_config("gpt2", 50257), 8, 1024, 8 * 1024 * 4
     L, x = cfg.n_layer, b * t * cfg.n_embd
-    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=d, busbw=300.0, alpha_us=10.0, tp_busbw=100.0)
+    s = Setup(cfg, gpus=2, mem_gb=80, t=t, d=d, busbw=300.0, alpha_us=10.0, tp_busbw=100.0)
     ar = lambda nbytes: 10e-6 + 2 * (2 - 1) / 2 * nbytes / 100e9  # all-reduce over 2 ranks at --tp-busbw
     per_micro = L * (2 * ar(2 * x) + 2 * ar(4 * x)) + 2 * ar(4 * x) + ar(4 * b * t) + ar(8 * b * t)
-    e = plan.estimate(s, plan.Candidate(1, 0, b, False, 2))
+    e = estimate(s, Candidate(1, 0, b, False, 2))
     assert e["micro_steps"] == 4 and e["dp_comm_s"] == 0  # dp = 1: no gradient reduction
     assert e["tp_comm_s"] == pytest.approx(4 * per_micro, rel=1e-12)
     assert e["step_s"] == pytest.approx(e["compute_s"] + 4 * per_micro, rel=1e-12)
     # recompute runs the layers' forward messages again
-    rc = plan.estimate(s, plan.Candidate(1, 0, b, True, 2))
+    rc = estimate(s, Candidate(1, 0, b, True, 2))
     assert rc["tp_comm_s"] == pytest.approx(4 * (per_micro + L * 2 * ar(2 * x)), rel=1e-12)
     # sp: all-gather + reduce-scatter pairs move the same bus volume (alpha aside)
-    s0 = plan.replace(s, alpha_us=0.0)
-    no_sp, sp = (plan.tp_comm_s(s0, plan.Candidate(1, 0, b, False, 2, v)) for v in (False, True))
+    s0 = replace(s, alpha_us=0.0)
+    no_sp, sp = (tp_comm_s(s0, Candidate(1, 0, b, False, 2, v)) for v in (False, True))
     assert sp == pytest.approx(no_sp, rel=1e-12)
     # ... and once a step sp adds the replicated parameters' partial gradients, gathered over tp
     R = replicated_by_hand(cfg)
-    e_sp = plan.estimate(s0, plan.Candidate(1, 0, b, False, 2, True))
+    e_sp = estimate(s0, Candidate(1, 0, b, False, 2, True))
     assert e_sp["tp_comm_s"] == pytest.approx(4 * sp + (2 - 1) / 2 * (4 * R * 2) / 100e9, rel=1e-12)
     # the dp reduction moves the per-tp-rank parameter bytes: under ZeRO-1 on dp = 2 the exposed part
     # is the last reduce-scatter (the embedding group) and the all-gather of every bucket, at --busbw
-    counts = plan.param_counts(cfg, 2)
-    assert sum(k for _, k in plan.bucket_numels(cfg, s.bucket_mb, 2)) == counts["rank"]
-    z1 = plan.estimate(plan.replace(s, gpus=4, alpha_us=0.0), plan.Candidate(2, 1, b, False, 2))
+    counts = param_counts(cfg, 2)
+    assert sum(k for _, k in bucket_numels(cfg, s.bucket_mb, 2)) == counts["rank"]
+    z1 = estimate(replace(s, gpus=4, alpha_us=0.0), Candidate(2, 1, b, False, 2))
     assert z1["dp_comm_s"] == pytest.approx(1 / 2 * 4 * (counts["embed"] + counts["rank"]) / 300e9, rel=1e-12)
 
 
@@ -295,13 +305,13 @@ def test_zero3_gathers_blocks_again_for_the_backward_only_in_fp32_or_recompute()
     reduction is the sum of its collectives -- a gather and a reduce-scatter per bucket per
     micro-step, plus a second gather of the blocks where the backward reads fp32 parameters."""
     cfg, b, t = model_config("gpt2", 50257), 8, 1024
-    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=2 * b * t * 4, tflops=1e12, alpha_us=0.0)
-    buckets = [4 * k for _, k in plan.bucket_numels(cfg, s.bucket_mb)]
+    s = Setup(cfg, gpus=2, mem_gb=80, t=t, d=2 * b * t * 4, tflops=1e12, alpha_us=0.0)
+    buckets = [4 * k for _, k in bucket_numels(cfg, s.bucket_mb)]
     one = lambda nbytes: (2 - 1) / 2 * nbytes / 300e9  # a gather or reduce-scatter over 2 ranks
     once = 4 * sum(2 * one(m) for m in buckets)  # 4 micro-steps
     blocks_again = 4 * sum(one(m) for m in buckets[:-1])  # all but the embedding group (launched last)
     for cpu, recompute, want in ((False, False, once), (False, True, once + blocks_again), (True, False, once + blocks_again)):
-        e = plan.estimate(plan.replace(s, cpu=cpu), plan.Candidate(2, 3, b, recompute))
+        e = estimate(replace(s, cpu=cpu), Candidate(2, 3, b, recompute))
         assert e["micro_steps"] == 4 and e["dp_comm_s"] == pytest.approx(want, rel=1e-6), (cpu, recompute)
 
 
@@ -331,20 +341,20 @@ def test_pipeline_stage_memory_by_hand():
     first stage (p - r), 1 on the last, which adds the head's input and the fused head's logits."""
     cfg, b, t = model_config("gpt2", 50257), 4, 1024
     h, V, blk = cfg.n_embd, cfg.padded_vocab, 12 * cfg.n_embd**2 + 13 * cfg.n_embd
-    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * 4)
-    e = plan.estimate(s, plan.Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
+    s = Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * 4)
+    e = estimate(s, Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
     P = [V * h + t * h + 8 * blk, 4 * blk + 2 * h + V * h]
     x = t * b * h
     a = 38 * x + (4 * cfg.n_head + 16) * t * b  # one block, one micro-batch
     act = [2 * 8 * a + 2 * P[0], 4 * a + 6 * x + 2 * b * t * V + 2 * P[1]]
     for r in range(2):
         allocated = 16 * P[r] + act[r]
-        comm = plan.NCCL_BYTES * 3  # the pp group's, and one for each direction between the stages
-        want = allocated + comm + plan.CONTEXT_BYTES + plan.ALLOCATOR_SLACK * allocated
-        assert e["stages_gb"][r] * plan.GB == pytest.approx(want, rel=1e-12), r
-    assert e["mem"]["total"] == pytest.approx(max(e["stages_gb"]) * plan.GB)
+        comm = NCCL_BYTES * 3  # the pp group's, and one for each direction between the stages
+        want = allocated + comm + CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
+        assert e["stages_gb"][r] * GB == pytest.approx(want, rel=1e-12), r
+    assert e["mem"]["total"] == pytest.approx(max(e["stages_gb"]) * GB)
     # ZeRO-1 over dp = 2 divides each stage's Adam state, as without a pipeline
-    z1 = plan.estimate(plan.replace(s, gpus=4, d=2 * b * t * 4), plan.Candidate(2, 1, b, False, pp=2, schedule="1f1b"))
+    z1 = estimate(replace(s, gpus=4, d=2 * b * t * 4), Candidate(2, 1, b, False, pp=2, schedule="1f1b"))
     assert z1["stage_state"][1]["optimizer"] == 8 * P[1] // 2
 
 
@@ -356,20 +366,20 @@ def test_pipeline_step_by_hand(m):
     from braidtrain.parallel import pipeline
 
     cfg, b, t = model_config("gpt2", 50257), 4, 1024
-    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * m, alpha_us=0.0, busbw=1e12)
+    s = Setup(cfg, gpus=2, mem_gb=80, t=t, d=b * t * m, alpha_us=0.0, busbw=1e12)
     flops = pipeline.flop_cost(cfg, t, 2)
     share = [flops(0, range(0, 8)), flops(1, range(8, 12))]
     micro = cfg.flops_per_token(t) * b * t / (s.tflops * 1e12)
     F = [c / sum(share) * micro / 3 for c in share]
     assert F[1] > F[0]
-    e = plan.estimate(s, plan.Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
+    e = estimate(s, Candidate(1, 0, b, False, pp=2, schedule="1f1b"))
     assert e["micro_steps"] == m and e["compute_s"] == pytest.approx(F[0] + m * 3 * F[1] + 2 * F[0], rel=1e-9)
     # each stage's bubble as train measures it: idle from the step's start to the stage's last work
     ends = [F[0] + m * 3 * F[1] + 2 * F[0], F[0] + m * 3 * F[1]]
     assert e["bubble"] == pytest.approx([1 - m * 3 * F[0] / ends[0], 1 - m * 3 * F[1] / ends[1]], rel=1e-9)
     # zero bubble splits the backward: on 4 stages its step is below 1f1b's, gpipe's equal to it
-    s4 = plan.replace(s, gpus=4, d=b * t * 8)
-    steps = {name: plan.estimate(s4, plan.Candidate(1, 0, b, False, pp=4, schedule=name))["compute_s"]
+    s4 = replace(s, gpus=4, d=b * t * 8)
+    steps = {name: estimate(s4, Candidate(1, 0, b, False, pp=4, schedule=name))["compute_s"]
              for name in ("gpipe", "1f1b", "zb")}
     assert steps["zb"] < steps["1f1b"] == pytest.approx(steps["gpipe"])
 
@@ -378,7 +388,7 @@ def test_pipelines_in_the_table(capsys):
     out = run_plan("--model", "gpt2-xl", "--gpus", 8, "--gpu-mem", 16, "--pp", 4, "--top", 0, capsys=capsys)
     lines = out.splitlines()
     assert lines[1].split()[:6] == ["dp", "pp", "sched", "bubble", "cp", "zero"]  # cp: pp 4 leaves 2 ranks to share
-    rows = [l.split() for l in lines[2:] if l[:1] == " " or l[:1].isdigit()]
+    rows = [line.split() for line in lines[2:] if line[:1] == " " or line[:1].isdigit()]
     assert rows and {r[1] for r in rows} == {"4"} and {r[2] for r in rows} == {"gpipe", "1f1b", "interleavedx2", "zb"}
     assert " pp=4 " in lines[-1]
     zb = json.loads(run_plan("--model", "gpt2", "--gpus", 4, "--pp-schedule", "zb", "--json", capsys=capsys))
@@ -389,7 +399,8 @@ def test_pipelines_in_the_table(capsys):
 def test_bad_pipeline_or_cp_input_is_one_user_error(capsys):
     for argv, words in ((["--pp", 3], "does not divide --gpus 8"), (["--pp", 0], "--pp must be positive"),
                         (["--pp", 1, "--pp-schedule", "zb"], "give --pp 2 or more"),
-                        (["--cp", 3, "-t", 1020], "does not divide --gpus 8"), (["--cp", 2, "-t", 1022], "-t 1020 or -t 1024")):
+                        (["--cp", 3, "-t", 1020], "does not "
+                                                  "divide --gpus 8"), (["--cp", 2, "-t", 1022], "-t 1020 or -t 1024")):
         with pytest.raises(UserError, match=words):
             run_plan("--model", "gpt2", "--gpus", 8, *argv, capsys=capsys)
 
@@ -407,29 +418,29 @@ def checks(tmp_path_factory, monkeypatch_module):
 
     def one(case):
         n, zero, tp, pp, cp = case[:5]
-        s = plan.Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
+        s = Setup(model_config("tiny", 256), gpus=n, mem_gb=80, t=64, d=256)
         if case[5:]:  # the experts' state at 1/ep, ZeRO-1's Adam over the dp/ep ranks of the same experts
             args = parse("--model", "tiny", "--vocab", 256, "--moe-experts", 4, "--moe-hidden", 128, "--gpus", n,
                          "-t", 64, "-d", 256, "--check", f"{zero},2", "--ep", case[5], "--data", data)
-            assert plan_cli.check_layout(args) == plan.Candidate(n, zero, 2, False, ep=case[5])
-            return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
+            assert check.check_layout(args) == Candidate(n, zero, 2, False, ep=case[5])
+            return check.check(setup_from(args), check.check_layout(args), str(data), None)
         if cp > 1:  # ZeRO-1's shard of Adam over the dp x cp = 4 replicas
             args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
                          "--cp", cp, "--data", data)
-            assert plan_cli.check_layout(args) == plan.Candidate(n // cp, zero, 2, False, cp=cp)
-            return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
+            assert check.check_layout(args) == Candidate(n // cp, zero, 2, False, cp=cp)
+            return check.check(setup_from(args), check.check_layout(args), str(data), None)
         if pp > 1:  # rank 0's model state: the first stage's, its ZeRO-1 shard of Adam over dp = 2
             args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 512, "--check", f"{zero},2",
                          "--pp", pp, "--pp-schedule", "zb", "--data", data)
-            assert plan_cli.check_layout(args) == plan.Candidate(n // pp, zero, 2, False, pp=pp, schedule="zb")
-            return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
+            assert check.check_layout(args) == Candidate(n // pp, zero, 2, False, pp=pp, schedule="zb")
+            return check.check(setup_from(args), check.check_layout(args), str(data), None)
         if tp == 1:
-            return plan_cli.check(s, plan.Candidate(n, zero, 2, False), str(data), None)
+            return check.check(s, Candidate(n, zero, 2, False), str(data), None)
         # from the command line, as a user asks for it: the mesh comes from --tp and --sp
         args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
                      "--tp", tp, "--sp", "--data", data)
-        assert plan_cli.check_layout(args) == plan.Candidate(n // tp, zero, 2, False, tp, True)
-        return plan_cli.check(plan_cli.setup_from(args), plan_cli.check_layout(args), str(data), None)
+        assert check.check_layout(args) == Candidate(n // tp, zero, 2, False, tp, True)
+        return check.check(setup_from(args), check.check_layout(args), str(data), None)
 
     with ThreadPoolExecutor(len(CHECKS)) as pool:
         return dict(zip(CHECKS, pool.map(one, CHECKS)))
@@ -439,7 +450,7 @@ def checks(tmp_path_factory, monkeypatch_module):
 def monkeypatch_module():
     with pytest.MonkeyPatch.context() as mp:  # (helpers.forked sets OMP_NUM_THREADS and PYTHONPATH)
         mp.delenv("RANK", raising=False)
-        mp.setattr(plan_cli, "run_job", forked)
+        mp.setattr(check, "run_job", forked)
         yield mp
 
 
@@ -458,16 +469,16 @@ def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
     fit; each sequence over 2 cp ranks does, each rank keeping its t/cp tokens' activations, and
     is what plan recommends."""
     cfg = model_config("gpt2", 50257, block_size=262144)
-    s = plan.Setup(cfg, gpus=2, mem_gb=80, t=262144, d=2 * 262144)
-    r = plan.plan(s, recomputes=(False,))
-    pick = lambda cp: next(e for e in r["rows"] if (e["layout"].cp, e["layout"].tp, e["layout"].pp,  # noqa: E731
+    s = Setup(cfg, gpus=2, mem_gb=80, t=262144, d=2 * 262144)
+    r = plan(s, recomputes=(False,))
+    pick = lambda cp: next(e for e in r["rows"] if (e["layout"].cp, e["layout"].tp, e["layout"].pp,
                                                     e["layout"].zero) == (cp, 1, 1, 0))
     one, two = pick(1), pick(2)
     assert not one["fits"] and two["fits"]
     assert two["activations"]["layers"] == pytest.approx(one["activations"]["layers"] / 2)
     assert two["cp_comm_s"] > 0 and one["cp_comm_s"] == 0
     assert r["rows"][0]["layout"].cp == 2 and "cp=2" in r["recommendation"]
-    assert "cp" in plan_cli.table(r, 4).splitlines()[0].split()
+    assert "cp" in table(r, 4).splitlines()[0].split()
 
 
 def test_the_planner_says_when_the_ring_or_the_all_gather_wins():
@@ -477,8 +488,8 @@ def test_the_planner_says_when_the_ring_or_the_all_gather_wins():
     ring's transfers hidden) the ring does. Its gathered keys and values also count in memory."""
     cfg = model_config("gpt2", 50257, block_size=131072)
     for t, winner in ((1024, "allgather"), (131072, "ring")):
-        s = plan.Setup(cfg, gpus=8, mem_gb=80, t=t, d=t, alpha_us=20.0, busbw=100.0)
-        ring, ag = (plan.estimate(s, plan.Candidate(1, 0, 1, False, cp=8, cp_impl=i)) for i in ("ring", "allgather"))
+        s = Setup(cfg, gpus=8, mem_gb=80, t=t, d=t, alpha_us=20.0, busbw=100.0)
+        ring, ag = (estimate(s, Candidate(1, 0, 1, False, cp=8, cp_impl=i)) for i in ("ring", "allgather"))
         C, L, kv = cfg.n_embd, cfg.n_layer, 2 * t // 8 * cfg.n_embd * 2
         gather = 20e-6 + 7 / 8 * kv * 8 / 100e9
         scatter = 20e-6 + 7 / 8 * 2 * kv * 8 / 100e9
@@ -490,7 +501,7 @@ def test_the_planner_says_when_the_ring_or_the_all_gather_wins():
         best = min((ring, ag), key=lambda e: e["step_s"])
         assert best["layout"].cp_impl == winner, (t, ring["cp_comm_s"], ag["cp_comm_s"])
         assert ag["activations"]["ring_scores"] - ring["activations"]["ring_scores"] == 2 * t * C * (2 + 4)
-    rows = plan.plan(s)["rows"]
+    rows = plan(s)["rows"]
     assert {e["layout"].cp_impl for e in rows if e["layout"].cp > 1} == {"ring", "allgather"}
 
 
@@ -498,10 +509,10 @@ def test_zero_bubble_at_zero_2_holds_every_block_buckets_scratch_at_w():
     """Under zb, W computes a chunk's weight gradients at once: ZeRO-2's scratch is then every block
     bucket of the stage, not the two of an unsplit backward (1f1b): on gpt2's first stage (8 blocks,
     4 buckets of 2) two buckets more; its last (4 blocks, 2 buckets) the same."""
-    s = plan.Setup(model_config("gpt2", 50257), gpus=4, mem_gb=80, t=1024, d=4 * 1024 * 8)
-    est = {name: plan.estimate(s, plan.Candidate(2, 2, 4, False, pp=2, schedule=name)) for name in ("1f1b", "zb")}
+    s = Setup(model_config("gpt2", 50257), gpus=4, mem_gb=80, t=1024, d=4 * 1024 * 8)
+    est = {name: estimate(s, Candidate(2, 2, 4, False, pp=2, schedule=name)) for name in ("1f1b", "zb")}
     grads = {name: [st["grads"] for st in e["stage_state"]] for name, e in est.items()}
-    bucket = 4 * plan.bucket_numels(s.cfg, s.bucket_mb)[0][1]
+    bucket = 4 * bucket_numels(s.cfg, s.bucket_mb)[0][1]
     assert grads["zb"] == [grads["1f1b"][0] + 2 * bucket, grads["1f1b"][1]], grads
 
 
@@ -511,22 +522,22 @@ def test_a_mixture_of_experts_is_planned_over_ep_ranks():
     ep_comm_s's docstring counts; on 8 x 10 GB ZeRO-0 fits only with the experts sharded, and
     plan proposes ep (without a pipeline: the planner weighs ep at pp 1)."""
     cfg = model_config("gpt2", 50257, moe_experts=8, moe_top_k=2)
-    experts = plan.param_counts(cfg)["expert"]
-    dense = plan.param_counts(cfg)["rank"] - experts
+    experts = param_counts(cfg)["expert"]
+    dense = param_counts(cfg)["rank"] - experts
     assert experts == 12 * 8 * (2 * 768 * 3072 + 3072 + 768)
-    s = plan.Setup(cfg, gpus=8, mem_gb=80, t=1024, d=8 * 1024 * 4, alpha_us=10.0, busbw=100.0)
+    s = Setup(cfg, gpus=8, mem_gb=80, t=1024, d=8 * 1024 * 4, alpha_us=10.0, busbw=100.0)
     for ep in (1, 2, 8):
-        e = plan.estimate(s, plan.Candidate(8, 0, 1, False, ep=ep))
+        e = estimate(s, Candidate(8, 0, 1, False, ep=ep))
         assert e["state"]["params"] == 4 * (dense + experts // ep)
         rows = 2 * 1024 * 768 * 2  # k = 2 rows a token, bf16
         one = 10e-6 + (ep - 1) / ep * rows / 100e9 + 10e-6
         assert e["ep_comm_s"] == pytest.approx(4 * (12 * 4 * one if ep > 1 else 0), rel=1e-9)  # 4 micro-steps
-    tight = plan.Setup(cfg, gpus=8, mem_gb=10, t=1024, d=8 * 1024 * 4)
-    r = plan.plan(tight, zeros=(0,), pps=(1,))
+    tight = Setup(cfg, gpus=8, mem_gb=10, t=1024, d=8 * 1024 * 4)
+    r = plan(tight, zeros=(0,), pps=(1,))
     fits = {e["layout"].ep for e in r["rows"] if e["fits"]}
     assert 1 not in fits and 8 in fits
     assert r["rows"][0]["layout"].ep > 1 and "ep=" in r["recommendation"]
-    assert "ep" in plan_cli.table(r, 4).splitlines()[0].split()
+    assert "ep" in table(r, 4).splitlines()[0].split()
 
 
 # ----------------------------------------------------------------------------- five axes together
@@ -542,8 +553,8 @@ def test_a_pipeline_of_cp_and_tp_ranks_by_hand():
 
     cfg, b, t, tp, cp = model_config("gpt2", 50257), 1, 1024, 2, 2
     h, a, Vt = cfg.n_embd, cfg.n_head, cfg.vocab_rows(2)
-    s = plan.Setup(cfg, gpus=8, mem_gb=80, t=t, d=b * t * 4)
-    e = plan.estimate(s, plan.Candidate(1, 1, b, False, tp, pp=2, schedule="1f1b", cp=cp))
+    s = Setup(cfg, gpus=8, mem_gb=80, t=t, d=b * t * 4)
+    e = estimate(s, Candidate(1, 1, b, False, tp, pp=2, schedule="1f1b", cp=cp))
     block = (12 * h * h + 7 * h) // tp + 6 * h  # sharded / tp + ln_1, ln_2 and the two c_proj biases
     P = [Vt * h // tp + cfg.block_size * h + 8 * block, 4 * block + 2 * h + Vt * h // tp]
     x = (t // cp) * b * h
@@ -555,9 +566,9 @@ def test_a_pipeline_of_cp_and_tp_ranks_by_hand():
     for r in range(2):
         assert e["stage_state"][r]["params"] == 4 * P[r] and e["stage_state"][r]["optimizer"] == 8 * P[r] // 2
         allocated = 4 * P[r] + 4 * P[r] + 8 * P[r] // 2 + act[r] + scores + 2 * P[r]
-        comm = plan.NCCL_BYTES * 5  # the replicas' (= the cp group), tp's, pp's, one each way to the other stage
-        want = allocated + comm + plan.CONTEXT_BYTES + plan.ALLOCATOR_SLACK * allocated
-        assert e["stages_gb"][r] * plan.GB == pytest.approx(want, rel=1e-12), r
+        comm = NCCL_BYTES * 5  # the replicas' (= the cp group), tp's, pp's, one each way to the other stage
+        want = allocated + comm + CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
+        assert e["stages_gb"][r] * GB == pytest.approx(want, rel=1e-12), r
     assert e["cp_comm_s"] > 0 and e["tp_comm_s"] > 0
 
 
@@ -567,17 +578,17 @@ def test_a_pipeline_of_expert_ranks_holds_its_experts_over_ep():
     from braidtrain.model.registry import pipeline_chunks
 
     cfg = model_config("gpt2", 50257, moe_experts=8, moe_top_k=2)
-    s = plan.Setup(cfg, gpus=4, mem_gb=80, t=1024, d=2 * 1024 * 4)
-    lay = plan.Candidate(2, 0, 1, False, pp=2, schedule="1f1b", ep=2)
-    e = plan.estimate(s, lay)
-    split = plan.layout_of(s, lay, s.d).split
+    s = Setup(cfg, gpus=4, mem_gb=80, t=1024, d=2 * 1024 * 4)
+    lay = Candidate(2, 0, 1, False, pp=2, schedule="1f1b", ep=2)
+    e = estimate(s, lay)
+    split = layout_of(s, lay, s.d).split
     for r in range(2):
         with torch.device("meta"):
             named = [(n, p.numel()) for m in pipeline_chunks(cfg, split, 2, r) for n, p in m.named_parameters()]
         experts = sum(k for n, k in named if ".experts." in n)
         assert experts and e["stage_state"][r]["params"] == 4 * (sum(k for _, k in named) - experts // 2), r
     assert e["ep_comm_s"] > 0
-    plain = plan.estimate(s, plan.replace(lay, ep=1))
+    plain = estimate(s, replace(lay, ep=1))
     assert plain["ep_comm_s"] == 0 and plain["mem"]["total"] > e["mem"]["total"]
 
 
@@ -585,14 +596,14 @@ def test_groups_that_span_nodes_talk_at_the_node_bandwidth():
     """The mesh is pp, dp, cp, tp outer to inner: on nodes of 4 GPUs, pp 2 x dp 2 x cp 2 x tp 2
     keeps tp (2 ranks) and cp (4) inside a node, while the replicas (8) and the pipeline's hops
     (16) span nodes; tp 4 on nodes of 2 costs what tp 4 costs at the node bandwidth."""
-    s = plan.Setup(model_config("gpt2", 50257), gpus=16, mem_gb=80, t=1024, d=1024 * 64, busbw=300.0,
+    s = Setup(model_config("gpt2", 50257), gpus=16, mem_gb=80, t=1024, d=1024 * 64, busbw=300.0,
                    gpus_per_node=4, node_busbw=25.0)
-    lay = plan.Candidate(2, 0, 1, False, 2, pp=2, schedule="1f1b", cp=2)
-    assert [plan.busbw_of(s, lay, k) for k in ("tp", "cp", "dp", "pp")] == [300.0, 300.0, 25.0, 25.0]
-    four = plan.Candidate(4, 0, 1, False, 4)
-    apart, together = plan.replace(s, gpus_per_node=2), plan.replace(s, gpus_per_node=None, tp_busbw=25.0)
-    assert plan.tp_comm_s(apart, four) == pytest.approx(plan.tp_comm_s(together, four), rel=1e-12)
-    assert plan.tp_comm_s(apart, four) > plan.tp_comm_s(s, four)
+    lay = Candidate(2, 0, 1, False, 2, pp=2, schedule="1f1b", cp=2)
+    assert [busbw_of(s, lay, k) for k in ("tp", "cp", "dp", "pp")] == [300.0, 300.0, 25.0, 25.0]
+    four = Candidate(4, 0, 1, False, 4)
+    apart, together = replace(s, gpus_per_node=2), replace(s, gpus_per_node=None, tp_busbw=25.0)
+    assert tp_comm_s(apart, four) == pytest.approx(tp_comm_s(together, four), rel=1e-12)
+    assert tp_comm_s(apart, four) > tp_comm_s(s, four)
 
 
 def test_gpt2_xl_on_two_nodes_lists_pp_cp_and_tp_with_memory_that_adds_up(capsys):
@@ -602,12 +613,12 @@ def test_gpt2_xl_on_two_nodes_lists_pp_cp_and_tp_with_memory_that_adds_up(capsys
     out = run_plan(*argv, "--pp", 1, "--cp", 1, "-z", 3, capsys=capsys)  # (the header does not depend on the filters)
     assert "no tp: no divisor of n_head 25" in out.splitlines()[0]
     data = json.loads(run_plan(*argv, "--n-head", 32, "--json", capsys=capsys))
-    used = lambda k: any(r[k] > 1 and r["fits"] for r in data["layouts"])  # noqa: E731
+    used = lambda k: any(r[k] > 1 and r["fits"] for r in data["layouts"])
     assert used("pp") and used("cp") and used("tp")
     assert any(r["pp"] > 1 and r["cp"] > 1 and r["tp"] > 1 for r in data["layouts"])
     for row in data["layouts"]:
         mem = row["mem_gb"]
-        assert mem["total"] == pytest.approx(sum(mem[k] for k in plan_cli.COLUMNS))
+        assert mem["total"] == pytest.approx(sum(mem[k] for k in COLUMNS))
 
 
 def test_layout_auto_takes_the_best_layout_train_accepts():
@@ -619,17 +630,17 @@ def test_layout_auto_takes_the_best_layout_train_accepts():
 
     model = model_config("gpt2", 50257)
     cfg = Config(seq_len=1024, total_batch=6 * 1024 * 8)
-    chosen, said = plan.auto_layout(cfg, model, 6, "cpu", mem_gb=80)
-    best = plan.plan(plan.Setup(model, 6, 80, 1024, cfg.total_batch, cpu=True))["rows"][0]["layout"]
+    chosen, said = auto_layout(cfg, model, 6, "cpu", mem_gb=80)
+    best = plan(Setup(model, 6, 80, 1024, cfg.total_batch, cpu=True))["rows"][0]["layout"]
     assert set(chosen) == set(AUTO_CHOSEN) and said.startswith(f"--layout auto: {best.name()}, dp {best.dp} ")
     assert (chosen["tp"], chosen["pp"], chosen["cp"], chosen["zero"], chosen["batch_size"]) == (
         best.tp, best.pp, best.cp, best.zero, best.b)
-    exact, _ = plan.auto_layout(plan.replace(cfg, exact=True), model, 6, "cpu", mem_gb=80)
+    exact, _ = auto_layout(replace(cfg, exact=True), model, 6, "cpu", mem_gb=80)
     kw = {k: v for k, v in exact.items() if k not in ("batch_size", "pp_split", "pp_schedule", "pp_virtual")}
     lay = make_layout(6, model, seq_len=1024, batch_size=exact["batch_size"], total_batch=cfg.total_batch, exact=True,
                       device="cpu", schedule=exact["pp_schedule"], virtual=exact["pp_virtual"], **kw)
     assert best.dp == 6 and lay.dp in (1, 2)
     with pytest.raises(UserError, match="-d"):
-        plan.auto_layout(Config(), model, 6, "cpu", mem_gb=80)
+        auto_layout(Config(), model, 6, "cpu", mem_gb=80)
     with pytest.raises(UserError, match="nothing fits"):
-        plan.auto_layout(cfg, model_config("gpt2-xl", 50257), 1, "cpu", mem_gb=4)
+        auto_layout(cfg, model_config("gpt2-xl", 50257), 1, "cpu", mem_gb=4)

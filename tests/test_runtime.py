@@ -17,7 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from braidtrain.errors import UserError
-from braidtrain.runtime import FS_FILE, init_runtime
+from braidtrain.dist.rendezvous import FS_FILE
+from braidtrain.dist.runtime import init_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
 from braidtrain.errors import UserError
-from braidtrain.runtime import init_runtime
+from braidtrain.dist.runtime import init_runtime
 t0 = time.monotonic()
 try:
     rt = init_runtime(**json.loads(sys.argv[1]))
@@ -178,7 +179,7 @@ def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, shakespeare
     import torch
 
     from braidtrain import build
-    from braidtrain.cli import Parser, _train_parser, train_config
+    from braidtrain.options import Parser, train_config, train_parser
 
     asked = {}
 
@@ -192,7 +193,7 @@ def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, shakespeare
     monkeypatch.setattr(build, "find_runtime", lambda *_a, **_k: Launched())
     argv = ["--model", "tiny", "-i", str(shakespeare), "--out", str(tmp_path / "run"), "--tp", str(tp)]
     with pytest.raises(KeyboardInterrupt):
-        build.build(train_config(_train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
+        build.build(train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(argv)))
     assert asked["nccl_protocol"] == protocol
 
 

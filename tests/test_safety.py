@@ -2,13 +2,16 @@
 alike and, K in a row, stop the run (exit 3) with its last good checkpoint intact; out of memory
 is one line with the planner's view; checkpoint folders that are not shared are named at the
 first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
-test hook (fault.Fault): "nan", "nan-on", "oom", "local-disk"."""
+test hook (dist/inject.py): "nan", "nan-on", "oom", "local-disk"."""
 
 import torch
 
 from helpers import SMALL, braidtrain, env, metrics, summary
 from test_cli import assert_one_line_error
-from braidtrain import plan
+from braidtrain.plan.estimate import estimate
+from braidtrain.plan.memory import GB
+from braidtrain.plan.search import advice
+from braidtrain.plan.space import Candidate, Setup
 from braidtrain.model.registry import model_config
 
 BASE = [*SMALL, "-d", 256]
@@ -22,7 +25,7 @@ def run(*args, fault=None, nproc=1, fsize=None):
 
 def stopped(p) -> str:
     """The one error line of a run that stopped itself (exit 3)."""
-    lines = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
     assert p.returncode == 3 and len(lines) == 1, (p.returncode, p.stderr[-3000:])
     assert "Traceback" not in p.stderr
     return lines[0]
@@ -35,7 +38,8 @@ def test_the_diverging_run_skips_its_steps_and_stops(tmp_path, shakespeare):
     out = tmp_path / "run"
     p = run(*BASE, "-i", shakespeare, "-x", 30, "--lr", "1e4", "--grad-clip", 0, "--ckpt-every", 5, "--out", out)
     line = stopped(p)
-    for w in ("steps 2-4 were skipped, 3 in a row", "stopped at step 4", "no checkpoint was saved", "--lr", "--grad-clip"):
+    for w in ("steps 2-4 were skipped, 3 in "
+              "a row", "stopped at step 4", "no checkpoint was saved", "--lr", "--grad-clip"):
         assert w in line, (w, line)
     rows = metrics(out)
     assert [r.get("skipped", False) for r in rows] == [False, True, True, True]
@@ -101,19 +105,20 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_or_goes_on(tmp_path
     the first write: by default one line (exit 2) and the step-2 checkpoint intact; with
     --on-save-error continue a line, training to the end, the step-2 checkpoint still the newest,
     and a resume without the limit loads it."""
-    from braidtrain import checkpoint
+    from braidtrain.io import checkpoint
 
     out = tmp_path / "run"
     args = [*BASE, "-i", shakespeare, "--ckpt-every", 2, "--out", out]
     assert run(*args, "-x", 2).returncode == 0
     p = run(*args, "-x", 4, "--resume", "auto", fsize=1 << 20)
-    err = [l for l in p.stderr.splitlines() if l.startswith("braidtrain: error:")]
+    err = [line for line in p.stderr.splitlines() if line.startswith("braidtrain: error:")]
     assert p.returncode == 2 and len(err) == 1 and "could not write checkpoint" in err[0], p.stderr[-3000:]
     assert "File too large" in err[0] and "previous checkpoint is intact" in err[0]
     checkpoint.verify(out / "checkpoints" / "step_00000002")
     p = run(*args, "-x", 6, "--resume", "auto", "--on-save-error", "continue", fsize=1 << 20)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sum("training goes on (--on-save-error continue)" in l for l in p.stdout.splitlines()) == 2  # steps 4, 6
+    # steps 4, 6
+    assert sum("training goes on (--on-save-error continue)" in line for line in p.stdout.splitlines()) == 2
     assert [m["step"] for m in metrics(out)][-1] == 6
     assert [c.name for c in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
     p = run(*args, "-x", 3, "--resume", "auto")
@@ -124,7 +129,7 @@ def test_out_of_memory_is_one_line_with_the_planners_view(tmp_path, shakespeare)
     """(The hook's own line announces the fault; the run's is the one error line, exit 2.)"""
     out = tmp_path / "run"
     p = run(*BASE, "-i", shakespeare, "-x", 3, "--out", out, fault="oom:step=2")
-    errors = [l for l in p.stderr.splitlines() if not l.startswith("braidtrain: fault injected")]
+    errors = [line for line in p.stderr.splitlines() if not line.startswith("braidtrain: fault injected")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr
     for w in ("braidtrain: error: out of memory on cpu (rank 0) at step 2", "the planner estimates", "braidtrain plan"):
         assert w in errors[0], (w, errors[0])
@@ -134,18 +139,18 @@ def test_out_of_memory_is_one_line_with_the_planners_view(tmp_path, shakespeare)
 def test_the_planners_advice_for_a_layout_that_does_not_fit():
     """gpt2-xl at b = 16 on one 40 GB GPU: the estimate over 40 GB, and changes that the planner
     itself says fit."""
-    s = plan.Setup(model_config("gpt2-xl", 50257), 1, 40, 1024, 16384)
-    msg = plan.advice(s, plan.Candidate(1, 0, 16, False))
-    est = plan.estimate(s, plan.Candidate(1, 0, 16, False))["mem"]["total"] / plan.GB
+    s = Setup(model_config("gpt2-xl", 50257), 1, 40, 1024, 16384)
+    msg = advice(s, Candidate(1, 0, 16, False))
+    est = estimate(s, Candidate(1, 0, 16, False))["mem"]["total"] / GB
     assert est > 40 and msg.startswith(f"the planner estimates {est:.1f} GB a rank for ZeRO-0 b=16 (of 40.0 GB); use ")
-    assert "b=2" in msg and plan.estimate(s, plan.Candidate(1, 0, 2, False))["fits"]
+    assert "b=2" in msg and estimate(s, Candidate(1, 0, 2, False))["fits"]
 
 
 def test_checkpoint_folders_that_are_not_shared_are_named_at_the_first_save(tmp_path, shakespeare):
     """Rank 1's marker lands in a folder of its own (the hook standing in for a node-local disk)."""
     p = run(*BASE, "-i", shakespeare, "-x", 2, "--out", tmp_path / "run", fault="local-disk:step=1:rank=1", nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]
-    warn = [l for l in p.stdout.splitlines() if "does not see the checkpoint files of rank(s) 1" in l]
+    warn = [line for line in p.stdout.splitlines() if "does not see the checkpoint files of rank(s) 1" in line]
     assert len(warn) == 1 and "--out" in warn[0] and "node-local" in warn[0], p.stdout
     # (and no such line where the folder is shared: test_one_nan_on_one_rank_is_skipped_on_every_rank's run)
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import ROOT, launch
 from braidtrain.parallel import schedule
-from braidtrain.parallel.schedule import Action
+from braidtrain.parallel.actions import Action, check
 
 
 @pytest.fixture(scope="module")
@@ -57,4 +57,4 @@ def test_sequential_is_todays_loop():
 def test_a_schedule_that_cannot_run_is_refused(plan, words):
     actions = [Action(a[0], 0, int(a[1:])) for a in plan.split()]
     with pytest.raises(ValueError, match=words):
-        schedule.check([actions], 2)
+        check([actions], 2)

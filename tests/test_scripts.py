@@ -48,7 +48,8 @@ tr , '\n' <<< "${3:-$SLURM_JOB_NODELIST}"
 """,
 }
 
-TRAIN = list(map(str, [*SMALL, "-x", 1, "-d", 256, "--device", "cpu", "--exact", "--timeout", 60]))  # a hang fails in 60 s
+# a hang fails in 60 s
+TRAIN = list(map(str, [*SMALL, "-x", 1, "-d", 256, "--device", "cpu", "--exact", "--timeout", 60]))
 SCRIPTS = ("torchrun.sbatch", "tcp.sbatch", "fs.sbatch", "mpirun.sh")
 
 

@@ -56,7 +56,7 @@ def test_exact_at_a_fixed_tp_and_its_resume_on_another(tmp_path, shakespeare):
         shutil.copytree(a, b)
         p = braidtrain("train", *TP_MODEL, "-i", shakespeare, "-d", D, "-x", 7, "--out", b, "--resume", "auto",
                        "--exact", *(["--tp", 2, "--sp"] if tp == 2 else []), nproc=nproc)
-        notes = [l for l in p.stdout.splitlines() if "at a fixed tp" in l]
+        notes = [line for line in p.stdout.splitlines() if "at a fixed tp" in line]
         if tp == 1:
             assert len(notes) == 1 and "tp=2 checkpoint at tp=1" in notes[0], p.stdout
         else:

@@ -1,4 +1,4 @@
-"""TensorBoard and W&B (braidtrain/trackers.py): each read back from its own files -- TensorBoard's
+"""TensorBoard and W&B (braidtrain/io/trackers.py): each read back from its own files -- TensorBoard's
 event files by TensorBoard's own reader, W&B's offline run from its .wandb file -- holds every
 step's every metrics.jsonl field, once, across a kill and `--resume auto` (TensorBoard's as float32)."""
 import json
@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from braidtrain import cli, trackers
+from braidtrain import cli
+from braidtrain.io import trackers
 from helpers import ROOT, SMALL, braidtrain, env, launch, metrics
 
 tensorboard = pytest.importorskip("tensorboard")  # `make test` installs both
@@ -140,9 +141,9 @@ def test_missing_packages_are_one_line(monkeypatch, capsys):
 def test_imported_only_when_asked(tmp_path):
     """`import braidtrain` and its commands load none of the optional packages."""
     script = tmp_path / "probe.py"
-    script.write_text("import sys\n"
-                      "import braidtrain.cli, braidtrain.train, braidtrain.data, braidtrain.corpus, braidtrain.trackers\n"
-                      "print(sorted({'tensorboard', 'wandb', 'pyarrow', 'llama_models'} & set(sys.modules)))\n")
+    script.write_text("import sys\nimport braidtrain.cli, braidtrain.train, braidtrain.io.data, braidtrain.io.corpus, "
+                      "braidtrain.io.trackers\nprint(sorted({'tensorboard', 'wandb', 'pyarrow', 'llama_models'} & "
+                      "set(sys.modules)))\n")
     p = launch(script)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
 

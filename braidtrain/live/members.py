@@ -19,8 +19,8 @@ import time
 
 import torch.distributed as dist
 
-from braidtrain.comm import Aborted
-from braidtrain.fault import MEMBERSHIP
+from braidtrain.dist.flight import Aborted
+from braidtrain.dist.fault import MEMBERSHIP
 
 TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "socket")
 
@@ -120,4 +120,5 @@ def first_line(e: BaseException) -> str:
 
 def is_transport(e: BaseException) -> bool:
     text = str(e).lower()
-    return isinstance(e, (Aborted, dist.DistError)) or (isinstance(e, RuntimeError) and any(w in text for w in TRANSPORT))
+    transport = isinstance(e, RuntimeError) and any(w in text for w in TRANSPORT)
+    return isinstance(e, (Aborted, dist.DistError)) or transport

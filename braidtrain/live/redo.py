@@ -44,9 +44,9 @@ class Redo:
         p.tokens, self.next_tokens = self.tokens, (None, None)
         p.__dict__.pop("train_step", None), p.__dict__.pop("validate", None)
         if e.exact:
-            e.trees = {b: TreeSum(e._recycle) for b in e.buckets}
+            e.trees = {b: TreeSum(e.recycle) for b in e.buckets}
             if e.tied.head is not None:
-                e.tied.head = TreeSum(e._recycle)
+                e.tied.head = TreeSum(e.recycle)
             e.__dict__.pop("_exact_reduce", None)
 
     def divide(self) -> None:
@@ -78,7 +78,7 @@ class Redo:
             e.trees = {b: LiveTree(e, mine, self.pending) for b in e.buckets}
             if e.tied.head is not None:
                 e.tied.head = LiveTree(e, mine, self.pending)
-            e._exact_reduce = self.exact_reduce
+            e.exact_reduce = self.exact_reduce
 
     def host_tokens(self, step: int) -> torch.Tensor:
         if not self.degraded:
@@ -97,14 +97,14 @@ class Redo:
         return self.by_number(losses, self.plan, self.M)
 
     def exact_reduce(self, b, grad, out, full, scratch):
-        """Exact mode's reduction after a change (in place of Engine._exact_reduce): the members'
+        """Exact mode's reduction after a change (in place of Engine.exact_reduce): the members'
         subtrees of `grad`'s bucket summed along the step's one tree into `out` -- the whole
         bucket (ZeRO-0: `full`), or this rank's shard of it (slots.reduce_forests)."""
         nodes = self.pending.pop(id(grad))
         reduce_forests(self.comm, self.mesh.groups["world"], self.ids, self.keys, self.rt.rank, nodes, self.M, out,
                        whole=full)
         for t in nodes.values():
-            self.engine._recycle(t)
+            self.engine.recycle(t)
         return _Done()
 
     @torch.no_grad()

@@ -20,15 +20,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from braidtrain.comm import Aborted
+from braidtrain.dist.flight import Aborted
 from braidtrain.errors import UserError
-from braidtrain.fault import EXIT_PEER_LOST
+from braidtrain.dist.fault import EXIT_PEER_LOST
 from braidtrain.live import members
 from braidtrain.live.join import build_joiner
 from braidtrain.live.members import first_line, is_transport, ranks
 from braidtrain.live.redo import Redo
 from braidtrain.live.state import Transfer
-from braidtrain.mesh import build_mesh
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.parallel import mirror
 from braidtrain.parallel.buckets import Q
 from braidtrain.train import Trainer
@@ -54,8 +54,8 @@ def check_config(cfg) -> None:
         raise UserError("--live-recovery under torchrun: its agents stop (and restart) every worker when one fails; "
                         "start one process per rank with -pi tcp or -pi fs instead (scripts/live.sh)")
     if cfg.join and (cfg.init_method != "tcp" or not cfg.process_rank):
-        raise UserError("--join replaces a lost rank of a running job: give -pi tcp -ps ADDRESS (the job's), its -pn and "
-                        "the lost rank's -pr (not 0: rank 0 hosts the store)")
+        raise UserError("--join replaces a lost rank of a running job: give -pi tcp -ps ADDRESS (the job's), its -pn "
+                        "and the lost rank's -pr (not 0: rank 0 hosts the store)")
 
 
 class LiveTrainer(Redo, Transfer, Trainer):
@@ -329,7 +329,8 @@ class LiveTrainer(Redo, Transfer, Trainer):
             b.group, b.handle = mesh.groups[b.group.axis], None
             if b.zero == 0:  # the checkpoint's pieces of each rank; the gradient buffer afresh
                 b.shard_size = -(-b.padded // (n * Q)) * Q
-                b.lo, b.hi = min(b.padded, ids.index(me) * b.shard_size), min(b.padded, (ids.index(me) + 1) * b.shard_size)
+                at = ids.index(me) * b.shard_size
+                b.lo, b.hi = min(b.padded, at), min(b.padded, at + b.shard_size)
                 b.grad = None if e.exact else torch.zeros(b.padded, device=e.device)
         e.pending, e._pool = [], {}  # buffers the old group's threads may still write into are not reused
         e.tied.handle = e.tied.head_sum = e.tied.head_out = None

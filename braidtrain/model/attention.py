@@ -8,7 +8,8 @@ every sum accumulated in fp32 — the same maths as
 Why. torch's flash, memory-efficient and cuDNN attention backward passes add partial dQ
 (or dK, dV) tiles into global memory with atomics from many thread blocks at once, so the
 order of the additions, and their rounding, changes from run to run: two identical backward
-passes on an H200 can differ in the last bits (the benchmark below shows whether they do). Exact mode needs the same bits every run, and
+passes can differ in the last bits (benchmarks/attention_gpu.py shows whether they do). Exact
+mode needs the same bits every run, and
 the same bits for a sequence whatever batch it is computed in. Here each output element is
 written by exactly one program, each program adds its terms in a fixed order, and the
 block sizes depend only on (D, dtype), never on B or T — so (batch, head) pairs are
@@ -35,8 +36,9 @@ dQ with atomics; computing dQ in its own pass recomputes S and dP, so 7 — the 
 `benchmarks/attention_gpu.py` measures it. Memory is flash's: O(B·H·T) for L and Δ.
 
 The kernels are in attention_kernels.py. The public entry points never import triton; it is
-imported on first use, so this module imports on machines without it (see `available`). Set TRITON_INTERPRET=1 before the first
-use to run the kernels on CPU tensors through Triton's interpreter (slow; for tests).
+imported on first use, so this module imports on machines without it (see `available`). Set
+TRITON_INTERPRET=1 before the first use to run the kernels on CPU tensors through Triton's
+interpreter (slow; for tests).
 """
 
 from __future__ import annotations
@@ -78,9 +80,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     stride is below its time stride, so `y.transpose(1, 2).reshape(B, T, C)` is free.
     A torch operator (braidtrain::causal_attention) defined by torch.library.triton_op:
     torch.compile sees its kernels (wrap_triton) and launches them from its own code, as it does
-    its generated kernels -- not through the operator's Python and Triton's launcher, which cost
-    the H200 machine's host ~0.2 ms a forward and ~0.45 ms a backward, ~60 ms a gpt2 exact step
-    of 8 micro-steps (issue #25).
+    its generated kernels -- not through the operator's Python and Triton's launcher, whose host
+    time a call added up over an exact step (docs/performance-history.md).
     """
     _check(q, k, v)
     return torch.ops.braidtrain.causal_attention(q, k, v, list(_config(q.shape[-1], q.dtype)))[0]
@@ -160,7 +161,8 @@ def _launch(kernel, grid, *args, **kwargs):
 
 
 @torch.library.triton_op("braidtrain::causal_attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: O = softmax(Q Kᵀ/√D, causal) V, and L (row log2-sum-exp2, fp32), saved for backward."""
     if not available(q.device):
         raise RuntimeError(f"causal_attention needs triton and a CUDA device (or TRITON_INTERPRET=1); got {q.device}")

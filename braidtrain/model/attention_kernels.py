@@ -183,7 +183,8 @@ def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, lo, hi, T, qk_scale, offs_m
     return dq
 
 
-_KERNELS = ("_program", "_fwd_kernel", "_fwd_inner", "_delta_kernel", "_dkdv_kernel", "_dkdv_inner", "_dq_kernel", "_dq_inner")
+_KERNELS = ("_program", "_fwd_kernel", "_fwd_inner", "_delta_kernel", "_dkdv_kernel", "_dkdv_inner", "_dq_kernel",
+            "_dq_inner")
 
 
 def load() -> None:

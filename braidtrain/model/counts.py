@@ -21,8 +21,8 @@ and the part split over tp (heads, the MLP's columns).
 One difference from a GPU the trace cannot see: on the CPU, SDPA returns its output laid out (B, T,
 H, D), so merging the heads is free and the next projection saves the same storage; on CUDA its
 output is (B, H, T, D) and the merge is a copy the projection saves: `HEAD_MERGE` bytes a channel of
-the attention output, added for the GPU (measured for gpt2 on an H200: 38 bytes a token x channel,
-docs/performance.md; the trace finds 36 and the lse).
+the attention output, added for the GPU (the trace and the GPU's measured peak compared:
+docs/design-notes.md).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def counts(cfg) -> dict:
             for p in module.experts.parameters():
                 share[p] = module.k / module.E
     lookups = {p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-    used = lambda ps: sum(p.numel() * share.get(p, 1.0) for p in ps)  # noqa: E731
+    used = lambda ps: sum(p.numel() * share.get(p, 1.0) for p in ps)
     head = used(p for n, p in model.named_parameters() if n in model.head_names() and p not in lookups)
     head += model.head_weight().numel() if cfg.tied else 0  # the tied head's matmul (the table is a lookup too)
     linear = [tuple((*m.weight.shape, 0 if isinstance(m, ColumnParallelLinear) else 1) for m in block.modules()
@@ -135,7 +135,8 @@ def _saved_compiled(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None 
 
     def partition(joint, inputs, **kw):
         fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kw)
-        vals = [n.meta.get("val") for n in bwd.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        inputs = [n for n in bwd.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        vals = [n.meta.get("val") for n in inputs]
         kept.append(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
         raise Traced  # the partition is all we need
 

@@ -119,7 +119,8 @@ def available(device_type: str) -> bool:
     """Does torch._scaled_mm run here? CUDA: compute capability 8.9 or later (float8 tensor cores:
     Ada, Hopper, Blackwell). CPU: CPU_KERNEL (torch 2.13 has it)."""
     if device_type == "cuda":
-        return hasattr(torch, "_scaled_mm") and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        return (hasattr(torch, "_scaled_mm") and torch.cuda.is_available()
+                and torch.cuda.get_device_capability() >= (8, 9))
     return device_type == "cpu" and _cpu_runs()
 
 

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from braidtrain.errors import UserError
 from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, attend
 from braidtrain.model.moe import MoE
-from braidtrain.model.protocol import VOCAB_ALIGN, Block as BlockBase, Blocks, ModelConfig, Stage
+from braidtrain.model.protocol import VOCAB_ALIGN, ModelConfig
+from braidtrain.model.stage import Block as BlockBase, Blocks, Stage
 
 PRESETS = {  # name: fields
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),
@@ -117,11 +118,13 @@ class GPT(Stage):
                  first: bool = True, last: bool = True, stage: int = 0, dispatch=None):
         super().__init__(cfg, mesh, sp, first, last, stage, dispatch)
         if first or last:
-            self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp, align=VOCAB_ALIGN)
+            self.wte = VocabParallelEmbedding(cfg.vocab_rows(self.tp), cfg.n_embd, self.group, self.sp,
+                                              align=VOCAB_ALIGN)
         if first:
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         mine = self.my_experts()
-        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, (mine, self.dispatch) if cfg.is_moe(i) else None)
+        mixture = lambda i: (mine, self.dispatch) if cfg.is_moe(i) else None
+        self.h = Blocks({str(i): Block(cfg, self.tp, self.group, self.sp, mixture(i))
                          for i in (range(cfg.n_layer) if blocks is None else blocks)})
         if last:
             self.ln_f = nn.LayerNorm(cfg.n_embd)
@@ -189,7 +192,8 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: GPTConfig, where: str) -> dic
            if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # old HF files carry the causal mask
     head = got.pop("lm_head.weight", None)
     if head is not None and not torch.equal(head, got.get("wte.weight", head)):
-        raise UserError(f"{where}: lm_head.weight differs from wte.weight; braidtrain's GPT-2 head is tied to the embedding")
+        raise UserError(f"{where}: lm_head.weight differs from wte.weight; braidtrain's GPT-2 head is tied to the "
+                        "embedding")
     return {n: (t.t() if n.endswith(CONV1D) else t) for n, t in got.items()}
 
 

@@ -351,7 +351,7 @@ class ShardSpec(NamedTuple):
     parts: tuple = ()
 
     @staticmethod
-    def from_json(v: list) -> "ShardSpec":
+    def from_json(v: list) -> ShardSpec:
         dim, kind, align, *parts = v
         if kind == "qkv":
             return ShardSpec(dim, "packed", align, (1, 1, 1))

@@ -10,9 +10,8 @@ weight.
 
 Why. The plain version materialises the (N, Vp) logits in bf16, a float32 copy of them, the
 float32 log-probs that the cross-entropy keeps for the backward pass, and there float32 gradients
-of the log-probs and of the logits, then a bf16 one: for gpt2 at B=16, T=1024 one bf16 copy is
-1.65 GB, and on an H200 under torch.compile the cross-entropy kernels take ~3.4 ms a micro-step
-where its memory traffic needs ~0.7 ms. Here, per row, one pass:
+of the log-probs and of the logits, then a bf16 one: gigabytes at GPT-2's vocabulary, and several
+times the time its memory traffic needs (docs/performance-history.md). Here, per row, one pass:
 
     forward   logits = h @ wᵀ                   one cuBLAS matmul, (N, Vp) in h's dtype
               per row (one Triton program):      read the row in chunks: online max m and
@@ -26,7 +25,7 @@ where its memory traffic needs ~0.7 ms. Here, per row, one pass:
 Memory: the logits buffer is the only (N, Vp) tensor, ever -- no fp32 logits or log-probs, no
 separate gradient buffer: it becomes dlogits, which is what the backward pass keeps. Under bf16
 autocast that is 2 bytes per token x vocabulary entry, kept and peak, where the plain version
-keeps 4 (fp32 log-probs) and peaks at ~12 (as plan.py counted it before this). The scale g is known only
+keeps 4 (fp32 log-probs) and peaks at ~12 (as the planner counted it before this). The scale g is known only
 in the backward pass, so it is applied to the small results, dh and dw, never to the big buffer.
 Outside grad mode (evaluation) the second pass is skipped.
 
@@ -72,9 +71,8 @@ _MAX_BLOCK = 4096
 
 def _config(vocab_size: int) -> _Config:
     """Chunk size by vocab_size only (never by N: a row's bits must not depend on the batch),
-    16 columns a thread. Chosen by measurement (benchmarks/loss_gpu.py --configs, H200,
-    2026-11-29, gpt2's V): chunks of 4096 columns with 8 warps ran the fused pass in 1.19 ms,
-    against 1.42-1.57 ms at 8192-16384 columns and 2.0-3.0 ms at 32768-65536 (docs/performance.md)."""
+    16 columns a thread. Chosen by measurement: 4096 columns with 8 warps ran fastest of the
+    chunk sizes tried (benchmarks/loss_gpu.py --configs; docs/performance-history.md)."""
     block = min(_MAX_BLOCK, 1 << max(vocab_size - 1, 1).bit_length())
     return _Config(block, max(4, min(32, block // 512)))
 
@@ -95,7 +93,8 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, voca
     if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise ValueError(f"head_loss: weight must be (Vp, C={h.shape[1]}); got {tuple(weight.shape)}")
     if targets.shape[0] != h.shape[0] or targets.is_floating_point():
-        raise ValueError(f"head_loss: targets must be {h.shape[0]} integers; got {tuple(targets.shape)} {targets.dtype}")
+        raise ValueError(f"head_loss: targets must be {h.shape[0]} integers; got {tuple(targets.shape)} "
+                         f"{targets.dtype}")
     if not 1 <= vocab_size <= weight.shape[0]:
         raise ValueError(f"head_loss: vocab_size={vocab_size} must be in [1, {weight.shape[0]}] (the weight's rows)")
     if torch.is_autocast_enabled(h.device.type):

@@ -31,7 +31,8 @@ def presets() -> list[str]:
 def family_of_preset(preset: str):
     fam = next((f for f in FAMILIES.values() if preset in f.PRESETS), None)
     if fam is None:
-        raise UserError(f"unknown model '{preset}': use one of {', '.join(presets())}, or llm.c's d12, d24, ... (GPT-2)")
+        raise UserError(f"unknown model '{preset}': use one of {', '.join(presets())}, or llm.c's d12, d24, ... "
+                        "(GPT-2)")
     return fam
 
 
@@ -44,7 +45,8 @@ def model_config(preset: str, vocab_size: int | None = None, **overrides) -> Mod
     known = {f.name for f in dataclasses.fields(fam.Config)}
     for k in given:
         if k not in known:
-            raise UserError(f"--{k.replace('_', '-')} is not a setting of the {fam.Config.family} family ({preset}): drop it")
+            raise UserError(f"--{k.replace('_', '-')} is not a setting of the {fam.Config.family} family ({preset}): "
+                            "drop it")
     cfg = fam.Config(**{**fam.PRESETS[preset], **given, "vocab_size": vocab_size})
     cfg.check()
     return cfg
@@ -82,7 +84,8 @@ def of_hf(c: dict, where: str):
         if set(archs) & set(fam.ARCHITECTURES) or (not archs and c.get("model_type") in fam.MODEL_TYPES.values()):
             return fam
     known = ", ".join(a for f in FAMILIES.values() for a in f.ARCHITECTURES)
-    raise UserError(f"{where}: architecture {archs or c.get('model_type')!r} is not one braidtrain trains (it reads {known})")
+    raise UserError(f"{where}: architecture {archs or c.get('model_type')!r} is not one braidtrain trains (it reads "
+                    f"{known})")
 
 
 def build(cfg: ModelConfig, mesh=None, sp: bool = False, blocks: range | None = None, first: bool = True,

@@ -80,7 +80,7 @@ class Bucket:
         self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0  # gradients still to come in this backward
-        self.open = False  # this backward's gradient buffer is open (Engine._open_grad; ZeRO-2/3 check it)
+        self.open = False  # this backward's gradient buffer is open (Engine.open_grad; ZeRO-2/3 check it)
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3

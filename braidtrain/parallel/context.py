@@ -124,7 +124,10 @@ class Context:
             for a, b, diag in block_pairs(self.n, self.r, src, self.order):
                 qa = qf[:, :, a * c:(a + 1) * c]
                 ka, va = (repeat_kv(t[:, :, b * c:(b + 1) * c], H) for t in (kv[0], kv[1]))
-                ob, lb = _flash_pair(qa, ka, va, diag, scale) if flash else _pair(qa, ka.float(), va.float(), diag, scale)
+                if flash:
+                    ob, lb = _flash_pair(qa, ka, va, diag, scale)
+                else:
+                    ob, lb = _pair(qa, ka.float(), va.float(), diag, scale)
                 self.pairs += 1
                 if acc[a] is None:
                     acc[a] = (ob, lb)

@@ -1,8 +1,8 @@
 """The engine: data parallelism and ZeRO 0-3 over flat buffers, driven by a schedule.
 
-The protocol (docs/design-notes.md, "One validator, one table, one schedule"). The schedule decides the order of work; the engine
-is told which micro-batch each forward and backward belongs to, and which backward is the step's
-last:
+The protocol (docs/design-notes.md, "One validator, one table, one schedule"). The schedule decides
+the order of work; the engine is told which micro-batch each forward and backward belongs to, and
+which backward is the step's last:
 
     engine.begin_step(n_micro)
     with engine.forward(micro):  out = stage(x)           any order: 1F1B runs forward k+1
@@ -36,7 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
-from braidtrain.comm import Comm, pairwise_sum, timing_events
+from braidtrain.dist.comm import Comm, pairwise_sum
+from braidtrain.dist.flight import timing_events
 from braidtrain.parallel import buckets, expert, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
@@ -71,8 +72,9 @@ class Engine:
                 p.data = view  # the parameter now lives in the flat buffer
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.trees = {b: exact_sums.TreeSum(self._recycle) for b in self.buckets} if exact else {}
-        self.scratch = {b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact else {}
+        self.trees = {b: exact_sums.TreeSum(self.recycle) for b in self.buckets} if exact else {}
+        self.scratch = ({b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact
+                        else {})
         self._pool: dict[int, list[torch.Tensor]] = {}
         self.pending: list = []  # ZeRO-2/3: reductions of earlier backwards still in flight
         self.last_grad_time = 0.0
@@ -85,7 +87,7 @@ class Engine:
         self.exact_norm = exact_sums.ExactNorm(self) if exact else None
         self.sourced = expert.Sourced(self) if exact and self.ep.size > 1 else None  # experts' leaves by source
         for part in self.parts:
-            part.dispatch.sink = self.sourced.add if self.sourced else None
+            part.use_expert_sink(self.sourced.add if self.sourced else None)
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
@@ -131,10 +133,10 @@ class Engine:
             if self.exact:
                 self.trees[b].clear()
                 if b.grad is not None:  # last step's gradient goes back to the pool
-                    self._recycle(b.grad)
+                    self.recycle(b.grad)
                     b.grad = None
             elif b.zero <= 1:  # ZeRO-0/1 accumulate the step's micro-batches in place
-                self._open_grad(b, b.grad)
+                self.open_grad(b, b.grad)
 
     @contextmanager
     def forward(self, micro: int):
@@ -176,32 +178,35 @@ class Engine:
             b.pending, b.open = len(b.params), False  # (a backward that raised may have left them)
             if b.sourced:  # (its gradients come by expert.Sourced)
                 continue
-            if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):  # a fresh buffer for this backward
-                self._open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
+            # a fresh buffer for this backward
+            if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):
+                self.open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
         self.backward_phase = True
         try:
             work()
         finally:
             self.backward_phase = False
 
-    def _open_grad(self, b, buf=None):
+    def open_grad(self, b, buf=None):
         """Zero the bucket's gradient buffer `buf` (None: a fresh one) and point its parameters'
         .grad at views into it: autograd then adds each gradient into it in place. ZeRO-2/3 open a
         scratch as the backward reaches the bucket (zero.py) and hand it to the reduce-scatter
-        when it is complete. (Copying each gradient out in a hook instead cost the GPU machine's
-        host 28-30 us a parameter, 33-36 ms a gpt2 ZeRO-3 step; the GPU now zeroes and adds: more
-        bytes, less host time.)"""
-        b.grad = buf if buf is not None else self._take(b.padded)
+        when it is complete. (Copying each gradient out in a hook instead cost host time a
+        parameter; the GPU now zeroes and adds: more bytes, less host time. docs/design-notes.md.)"""
+        b.grad = buf if buf is not None else self.take(b.padded)
         b.grad.zero_()
         for p, view in b.views(b.grad):
             p.grad = view
         b.open = True
 
-    def _take(self, n):
+    # -- for the helpers that keep gradients apart (tied.py, expert.py, zero.py, slots.py) ------------
+    def take(self, n: int) -> torch.Tensor:
+        """A gradient-sized buffer of n fp32 elements from the engine's pool (contents undefined)."""
         pool = self._pool.setdefault(n, [])
         return pool.pop() if pool else torch.empty(n, device=self.device)
 
-    def _recycle(self, buf):
+    def recycle(self, buf: torch.Tensor) -> None:
+        """Give a buffer from take() back to the pool, once nothing reads it any more."""
         pool = self._pool.setdefault(buf.numel(), [])
         if all(g is not buf for g in pool):  # (a failed step may have put it there already)
             pool.append(buf)
@@ -226,7 +231,7 @@ class Engine:
             b.grad = None
             if self.last:
                 b.grad = self.trees[b].total(self.n_micro)
-                b.handle = self._exact_reduce(b, b.grad, *self.owned_grad(b), self.scratch.get(b))
+                b.handle = self.exact_reduce(b, b.grad, *self.owned_grad(b), self.scratch.get(b))
                 self.tied.reduced(b)
         elif b.zero <= 1:
             if self.last:
@@ -268,7 +273,7 @@ class Engine:
                 h.wait()
             self.pending = [h for h in self.pending if not h.done]
 
-    def _exact_reduce(self, b, grad, out, full, scratch):
+    def exact_reduce(self, b, grad, out, full, scratch):
         """Exact mode's reduction of a whole gradient `grad` laid out as bucket b (its own, or the
         tied head's): this rank's shard summed into `out` -- or, `full`, into grad[lo:hi], the full
         bucket then rebuilt from the reduced shards."""
@@ -360,7 +365,8 @@ class Engine:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             for b, _, g in owned:
                 if b.group is group:
-                    sq += torch.linalg.vector_norm(self.norm_view(b, g), dtype=torch.float32).square()  # one read, no temporary
+                    # one read of the bucket, no squared copy
+                    sq += torch.linalg.vector_norm(self.norm_view(b, g), dtype=torch.float32).square()
             if self.zero >= 1 and group.size > 1:
                 self.comm.all_reduce(sq, group).wait()
             if group.axis == "expert" and self.ep.size > 1:  # the other ep ranks' experts

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.comm import pairwise_sum
+from braidtrain.dist.comm import pairwise_sum
+from braidtrain.parallel import placement
 from braidtrain.parallel.buckets import Q, stride
 
 
@@ -87,8 +88,6 @@ class ExactNorm:
     expert; each slice its own Q-aligned run of the bucket), so no ep degree moves a bit."""
 
     def __init__(self, engine):
-        from braidtrain.parallel import placement
-
         self.e = engine
         whole = placement.per_expert(placement.for_config(engine.model.cfg))
         self.slot = {(e.name, i): k for k, (e, i) in enumerate(whole)}
@@ -121,7 +120,8 @@ class ExactNorm:
             col = 0
             for b in mine:
                 k = (b.shard_size if b.zero >= 1 else b.padded) // Q
-                whole = torch.cat([gathered[:, col : col + k].reshape(-1), gathered.new_zeros(1)])  # the bucket's chunks
+                # the bucket's chunks
+                whole = torch.cat([gathered[:, col : col + k].reshape(-1), gathered.new_zeros(1)])
                 index, slots = self.rows[b]
                 per_param[slots] = pairwise_sum(whole[index].T)
                 col += k

@@ -121,7 +121,7 @@ class Sourced:
         b, i = self.place[p]
         key = (b, source)
         if key not in self.leaves:
-            self.leaves[key] = leaf = e._take(b.padded)
+            self.leaves[key] = leaf = e.take(b.padded)
             leaf.zero_()
             self.pending[key] = len(b.params)
         b.view(self.leaves[key], i).copy_(grad)
@@ -135,7 +135,7 @@ class Sourced:
         self.done[b] = 0
         if e.last:
             b.grad = e.trees[b].total(e.ep.size * e.n_micro)
-            b.handle = e._exact_reduce(b, b.grad, *e.owned_grad(b), e.scratch.get(b))
+            b.handle = e.exact_reduce(b, b.grad, *e.owned_grad(b), e.scratch.get(b))
         if e.zero_hooks is not None:
             e.zero_hooks.gradients_done(b)
 

@@ -14,8 +14,9 @@ to the original: the same fused AdamW kernels with the same step scalars, on a s
 length and alignment (a multiple of Q) -- elementwise, so the copy stays bitwise equal to the
 original (optim.AdamW.apply). ZeRO-1/2 keep the whole parameters on every rank: the copy is m and
 v, and its update writes the next member's range of the parameters, which the all-gather then
-writes again with the same bits. ZeRO-3: the copy also holds the neighbour's parameter shard. Memory: 2 (ZeRO-1/2) or 3 (ZeRO-3) shards more
-and the received gradient shard; the planner counts them (plan.model_state_bytes, live=True).
+writes again with the same bits. ZeRO-3: the copy also holds the neighbour's parameter shard.
+Memory: 2 (ZeRO-1/2) or 3 (ZeRO-3) shards more and the received gradient shard; the planner counts
+them (plan/memory.py model_state_bytes, live=True).
 
 When the members change, every shard of the old layout still has a holder -- its owner, or if the
 owner was lost, its buddy (a rank lost together with its buddy leaves a shard nobody holds: the

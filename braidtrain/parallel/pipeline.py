@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 
 from braidtrain.errors import UserError
-from braidtrain.parallel.schedule import Action
+from braidtrain.parallel.actions import Action
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
@@ -234,7 +234,8 @@ def check(plan: list[list[Action]], pp: int, v: int, m: int, backward: bool = Tr
     for pair in {p for p, _ in queues}:
         if queues.get((pair, "send"), []) != queues.get((pair, "recv"), []):
             raise ValueError(f"transfers from rank {pair[0]} to rank {pair[1]} do not pair up: sent "
-                             f"{queues.get((pair, 'send'), [])[:3]}..., received {queues.get((pair, 'recv'), [])[:3]}...")
+                             f"{queues.get((pair, 'send'), [])[:3]}..., received "
+                             f"{queues.get((pair, 'recv'), [])[:3]}...")
     simulate(plan, pp, lambda a: 0.0)  # raises if the transfers cannot meet
 
 

@@ -108,7 +108,7 @@ class Placed:
                 "partial": self.partial}
 
     @staticmethod
-    def from_json(name: str, d: dict) -> "Placed":
+    def from_json(name: str, d: dict) -> Placed:
         return Placed(name, tuple(d["shape"]), ShardSpec.from_json(d["split"]), d["unit"], d["stage"], d["expert"],
                       d["reduce"], tuple(d["users"]), d.get("copy", False), d.get("partial", False))
 
@@ -167,7 +167,7 @@ class Table:
         return {e.name: e.to_json() for e in self.entries}
 
     @staticmethod
-    def from_json(d: dict) -> "Table":
+    def from_json(d: dict) -> Table:
         return Table([Placed.from_json(name, v) for name, v in d.items()])
 
 

@@ -1,14 +1,8 @@
 """Schedules as data, and the executor that runs them (docs/design-notes.md, "One validator, one
 table, one schedule").
 
-A schedule is a plain list of actions per pipeline rank, generated for every rank at once and
-checked before anything runs:
-
-    F(stage, micro)        forward of one micro-batch through pipeline chunk `stage`
-    B(stage, micro)        its backward (zb: only the gradient of the chunk's input)
-    W(stage, micro)        zb: the chunk's weight gradients (parallel/zb.py)
-    SEND_F / RECV_F        the chunk's output to the next chunk's rank / its input from the previous
-    SEND_B / RECV_B        its input's gradient to the previous chunk's rank / its output's from the next
+A schedule is a plain list of actions per pipeline rank (parallel/actions.py), generated for
+every rank at once and checked before anything runs.
 
 With one stage the schedule is the micro-batch loop, F0 B0 F1 B1 ...; with a pipeline,
 parallel/pipeline.py makes them. Any order that runs each micro-batch's forward before its
@@ -25,26 +19,11 @@ each piece of work (`events`, for the bubble and `braidtrain plot --schedule`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from braidtrain.parallel import zb
-
-
-@dataclass(frozen=True)
-class Action:
-    op: str  # F, B, W, SEND_F, RECV_F, SEND_B, RECV_B
-    stage: int
-    micro: int
-
-    def __repr__(self) -> str:
-        return f"{self.op}{self.micro}" + (f"@{self.stage}" if self.stage else "")
-
-
-def sequential(n_micro: int) -> list[list[Action]]:
-    """The one stage's loop: forward then backward, micro-batch by micro-batch."""
-    return [[Action(op, 0, m) for m in range(n_micro) for op in "FB"]]
+from braidtrain.parallel import pipeline, zb
+from braidtrain.parallel.actions import Action, check, sequential
 
 
 def build(name: str, n_micro: int, pp: int = 1, virtual: int = 1) -> list[list[Action]]:
@@ -53,27 +32,7 @@ def build(name: str, n_micro: int, pp: int = 1, virtual: int = 1) -> list[list[A
         plan = sequential(n_micro)
         check(plan, n_micro)
         return plan
-    from braidtrain.parallel import pipeline
-
     return pipeline.build(name, pp, virtual, n_micro)
-
-
-def check(plan: list[list[Action]], n_micro: int) -> None:
-    """One stage: each micro-batch's forward once and then, later, its backward once. Raises
-    ValueError naming the first action that breaks this."""
-    for s, actions in enumerate(plan):
-        seen = {"F": set(), "B": set()}
-        for a in actions:
-            if a.op not in seen or a.stage != s or not 0 <= a.micro < n_micro:
-                raise ValueError(f"stage {s}: {a!r} is not an action of this stage's {n_micro} micro-batches")
-            if a.micro in seen[a.op]:
-                raise ValueError(f"stage {s}: {a!r} runs twice")
-            if a.op == "B" and a.micro not in seen["F"]:
-                raise ValueError(f"stage {s}: {a!r} comes before its forward")
-            seen[a.op].add(a.micro)
-        missing = [f"{op}{m}" for op in "FB" for m in range(n_micro) if m not in seen[op]]
-        if missing:
-            raise ValueError(f"stage {s}: never runs {', '.join(missing)}")
 
 
 class Executor:
@@ -109,7 +68,8 @@ class Executor:
                 comm.transfer(buf, self._group(a), self._what(a)).wait()
                 (inputs if a.op == "RECV_F" else grads)[key] = buf.requires_grad_(a.op == "RECV_F")
             elif a.op in ("SEND_F", "SEND_B"):
-                t = (outputs[key].detach() if a.op == "SEND_F" else inputs.pop(key).grad).contiguous()  # (sp, b > 1: a slice)
+                # (sp, b > 1: a slice)
+                t = (outputs[key].detach() if a.op == "SEND_F" else inputs.pop(key).grad).contiguous()
                 sends.append(comm.transfer(t, self._group(a), self._what(a)))
                 if not train and a.op == "SEND_F":
                     del outputs[key]

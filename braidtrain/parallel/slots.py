@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.comm import pairwise_sum
+from braidtrain.dist.comm import pairwise_sum
 
 
 def shares(ids: list[int], slots: int, m: int) -> dict[int, list[int]]:
@@ -71,7 +71,7 @@ class LiveTree:
 
     def add(self, micro: int, leaf: torch.Tensor) -> None:
         if micro >= len(self.micros):  # a pass run only to keep the collectives in step (live/redo.py)
-            self.e._recycle(leaf)
+            self.e.recycle(leaf)
             return
         self.leaves += 1
         level, i, node = 0, self.micros[micro], leaf
@@ -79,14 +79,14 @@ class LiveTree:
             other = self.nodes.pop((level, i ^ 1))
             left, right = (other, node) if i & 1 else (node, other)
             left.add_(right)
-            self.e._recycle(right)
+            self.e.recycle(right)
             level, i, node = level + 1, i >> 1, left
         self.nodes[(level, i)] = node
 
     def total(self, n: int) -> torch.Tensor:
         """A buffer the reduction fills with the whole step's sum; the subtrees wait in `pending`."""
         assert self.leaves == len(self.micros) <= n, (self.leaves, n, len(self.micros))
-        root = self.e._take(next(iter(self.nodes.values())).numel())
+        root = self.e.take(next(iter(self.nodes.values())).numel())
         self.pending[id(root)] = self.nodes
         self.nodes, self.leaves = {}, 0
         return root

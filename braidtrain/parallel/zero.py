@@ -111,7 +111,7 @@ class Zero:
 
     def _open_on_first_grad(self, b, _grad):
         if not b.open:
-            self.e._open_grad(b)
+            self.e.open_grad(b)
 
     def _install(self):
         for chain in self.chains:
@@ -163,7 +163,7 @@ class Zero:
                     if prev is not None and (prev.needs_full or (prev in self.kept and not e.last)):
                         self._gather(prev, wait=False)
                 if not b.sourced:
-                    e._open_grad(b)
+                    e.open_grad(b)
                 return grad
 
             if out.requires_grad:

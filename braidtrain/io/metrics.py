@@ -40,8 +40,9 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = path
         if resume_step and path.exists():
-            keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= resume_step]
-            path.write_text("".join(l + "\n" for l in keep))
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in keep))
         elif path.exists():
             path.unlink()
         self.f = open(path, "a")
@@ -58,7 +59,7 @@ def read_metrics(run: Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run}: no metrics.jsonl (is it a braidtrain run directory?)")
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_runs(runs: list[str], out: str) -> None:
@@ -72,7 +73,8 @@ def plot_runs(runs: list[str], out: str) -> None:
     for run in runs:
         rows = read_metrics(Path(run))
         name = Path(run).name
-        line = ax.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r], label=f"{name} train", lw=1)
+        line = ax.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r],
+                       label=f"{name} train", lw=1)
         val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         if val:
             ax.plot(*zip(*val), "o--", color=line[0].get_color(), label=f"{name} val", ms=3)

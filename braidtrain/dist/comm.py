@@ -29,25 +29,20 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from braidtrain.dist.flight import Handle, Record, AllWorks, timing_events
+
 # torch 2.13 renamed the *_tensor collectives to *_single; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    """A start/end pair of CUDA timing events. Recorded inside a graph capture they become graph
-    nodes (external events), so every replay records them again and they time that replay."""
-    external = torch.cuda.is_current_stream_capturing()
-    return torch.cuda.Event(enable_timing=True, external=external), torch.cuda.Event(enable_timing=True, external=external)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -75,8 +70,8 @@ class Group:
     """One process group as braidtrain uses it: the mesh axis it runs along, its members (global
     ranks, in group order), this rank's index among them, torch's group (None for a group of one
     rank: nothing to exchange) and the Comm that records every operation on it. The size and
-    index are plain numbers: torch's get_world_size cost 0.39 ms a call on the GPU machine (2
-    H200s, torch 2.11), ~80 ms of ZeRO-3's host time a step when it was asked every collective."""
+    index are plain numbers: asking torch's get_world_size at every collective cost ZeRO-3 a
+    noticeable share of its host time a step (docs/performance-history.md)."""
 
     axis: str
     ranks: tuple[int, ...]
@@ -95,82 +90,6 @@ class Group:
         """Member `index`'s rank in torch's default process group (what torch's ops name peers by):
         its rank in the job, except in a world live recovery rebuilt, which numbers its members 0..n-1."""
         return (self.pg_ranks or self.ranks)[index]
-
-
-@dataclass
-class Record:
-    seq: int  # this rank's count of operations, every group together
-    op: str
-    group: str  # the group's name (group_name)
-    gseq: int  # the group's count: the same operation has the same gseq on every member
-    shape: tuple
-    dtype: str
-    nbytes: int
-    t_start: float  # time.time() at launch
-    t_end: float | None = None  # when the result was ready (host clock), None while in flight or failed
-    step: int = 0  # the training step (1-based) it belongs to; 0 before the first
-    what: str = ""  # a pipeline transfer: which tensor ("send act c0 m3")
-
-    def to_json(self) -> str:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return json.dumps(d)
-
-
-class Handle:
-    """An in-flight collective. `wait()` returns once its result may be used (on CUDA: by the work
-    queued after it on the stream that launched it, which is made to wait); `then` (optional)
-    is the follow-up that consumes the result (the exact reduce-scatter's tree sum, ZeRO-2's
-    accumulation): on CUDA it is queued on the side stream right behind the collective, on a host
-    backend it runs at wait()."""
-
-    def __init__(self, comm: "Comm", rec: Record, work, then=None, events=None, join=None):
-        self.comm, self.rec, self.work, self.then, self.events = comm, rec, work, then, events
-        self.join = join  # CUDA: (the stream that launched it, the event that stream waits for)
-        self.done = False
-        self.reuse = False  # CUDA: its timing events may be recorded again once read
-        if work is not None and events is None:
-            # Host backends (gloo) complete on their own thread: record the real completion time
-            # (some gloo collectives have no future; their end is then taken at wait()).
-            try:
-                work.get_future().then(self._mark_if_ok)
-            except RuntimeError:
-                pass
-        elif events is None:
-            self._mark()
-
-    def _mark(self):
-        if self.rec.t_end is None:
-            self.rec.t_end = time.time()
-
-    def _mark_if_ok(self, fut):
-        try:  # a collective that failed (a peer died) stays open in the flight log
-            fut.value()
-        except Exception:
-            return
-        self._mark()
-
-    def ready(self) -> bool:
-        """True when wait() would not block the host."""
-        return self.done or self.work is None or self.work.is_completed()
-
-    def wait(self):
-        if self.done:
-            return
-        if self.work is not None:
-            if self.comm.abort is None:
-                self.work.wait()
-            else:
-                _wait_abortable(self.work, self.comm.abort)
-        if self.join is not None:
-            stream, event = self.join
-            stream.wait_event(event)
-        elif self.events is None:
-            self._mark()
-        if self.then is not None:
-            self.then()
-        self.done = True
-        self.work = None  # the backend's hold on the tensors (a send's, a receive's buffer) goes too
 
 
 class Comm:
@@ -225,9 +144,9 @@ class Comm:
             # Launch from our side stream: it first waits (an event) for what the compute stream has
             # queued -- the gradients this collective reads -- and the compute stream goes on with the
             # rest of the backward pass; Handle.wait() makes the compute stream wait for `join`.
-            # ZeRO-3 comes here ~100 times a step, so the host time counts (on the GPU machine: a
-            # new pair of timing events ~33 us, a reused pair ~7 us, a current-stream lookup ~8 us):
-            # streams are looked up once, and timing events reused once step_comm() has read them --
+            # ZeRO-3 comes here ~100 times a step, so the host time counts (a new pair of timing
+            # events costs several times a reused pair; docs/performance-history.md): streams are
+            # looked up once, and timing events reused once step_comm() has read them --
             # except inside a capture, where they are graph nodes that every replay records again
             # (and that order no streams: `join` is then a plain event of its own).
             capturing = torch.cuda.is_current_stream_capturing()
@@ -406,7 +325,7 @@ class Comm:
         def fn(g):
             ops = [dist.P2POp(dist.isend, send, group.global_rank(to), g),
                    dist.P2POp(dist.irecv, recv, group.global_rank(frm), g)]
-            return _AllWorks(dist.batch_isend_irecv(ops))
+            return AllWorks(dist.batch_isend_irecv(ops))
 
         if group.pg is None:
             recv.copy_(send)
@@ -456,43 +375,6 @@ class Comm:
         out = torch.empty(group.size * values.numel(), dtype=values.dtype, device=values.device)
         self.all_gather(out, values, group).wait()
         return out.view(group.size, -1)
-
-
-class Aborted(RuntimeError):
-    """A wait given up because a peer was lost (live recovery: Comm.abort was set)."""
-
-
-def _wait_abortable(work, abort) -> None:
-    """work.wait(), in slices of 0.1 s, giving up (Aborted) once `abort` is set: a collective that
-    waits on a lost peer may never end, and live recovery must get this thread back."""
-    while True:
-        if abort.is_set() and not work.is_completed():
-            raise Aborted("a peer was lost: this collective was abandoned")
-        try:
-            work.wait(timedelta(seconds=0.1))
-            return
-        except RuntimeError:
-            if work.is_completed():  # done meanwhile, or failed itself (a peer's connection closed)
-                work.wait()
-                return
-
-
-class _AllWorks:
-    """Several works (a batch of point-to-point ops) waited on as one."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self, timeout=None):
-        for w in self.works:
-            w.wait() if timeout is None else w.wait(timeout)
-        return True
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self.works)
-
-    def get_future(self):
-        raise RuntimeError("no single future")  # Handle then takes the end time at wait()
 
 
 def pairwise_sum(x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ def held_by_a_run(out: Path) -> list[str]:
     """What of a run `out` holds: its metrics, summary and checkpoints (finished or not)."""
     found = [name for name in ("metrics.jsonl", "summary.json", RUN_FILE) if (out / name).is_file()]
     steps = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
-    return found + ([f"checkpoints {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"checkpoint {steps[0]}"] if steps else [])
+    return found + (["checkpoints "
+                     f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else f"checkpoint {steps[0]}"] if steps else [])
 
 
 def lock(out: Path) -> int:

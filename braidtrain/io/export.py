@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from braidtrain.checkpoint import latest, load_params, saved_config
-from braidtrain.data import LLAMA3_BOS, LLAMA3_IDS
+from braidtrain.io.checkpoint import latest, load_params, saved_config
+from braidtrain.io.data import LLAMA3_BOS, LLAMA3_IDS
 from braidtrain.errors import UserError
 from braidtrain.model import registry
 from braidtrain.parallel import placement

@@ -311,7 +311,8 @@ class Reader:
         if e.replicated:
             return self._pieces(kind, f"{name}/t0", 0, math.prod(e.shape)).view(e.shape)
         local = e.local_shape(self.saved_tp)
-        return e.unshard([self._pieces(kind, f"{name}/t{r}", 0, math.prod(local)).view(local) for r in range(self.saved_tp)])
+        return e.unshard([self._pieces(kind, f"{name}/t{r}", 0, math.prod(local)).view(local)
+                          for r in range(self.saved_tp)])
 
     def __call__(self, kind: str, name: str, a: int, e: int) -> torch.Tensor:
         entry = self.saved.by_name.get(name)

@@ -39,11 +39,11 @@ import os
 import re
 from collections import deque
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from braidtrain import data
+from braidtrain.io import data
 from braidtrain.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md")  # what a folder's plain-text documents are
@@ -119,7 +119,7 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
         raise UserError(f"{path}: reading parquet needs pyarrow: run `pip install pyarrow`") from None
     try:
         # pre_buffer off (pyarrow's default is on): with it, what iter_batches had read stayed
-        # allocated to the file's end (measured: 200 MB of a 265 MB file); without, one buffer
+        # allocated to the file's end (docs/performance-history.md); without, one buffer
         pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"{path} is not a readable parquet file ({e})") from None
@@ -155,7 +155,8 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                 text = record.get(field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                    raise UserError(f"{path} line {n} has no text field '{field}' (it has {keys}): pass --text-field NAME")
+                    raise UserError(f"{path} line {n} has no text field '{field}' (it has {keys}): pass --text-field "
+                                    "NAME")
                 yield text
     except (OSError, EOFError, UnicodeDecodeError) as e:  # not gzip, truncated, not UTF-8
         raise UserError(f"{path} cannot be read past line {n} ({e})") from None
@@ -281,7 +282,8 @@ def prepare(corpus: str, tokenizer: str, out, *, val_fraction: float | None = No
     default_name, files = corpus_files(corpus)
     name = name or default_name
     if not files:
-        raise UserError(f"corpus '{corpus}' holds no documents (looked for *.txt, *.md, *.parquet, *.jsonl, *.jsonl.gz)")
+        raise UserError(f"corpus '{corpus}' holds no documents (looked for *.txt, *.md, *.parquet, *.jsonl, "
+                        "*.jsonl.gz)")
     split = split or ("doc" if all(kind_of(f) == "text" for f in files) else "shard")
     if split not in ("doc", "shard"):
         raise UserError(f"unknown split {split!r}: use doc or shard")

@@ -1,18 +1,19 @@
 """The yardstick of `braidtrain bench train`: the same model, data and optimizer through plain torch.
 
-    python -m torch.distributed.run --nproc-per-node N -m braidtrain.torchref \
+    python -m torch.distributed.run --nproc-per-node N -m braidtrain.bench.torchref \
         --mode ddp|ddp-compile|fsdp2|hf|... --model gpt2 -i DATA -b 16 -t 1024 -d 131072 --steps 20 --json OUT
-    python -m braidtrain.torchref --mode hf ...     # one process: no torchrun needed
+    python -m braidtrain.bench.torchref --mode hf ...     # one process: no torchrun needed
 
 The model is braidtrain's GPT with tp = 1 (torch's own modules, SDPA attention), initialised with
 the same seed, its logits going into torch's cross-entropy inside the module (not loss.py's
 fused head); each rank reads the same global sequences braidtrain's loader gives it; the loss is
 the token sum over the global token count, as in braidtrain. The optimizer is torch's fused AdamW
-(weight decay on 2-D weights) with braidtrain's schedule and defaults, gradient clipping at 1.0, bf16 on GPU: autocast under DDP, FSDP2's
-MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under FSDP2, fp32 on CPU. Gradient
-accumulation skips the synchronisation of all but the last micro-step (DDP's no_sync, FSDP2's
-set_requires_gradient_sync). DDP and FSDP2 average the ranks' gradients, so each rank divides its
-loss sum by its own token count: the gradient, its norm and the clipping are braidtrain's.
+(weight decay on 2-D weights) with braidtrain's schedule and defaults, gradient clipping at 1.0,
+bf16 on GPU: autocast under DDP, FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction)
+under FSDP2, fp32 on CPU. Gradient accumulation skips the synchronisation of all but the last
+micro-step (DDP's no_sync, FSDP2's set_requires_gradient_sync). DDP and FSDP2 average the ranks'
+gradients, so each rank divides its loss sum by its own token count: the gradient, its norm and the
+clipping are braidtrain's.
 What each compiles and fuses: ddp and fsdp2 nothing (eager; torch's fused AdamW, SDPA's flash
 attention); ddp-compile is nanoGPT's recipe, torch.compile of the whole model (head and
 cross-entropy included), then DDP; fsdp2-compile compiles each block (Module.compile), then
@@ -57,11 +58,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from braidtrain import export
+from braidtrain.io import export
 from braidtrain.config import Config
-from braidtrain.layout import batch_plan
-from braidtrain.data import Loader, TokenData, data_tokenizer, resolve_files
-from braidtrain.metrics import peak_flops
+from braidtrain.layout import batch_plan, make_layout
+from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
+from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
+from braidtrain.io.metrics import peak_flops
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
@@ -132,7 +134,8 @@ def build(mode, model, device, bf16):
     if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
         for block in model.gpt.blocks():
             if mode == "fsdp2-compile":  # each block compiled, then sharded (torchtitan's order)
                 block.compile()
@@ -149,8 +152,6 @@ def build(mode, model, device, bf16):
     if mode.startswith("ao-"):  # torchao's float8 recipe on the linears --fp8 computes in float8
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
-
         linears = {m for block in model.gpt.blocks() for m in block.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
         convert_to_float8_training(model, module_filter_fn=lambda m, _fqn: m in linears,
@@ -165,8 +166,6 @@ def build(mode, model, device, bf16):
 def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
     """pipe-*: torch's pipeline schedules over braidtrain's stages; returns (step_s, losses)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
-    from braidtrain.layout import make_layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     interleaved = a.mode == "pipe-interleaved"
@@ -211,10 +210,11 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
             if q.grad is not None:
                 q.grad.mul_(scale)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
+            group["lr"] = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps,
+                                final_frac=cfg.final_lr_frac)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        total = torch.as_tensor(sum(l.detach().float() for l in micro) if micro else 0.0, device=device).float()
+        total = torch.as_tensor(sum(loss.detach().float() for loss in micro) if micro else 0.0, device=device).float()
         dist.all_reduce(total)
         losses.append(total.item())
         step_s.append(time.time() - t0)
@@ -233,8 +233,8 @@ def dense(a, mcfg, loader, plan, cfg, device, bf16):
     net, sync, autocast = build(a.mode, model, device, bf16)  # FSDP2 replaces the parameters
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     first = rank * plan.seqs_per_rank
 
     def step(i):
@@ -260,7 +260,7 @@ def dense(a, mcfg, loader, plan, cfg, device, bf16):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="braidtrain.torchref")
+    p = argparse.ArgumentParser(prog="braidtrain.bench.torchref")
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--model", default="gpt2")
     for k in ("--n-layer", "--n-head", "--n-embd", "--n-kv-heads"):
@@ -288,7 +288,8 @@ def setup(a):
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
     cfg = Config(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t, total_batch=a.d)
-    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, 1 if a.mode.startswith("pipe") else dist.get_world_size())
+    dp = 1 if a.mode.startswith("pipe") else dist.get_world_size()
+    plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, dp)
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
     mcfg = registry.model_config(a.model, data.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,

@@ -111,8 +111,8 @@ class WandB:
                                   config=config, allow_val_change=True)
         except Exception as e:  # (no login, no network, a bad project name: W&B's own words)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"--wandb {project}: W&B could not start the run ({first}); run `wandb login`, "
-                            f"or set WANDB_MODE=offline to write it to {out / 'wandb'} and `wandb sync` it later") from None
+            raise UserError(f"--wandb {project}: W&B could not start the run ({first}); run `wandb login`, or set "
+                            f"WANDB_MODE=offline to write it to {out / 'wandb'} and `wandb sync` it later") from None
         if self.run.offline:  # every kept step goes into this folder: the earlier ones are superseded
             mine = Path(self.run.sync_dir).resolve()
             for old in (out / "wandb").glob(f"offline-run-*-{run_id}"):

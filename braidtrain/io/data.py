@@ -20,7 +20,7 @@ import importlib.util
 import json
 import os
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +82,7 @@ class Tokenizer:
         return self._encode_array(text)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gpt2_encoding():
     import tiktoken
     spec = importlib.util.find_spec("whisper")
@@ -106,7 +106,7 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-@lru_cache(maxsize=None)
+@cache
 def _llama3_encoding():
     import tiktoken
     spec = importlib.util.find_spec("llama_models")  # (found, not imported: it needs more than tiktoken)
@@ -126,7 +126,7 @@ def _llama3_encoding():
 _WINDOW, _RUN = 400_000, 25_000  # Meta's TIKTOKEN_MAX_ENCODE_CHARS and MAX_NO_WHITESPACES_CHARS
 # A run of more than _RUN whitespace, or non-whitespace, characters; the look-behinds let a match
 # start only where its run starts (no retry from inside a long run: linear time).
-_LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (_RUN + 1, _RUN + 1))
+_LONG_RUN = re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (_RUN + 1, _RUN + 1))  # noqa: UP031 (a regex's braces)
 
 
 def llama3_pieces(text: str):
@@ -168,7 +168,8 @@ def get_tokenizer(name: str) -> Tokenizer:
             parts = [enc.encode_to_numpy(p, disallowed_special=()) for p in llama3_pieces(s)]
             return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, np.uint32)
 
-        return Tokenizer("llama3", LLAMA3_VOCAB, LLAMA3_BOS, lambda s: encode_array(s).tolist(), enc.decode, encode_array)
+        return Tokenizer("llama3", LLAMA3_VOCAB, LLAMA3_BOS, lambda s: encode_array(s).tolist(), enc.decode,
+                         encode_array)
     if name == LLAMA3_IDS:
         def no_text(_):
             raise UserError("these llama-3 shards came without a tokenizer.json, so no text can be encoded for "
@@ -275,16 +276,6 @@ def data_tokenizer(files: list[Path], name: str | None = None) -> tuple[str, int
     layout (LLAMA3_IDS)."""
     name = name or tokenizer_for(files) or (LLAMA3_IDS if files and read_bin(files[0]).dtype.itemsize == 4 else "gpt2")
     return name, VOCAB[name] if name in VOCAB else get_tokenizer(name).vocab_size
-
-
-# ----------------------------------------------------------------------------- prepare
-
-
-def prepare(corpus: str, tokenizer: str, out, **options) -> dict:
-    """Tokenize a corpus into llm.c train/val shards in `out`: corpus.prepare (kept here for callers)."""
-    from braidtrain.corpus import prepare as prepare_corpus
-
-    return prepare_corpus(corpus, tokenizer, out, **options)
 
 
 # ----------------------------------------------------------------------------- reading

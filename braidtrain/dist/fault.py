@@ -1,4 +1,4 @@
-"""When something goes wrong: the heartbeat, the flight log, `braidtrain doctor`, and a test hook.
+"""When something goes wrong: the heartbeat, the signals, the flight log written on a failure.
 
 A hung collective is the worst way for a run to fail: the survivors wait, silently, until the
 collective timeout (10-30 minutes by default), and nobody can say afterwards who stopped where.
@@ -27,19 +27,12 @@ So every rank runs a `Guard`:
              wakeup pipe; the watch thread reads the pipe and acts.
   crashes    an exception in the training loop writes the flight log (main thread) and propagates.
 
-The flight log is `<run>/flight/rank_NNNNN.jsonl`: a header line (rank, world size, step, attempt,
-session, time, reason, the members of every group it used), then comm.py's ring buffer of
-collective records, oldest first. `diagnose` (the `doctor` subcommand) lines the ranks' logs up
-group by group, by each group's own sequence number: a tp group may have run a hundred
-collectives for every one of the world group, and a pipeline stage's sends are its pair's alone.
-A rank that was frozen (SIGSTOP) or killed (SIGKILL) cannot write anything: it is named by the
-absence of its file and by the collective its group's other members were left waiting in.
+Each rank's flight log, and `braidtrain doctor`, which reads them: dist/doctor.py. The test hook
+that makes a rank fail on purpose (BRAIDTRAIN_FAULT): dist/inject.py.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import select
 import signal
@@ -47,13 +40,12 @@ import socket
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
-from braidtrain.errors import UserError
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a temporary failure, worth a restart
 WATCHERS = 8  # each rank watches the next WATCHERS ranks of the ring
+MEMBERSHIP = "membership.jsonl"  # in RUN/flight: each change of the world that live recovery made (live/)
 
 
 def _noop(_signum, _frame):
@@ -266,224 +258,3 @@ def crash_reason(e: BaseException) -> str:
     text = (str(e).strip().splitlines() or [""])[0]
     kind = "timeout" if "timed out" in text.lower() or "timeout" in text.lower() else "crash"
     return f"{kind}: {type(e).__name__}: {text}"[:500]
-
-
-# ------------------------------------------------------------------------------------ test hook
-
-FAULT_KINDS = {
-    "kill": "SIGKILL this rank in the middle of the step (after its first micro-batch's forward)",
-    "stop": "SIGSTOP (freeze) this rank at the same point",
-    "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed (--live-recovery)",
-    "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
-    "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
-    "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",
-    "nan-on": "make this rank's loss NaN from that step on",
-    "oom": "raise torch's out-of-memory error in the middle of that step",
-    "local-disk": "at the first checkpoint save, leave this rank's marker in a folder of its own (a node-local disk)",
-}
-
-
-class Fault:
-    """BRAIDTRAIN_FAULT="KIND:step=S[:rank=R][:seconds=X]" -- a *test hook*, for the fault-tolerance
-    tests and benchmarks only. It fires once, at step S (1-based), on rank R (default: every rank),
-    and only on torchrun's first attempt, so that the restarted group runs clean."""
-
-    def __init__(self, spec: str):
-        kind, *fields = spec.split(":")
-        if kind not in FAULT_KINDS:
-            raise UserError(f"BRAIDTRAIN_FAULT={spec!r}: unknown kind {kind!r}: use one of {', '.join(FAULT_KINDS)}")
-        opts = {}
-        for f in fields:
-            k, _, v = f.partition("=")
-            if k not in ("step", "rank", "seconds") or not (v.replace(".", "", 1) if k == "seconds" else v).isdigit():
-                raise UserError(f"BRAIDTRAIN_FAULT={spec!r}: expected KIND:step=S[:rank=R][:seconds=X], got {f!r}")
-            opts[k] = float(v) if k == "seconds" else int(v)
-        if "step" not in opts:
-            raise UserError(f"BRAIDTRAIN_FAULT={spec!r}: say at which step, e.g. {kind}:step=4")
-        self.kind, self.step, self.rank, self.seconds = kind, opts["step"], opts.get("rank"), opts.get("seconds", 5.0)
-
-    @staticmethod
-    def from_env(rank: int, attempt: int) -> "Fault | None":
-        spec = os.environ.get("BRAIDTRAIN_FAULT")
-        if not spec:
-            return None
-        fault = Fault(spec)  # parsed on every rank and attempt: a typo is an error everywhere
-        return fault if attempt == 0 and fault.rank in (None, rank) else None
-
-    def _announce(self, what: str) -> None:
-        print(f"braidtrain: fault injected: {what} at step {self.step} (t={time.time():.3f})", file=sys.stderr, flush=True)
-
-    def mid_step(self, step: int) -> None:
-        if step == self.step and self.kind == "oom":
-            import torch
-
-            self._announce("out of memory")
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by BRAIDTRAIN_FAULT)")
-        if step == self.step and self.kind in ("kill", "stop"):
-            sig = signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP
-            self._announce(f"{sig.name} pid {os.getpid()}")
-            os.kill(os.getpid(), sig)
-
-    def poison(self, step: int, loss):
-        """The loss, NaN at the step(s) a "nan" or "nan-on" fault names."""
-        if (self.kind == "nan" and step == self.step) or (self.kind == "nan-on" and step >= self.step):
-            return loss + float("nan")
-        return loss
-
-    def mid_save(self, step: int) -> None:
-        if step == self.step and self.kind == "save":
-            self._announce("checkpoint save fails")
-            raise OSError(errno.ENOSPC, f"No space left on device (injected by BRAIDTRAIN_FAULT, step {step})")
-        if step == self.step and self.kind == "slow-save":
-            self._announce(f"checkpoint save sleeps {self.seconds:g} s")
-            time.sleep(self.seconds)
-
-
-# ------------------------------------------------------------------------------------ doctor
-
-def read_logs(flight_dir: Path) -> tuple[dict[int, dict], dict[int, list[dict]], list[str]]:
-    """(headers, records, problems) of the latest session's logs; older sessions' files are ignored
-    (their rank counts as silent), unreadable ones are reported."""
-    logs, problems = {}, []
-    for f in sorted(flight_dir.glob("rank_*.jsonl")):
-        try:
-            lines = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-            if not lines or lines[0].get("flight") != 1:
-                raise ValueError("no header line")
-            logs[f] = lines
-        except (ValueError, OSError) as e:
-            problems.append(f"{f.name} is unreadable ({e}); its rank counts as silent")
-    if not logs:
-        raise UserError(f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a peer")
-    latest = max(l[0]["session"] for l in logs.values())
-    headers, records = {}, {}
-    for f, lines in logs.items():
-        h = lines[0]
-        if h["session"] != latest:
-            problems.append(f"{f.name} is from an earlier session ({_when(h['session'])}); ignored")
-            continue
-        headers[h["rank"]], records[h["rank"]] = h, lines[1:]
-    return headers, records, problems
-
-
-def _when(t: float) -> str:
-    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _ranks(rs) -> str:
-    rs = sorted(rs)
-    return f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
-
-
-def _desc(r: dict) -> str:
-    """'all_reduce tp[0,1], step 3' -- with a pipeline transfer's tensor: 'p2p pp[1>0], step 3,
-    recv grad chunk 0 micro 2' (the direction's group names the sender first)."""
-    return f"{r['op']} {r['group']}, step {r['step']}" + (f", {r['what']}" if r.get("what") else "")
-
-
-MEMBERSHIP = "membership.jsonl"  # in RUN/flight: each change of the world that live recovery made (live/)
-
-
-def diagnose(run: Path) -> list[str]:
-    """What the flight logs of a run say, as lines of text: who stopped where, or who disagreed --
-    after the membership changes that live recovery made, each with what its survivors' logs say
-    (RUN/flight/live-EPOCH/), when there are any."""
-    flight = Path(run) / "flight"
-    if not flight.is_dir():
-        raise UserError(f"{run}: no flight/ folder (no rank of this run has failed, been signalled or lost a peer)")
-    out = []
-    if (flight / MEMBERSHIP).is_file():
-        for line in (flight / MEMBERSHIP).read_text().splitlines():
-            if line.strip():
-                c = json.loads(line)
-                out.append(f"membership change {c['epoch']} at step {c['step']}: {c['what']}")
-                folder = flight / f"live-{c['epoch'] - 1}"
-                if folder.is_dir() and any(folder.glob("rank_*.jsonl")):
-                    out += [f"  {l}" for l in _diagnose_logs(folder)]
-    if out and not any(flight.glob("rank_*.jsonl")):
-        return out
-    return out + _diagnose_logs(flight)
-
-
-def _diagnose_logs(flight: Path) -> list[str]:
-    headers, records, out = read_logs(flight)
-    any_h = next(iter(headers.values()))
-    world = any_h["world_size"]
-    silent = [r for r in any_h.get("members", range(world)) if r not in headers]
-    out.insert(0, f"flight logs of {_when(any_h['session'])} (attempt {any_h['attempt']}, world size {world}): "
-                  f"{len(headers)} written" + (f", none from {_ranks(silent)}" if silent else ""))
-    by_reason: dict[str, list[int]] = {}
-    for r, h in headers.items():
-        by_reason.setdefault(h["reason"], []).append(r)
-    out += [f"  {_ranks(rs)}: {reason} (step {headers[rs[0]]['step']})" for reason, rs in sorted(by_reason.items())]
-
-    members = {}  # group name -> its ranks (a log without the table: the group is every rank)
-    for h in headers.values():
-        members.update(h.get("groups", {}))
-    for recs in records.values():  # logs written before records named their group: one numbering
-        for x in recs:
-            x.setdefault("group", x.get("axis", "world"))
-            x.setdefault("gseq", x["seq"])
-    by = {r: {} for r in records}  # rank -> group -> gseq -> record
-    for r, recs in records.items():
-        for x in recs:
-            by[r].setdefault(x["group"], {})[x["gseq"]] = x
-    # 1. The same number in a group must be the same collective on each of its members.
-    for g in sorted({g for r in by for g in by[r]}):
-        logs = {r: by[r][g] for r in by if g in by[r]}
-        common = set.intersection(*(set(v) for v in logs.values())) if len(logs) > 1 else set()
-        for k in sorted(common):
-            sig: dict[tuple, list[int]] = {}
-            for r, v in logs.items():
-                sig.setdefault((v[k]["op"], tuple(v[k]["shape"]), v[k]["dtype"]), []).append(r)
-            if len(sig) > 1:
-                what = "; ".join(f"{_ranks(rs)} issued {op} {g} {dtype}{list(shape)}" for (op, shape, dtype), rs in sig.items())
-                return out + [f"mismatch at collective #{k} (step {logs[min(logs)][k]['step']}): {what}"]
-    # 2. Who was left waiting where, and which member of that group never came.
-    waiting = {}
-    for r, recs in records.items():
-        open_ = [x for x in recs if x["t_end"] is None]
-        # a pipeline send is left to complete (nobody waits on it, so gloo's stays open): a rank
-        # waits in its oldest open operation that blocks -- a receive, or a collective
-        blocking = [x for x in open_ if not x.get("what", "").startswith("send")] or open_
-        if blocking:
-            waiting[r] = min(blocking, key=lambda x: x["seq"])
-    if not waiting:
-        if silent:
-            done = [x for recs in records.values() for x in recs if x["t_end"] is not None]
-            last = max(done, key=lambda x: x["t_end"], default=None)
-            return out + [f"{_ranks(silent)} wrote no flight log; the others were not inside a collective"
-                          + (f" (last completed: #{last['gseq']} ({_desc(last)}))" if last else "")]
-        return out + ["no problem found: every rank's last collective completed"]
-    points: dict[tuple, list[int]] = {}  # (group, gseq) -> the ranks waiting there
-    for r, x in waiting.items():
-        points.setdefault((x["group"], x["gseq"]), []).append(r)
-    culprits, tails, named, stuck_elsewhere = [], [], set(), False
-    for (g, k), waiters in sorted(points.items(), key=lambda p: min(waiting[r]["t_start"] for r in p[1])):
-        for m in members.get(g, range(world)):
-            if m in waiters or m in named:
-                continue
-            if m in waiting:  # waits elsewhere: named where it waits; it holds this group up if it never came
-                stuck_elsewhere |= max(by[m].get(g, {}), default=-1) < k
-                continue
-            if m in silent:
-                done = [x for r in by for x in by[r].get(g, {}).values() if x["t_end"] is not None]
-                prev = max(done, key=lambda x: x["gseq"], default=None)
-                culprits.append(f"rank {m} stopped after collective #{prev['gseq'] if prev else -1}"
-                                + (f" ({_desc(prev)})" if prev else "") + " and wrote no flight log (frozen or killed)")
-            else:
-                issued = by[m].get(g, {})
-                j = max(issued, default=-1)
-                if j >= k:
-                    continue
-                culprits.append(f"rank {m} stopped at collective #{j}" + (f" ({_desc(issued[j])})" if issued else ""))
-            named.add(m)
-        tails.append(f"{_ranks(waiters)} waited in #{k} ({_desc(waiting[waiters[0]])})")
-    if not culprits and stuck_elsewhere:  # each waits for one who waits elsewhere
-        return out + ["; ".join(tails) + ": each waits for a rank that waits elsewhere -- the ranks issued "
-                      "their collectives in orders that cannot meet (a deadlock)"]
-    if not culprits:  # everyone issued what they wait in, and it did not complete: the transport, not a rank
-        what = ", and ".join(f"#{k} ({_desc(waiting[ws[0]])}) on {_ranks(ws)}" for (_, k), ws in points.items())
-        return out + [f"every rank issued collective {what}, but it did not complete: look at the network / NCCL "
-                      f"rather than at one rank"]
-    return out + ["; ".join(culprits + tails)]

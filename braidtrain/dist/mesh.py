@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from braidtrain.comm import Comm, Group, group_name
+from braidtrain.dist.comm import Comm, Group, group_name
 
 AXES = ("pp", "dp", "cp", "tp")
 
