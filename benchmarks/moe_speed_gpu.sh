@@ -7,12 +7,16 @@
 #   2. a profile of the fine-grained preset's compiled step (benchmarks/profile_step.py)
 #   3. side by side with transformers' MixtralForCausalLM under torch.compile (bench train --torch
 #      hf-compile) at mixtral-small's shape, from the same initial weights, final losses compared
-# (0: GPT-2's exact bits, a check that a change left them alone.)
-# Usage: bash benchmarks/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU, to try the script;
+# (0: GPT-2's exact bits, a check that a change left them alone.) Parts 0 1 take ~5 min on the H200,
+# 2 3 about as long: two calls (ONLY=graph with parts 1 3: one call of ~7 min). Everything printed is
+# also in $OUT/moe_speed.txt (appended).
+# Usage: OUT=/tmp/out bash benchmarks/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU;
 #        ONLY='graph ...': part 1's runs of those names alone (eager, graph, graph-cap1.25)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 parts=${*:-1 2 3}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/moe_speed.txt") 2>&1
 q="--val-every 0 --sample-tokens 0 --no-progress"
 D=data/shakespeare_gpt2; shape="-b 8 -t 1024 -d 65536"; steps=10
 models="gpt2-moe mixtral-small finemoe-small"
