@@ -190,6 +190,7 @@ class Guard:
                 pass
 
     def _watch(self) -> None:
+        woke = grace = time.monotonic()
         while not self.stop.is_set():
             if self.wake_r is None:  # not the main thread: no signal handling
                 self.stop.wait(self.interval)
@@ -198,7 +199,11 @@ class Guard:
                     if signum in (signal.SIGTERM, signal.SIGINT):
                         name, cause = signal.Signals(signum).name, self._peer_lost()
                         self.fatal(f"peer lost: {cause} (then {name})" if cause else f"signal {name}", 128 + signum)
-            if self.heartbeat and not self.stop.is_set():
+            now = time.monotonic()
+            if now - woke > self.interval + self.timeout / 2:  # this process itself stood still (no CPU, or the
+                grace = now + 2 * self.interval  # GIL held): its beat thread gets a turn before anyone is judged
+            woke = now
+            if self.heartbeat and not self.stop.is_set() and now >= grace:
                 if self.abort:
                     self.fatal(f"peer lost: {self.abort}", EXIT_PEER_LOST)
                 verdict = self._verdict()
@@ -274,6 +279,8 @@ FAULT_KINDS = {
     "kill": "SIGKILL this rank in the middle of the step (after its first micro-batch's forward)",
     "stop": "SIGSTOP (freeze) this rank at the same point",
     "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed (--live-recovery)",
+    "fail-update": "fail this rank's wait as if a peer were lost just before it applies the step's update: a survivor "
+                   "left one update behind (--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",
