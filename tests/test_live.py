@@ -162,15 +162,17 @@ def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
 
 
 def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref):
-    """Rank 3 killed at step 4 after every rank applied the step's update, in the step's next
-    collective (ZeRO-1/2: the parameters' all-gather; else the loss's): the survivors find they all
-    did it, so step 4 is not done again -- logged without its loss -- and the weights are still the
-    uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too)."""
+    """Rank 3 killed at step 4 after it applied the step's update, and rank 1's wait failed just
+    before it applied it: ranks 0 and 2 applied it and fail in the step's next collective (ZeRO-1/2:
+    the parameters' all-gather; else the loss's). Rank 1 applies the update with the clip scale and
+    skip flag they report, step 4 is not done again -- logged without its loss -- and the weights are
+    still the uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too)."""
     d = draw("late", zero=range(4))
     run = tmp_path / "run"
     pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run],
-                                    "kill-late:rank=3:step=4", tmp_path)
+                                    {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4"}, tmp_path)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
+    assert "a lost peer's error before the update at step 4" in err, err[-3000:]
     assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
     recs, want = metrics(run), metrics(ref)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]

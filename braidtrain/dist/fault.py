@@ -182,6 +182,7 @@ class Guard:
                 pass
 
     def _watch(self) -> None:
+        woke = grace = time.monotonic()
         while not self.stop.is_set():
             if self.wake_r is None:  # not the main thread: no signal handling
                 self.stop.wait(self.interval)
@@ -190,7 +191,11 @@ class Guard:
                     if signum in (signal.SIGTERM, signal.SIGINT):
                         name, cause = signal.Signals(signum).name, self._peer_lost()
                         self.fatal(f"peer lost: {cause} (then {name})" if cause else f"signal {name}", 128 + signum)
-            if self.heartbeat and not self.stop.is_set():
+            now = time.monotonic()
+            if now - woke > self.interval + self.timeout / 2:  # this process itself stood still (no CPU, or the
+                grace = now + 2 * self.interval  # GIL held): its beat thread gets a turn before anyone is judged
+            woke = now
+            if self.heartbeat and not self.stop.is_set() and now >= grace:
                 if self.abort:
                     self.fatal(f"peer lost: {self.abort}", EXIT_PEER_LOST)
                 verdict = self._verdict()

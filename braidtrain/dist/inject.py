@@ -18,6 +18,8 @@ FAULT_KINDS = {
     "stop": "SIGSTOP (freeze) this rank at the same point",
     "kill-late": "SIGKILL this rank after it applied the step's update, before the step's loss is summed "
                  "(--live-recovery)",
+    "fail-update": "fail this rank's wait as if a peer were lost just before it applies the step's update: a "
+                   "survivor left one update behind (--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",

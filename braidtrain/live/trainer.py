@@ -69,7 +69,7 @@ class LiveTrainer(Redo, Transfer, Trainer):
         self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, cfg.batch_size
         self.M = self.D * self.m  # micro-batches of a step
         self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.ids}  # id -> its global micro-batches
-        self.epoch, self.degraded, self.recovering, self.noticed = 0, False, False, None
+        self.epoch, self.degraded, self.recovering, self.noticed, self.cause = 0, False, False, None, None
         self.lock = threading.Lock()
         self.applied = None  # this step's update, once applied on this rank: its clip scale and skip flag
         self.arriving = False  # a joiner, taking its state
@@ -145,6 +145,10 @@ class LiveTrainer(Redo, Transfer, Trainer):
             self.mirror.exchange()
 
     def update(self, grad_scale, skip) -> None:
+        injected = self.fault and self.fault.kind == "fail-update" and self.comm.step == self.fault.step
+        if injected and not self.recovering:
+            self.fault._announce("a lost peer's error before the update")
+            raise Aborted("a peer was lost (injected before the update)")
         super().update(grad_scale, skip)
         if self.mirror is not None:  # the next member's update, on the copy of its shards
             self.mirror.update(grad_scale, skip)
@@ -179,7 +183,7 @@ class LiveTrainer(Redo, Transfer, Trainer):
         the number of steps that state has done (step: redo it; step + 1: it was done)."""
         t0, me, e = time.time(), self.rt.rank, self.epoch
         self.recovering = True
-        cause = f"rank {me}: {first_line(err)}" if not isinstance(err, Aborted) else getattr(self, "cause", "")
+        cause = (self.cause if isinstance(err, Aborted) else None) or f"rank {me}: {first_line(err)}"
         store = self.rt.store
         try:
             store.compare_set(f"live/{e}/abort", "", cause)  # wake the members still waiting
@@ -339,6 +343,6 @@ class LiveTrainer(Redo, Transfer, Trainer):
         with self.lock:
             self.ids, self.epoch, self.joined = ids, epoch, {}
             self.comm.abort.clear()
-            self.noticed, self.recovering = None, False
+            self.noticed, self.recovering, self.cause = None, False, None
         self.guard.watch(ids)
         self.redivide()

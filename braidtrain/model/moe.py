@@ -275,7 +275,8 @@ class Dispatch:
         rows = xs[order // k]
         if torch.is_autocast_enabled(xs.device.type):  # travel and compute in the autocast dtype
             rows = rows.to(torch.get_autocast_dtype(xs.device.type))
-        counts = torch.zeros(moe.E, dtype=torch.long, device=xs.device).scatter_add_(0, expert[order], torch.ones_like(order))
+        counts = torch.zeros(moe.E, dtype=torch.long, device=xs.device)
+        counts.scatter_add_(0, expert[order], torch.ones_like(order))
         out = self._run(rows, counts, moe)
         y = out.new_zeros(N * k, out.shape[-1]).index_copy(0, order, out)
         return y.view(N, k, -1)
