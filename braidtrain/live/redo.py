@@ -47,7 +47,7 @@ class Redo:
             e.trees = {b: TreeSum(e.recycle) for b in e.buckets}
             if e.tied.head is not None:
                 e.tied.head = TreeSum(e.recycle)
-            e.__dict__.pop("_exact_reduce", None)
+            e.__dict__.pop("exact_reduce", None)
 
     def divide(self) -> None:
         """Each member keeps its slot's micro-batches and takes a contiguous share of the slots
