@@ -204,19 +204,21 @@ def test_plan_counts_the_copies_and_keeps_data_parallelism_alone():
     """`plan --live-recovery`: only dp layouts, each ZeRO 1-3 rank with its neighbour's shard
     counted -- at ZeRO-3 its sharded state twice (m, v, the gradient and the parameters) -- against
     the planner's estimate of the same layout without; another axis asked for is one line."""
-    from braidtrain import plan
     from braidtrain.model import registry
+    from braidtrain.plan.estimate import estimate
+    from braidtrain.plan.memory import GB
+    from braidtrain.plan.space import Candidate, Setup
 
     p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "-t", 64, "-d", D, "--variants", "--json", "--live-recovery")
     live = json.loads(p.stdout)["layouts"]
     assert {r["zero"] for r in live} == {0, 1, 2, 3} and all(r["dp"] == 4 for r in live)
-    s = plan.Setup(registry.model_config("tiny", 50257), 4, 80.0, 64, D)
+    s = Setup(registry.model_config("tiny", 50257), 4, 80.0, 64, D)
     for r in live:
         zero = r["zero"]
-        want = plan.estimate(s, plan.Candidate(4, zero, r["b"], r["recompute"]))["mem"]
-        u = want["optimizer"] / 2 / plan.GB  # ZeRO 1-3: 4P/n, a shard of one fp32 tensor of the model's size
+        want = estimate(s, Candidate(4, zero, r["b"], r["recompute"]))["mem"]
+        u = want["optimizer"] / 2 / GB  # ZeRO 1-3: 4P/n, a shard of one fp32 tensor of the model's size
         extra = {"params": u * (zero == 3), "grads": u * (zero >= 1), "optimizer": 2 * u * (zero >= 1)}
-        assert all(r["mem_gb"][k] == pytest.approx(want[k] / plan.GB + extra[k], rel=1e-9) for k in extra), (r, want)
+        assert all(r["mem_gb"][k] == pytest.approx(want[k] / GB + extra[k], rel=1e-9) for k in extra), (r, want)
     p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "--live-recovery", "--tp", 2, check=False)
     assert p.returncode == 2 and p.stderr.strip() == \
         "braidtrain: error: --live-recovery keeps data parallelism alone, got --tp 2", p.stderr
