@@ -227,7 +227,10 @@ class Guard:
         if now - self.store_ok > self.timeout:
             return (f"the rendezvous store has not answered for {now - self.store_ok:.1f} s "
                     f"(its host, rank 0 or torchrun's agent, died or froze)")
-        stale = [(p, now - t) for p, t in list(self.seen.items()) if p not in self.done and now - t > self.timeout]
+        # a peer's silence counts up to the store's last answer: beyond it nobody could have seen a beat
+        # (a frozen store host would otherwise be named by its heartbeat or the store's, as timing falls)
+        stale = [(p, self.store_ok - t) for p, t in list(self.seen.items())
+                 if p not in self.done and self.store_ok - t > self.timeout]
         if stale:
             return "; ".join(f"rank {p} sent no heartbeat for {age:.1f} s (dead or frozen)" for p, age in stale)
         return None
