@@ -12,7 +12,7 @@ over the completion's tokens picks llm.c's answer (`eval_acc`), the sum a second
 (`eval_acc_sum`). Examples are dealt to the data-parallel ranks (rank r: r, r + dp, ...), every
 rank runs the same number of passes of the same shape (padded; the model-parallel ranks of a
 replica -- tp, pp, cp, ep -- step through them together), and the correct counts are summed over
-the ranks (Runtime.cpu_sum): whole numbers, so the same on any world size.
+the ranks (Comm.ordered_sum): whole numbers, so the same on any world size.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.dist.runtime import init_runtime
 from braidtrain.errors import UserError
 from braidtrain.io.checkpoint import latest, load_model
@@ -225,9 +227,9 @@ def score(logits_of, examples: list[Example], *, rank: int = 0, world: int = 1, 
     return correct
 
 
-def totals(correct: list[int], n: int, cpu_sum=float) -> dict:
-    """The accuracies from every rank's counts (cpu_sum: the sum over ranks)."""
-    c = [int(cpu_sum(v)) for v in correct]
+def totals(correct: list[int], n: int, ranks_sum=float) -> dict:
+    """The accuracies from every rank's counts (ranks_sum: a count's sum over the ranks)."""
+    c = [int(ranks_sum(v)) for v in correct]
     return {"eval_acc": c[0] / n, "eval_acc_sum": c[1] / n, "eval_correct": c[0], "eval_correct_sum": c[1], "eval_n": n}
 
 
@@ -244,7 +246,8 @@ def in_training(trainer) -> dict:
                         keep=mesh.coord("tp") == 0 and mesh.coord("cp") == 0)
     for part in t.parts:
         part.train()
-    return totals(correct, len(t.mc), t.rt.cpu_sum)
+    world = mesh.groups["world"]
+    return totals(correct, len(t.mc), lambda v: t.comm.ordered_sum(v, world))
 
 
 def run(args) -> int:
@@ -256,6 +259,8 @@ def run(args) -> int:
     model, meta = load_model(ckpt)
     rt = init_runtime("env", device=args.device)
     try:
+        comm = Comm(rt.device)
+        world = build_mesh(rt.rank, rt.world_size, comm).groups["world"]
         model.to(rt.device).eval()
         cast = torch.autocast("cuda", torch.bfloat16) if rt.device.type == "cuda" else nullcontext()
 
@@ -266,7 +271,7 @@ def run(args) -> int:
         correct = score(logits_of, examples, rank=rt.rank, world=rt.world_size, block_size=model.cfg.block_size,
                         vocab=model.cfg.vocab_size, device=rt.device, progress=args.progress and rt.is_main)
         res = {"checkpoint": str(ckpt), "step": meta.get("step"), "eval_data": str(args.eval_data),
-               **totals(correct, len(examples), rt.cpu_sum)}
+               **totals(correct, len(examples), lambda v: comm.ordered_sum(v, world))}
         if rt.is_main:
             print(f"eval_acc {res['eval_acc']:.4f} ({res['eval_correct']}/{len(examples)}, mean log-likelihood)")
             print(f"eval_acc_sum {res['eval_acc_sum']:.4f} ({res['eval_correct_sum']}/{len(examples)}, summed "

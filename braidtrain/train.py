@@ -32,29 +32,23 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
-import os
 import time
 from contextlib import contextmanager, nullcontext
 
 import torch
 
-from braidtrain import evaluate
+from braidtrain import evaluate, outcome
 from braidtrain.build import build
 from braidtrain.config import Config
 from braidtrain.dist.fault import crash_reason
-from braidtrain.errors import Diverged, SaveFailed, UserError
-from braidtrain.generate import generate, sample_prompt
+from braidtrain.errors import SaveFailed, UserError
 from braidtrain.io import checkpoint
-from braidtrain.io.data import get_tokenizer, unigram_entropy
-from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops, plot_runs
+from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops
 from braidtrain.io.trackers import Trackers
 from braidtrain.optim import clip_scale, lr_at
 from braidtrain.parallel import expert
 from braidtrain.passes import Passes, reduce_loss
-from braidtrain.plan.search import advice
-from braidtrain.plan.space import Setup, candidate_of
 
 GRAPH_WARMUP = 2  # --cuda-graph: eager steps before the capture (compilation, lazy initialisation)
 GC_EVERY = 20  # steps between two collections of Python garbage (collect_garbage)
@@ -266,29 +260,6 @@ class Trainer:
                             f"checkpoint will be whole and a restart would begin at step 0; give --out a folder on "
                             f"storage every node mounts")
 
-    def out_of_memory(self) -> str:
-        """The one line for a step that ran out of device memory: the planner's view of it."""
-        lay, cfg = self.layout, self.cfg
-        if self.device.type == "cuda":
-            mem = torch.cuda.get_device_properties(self.device).total_memory / 1e9
-        else:  # (a CPU run: this process's share of the machine)
-            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / self.rt.world_size
-        s = Setup(self.mcfg, lay.world, mem, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
-                  cpu=self.device.type == "cpu", fp8=lay.fp8, compile=cfg.compile, live=cfg.live_recovery)
-        return (f"out of memory on {self.device} (rank {self.rt.rank}) at step {self.comm.step}: "
-                f"{advice(s, candidate_of(lay))}; `braidtrain plan` lists the layouts that fit")
-
-    def diverged(self, streak: list[dict]) -> Diverged:
-        """The one line that ends a run whose last --max-skipped steps were all skipped."""
-        good = checkpoint.list_checkpoints(self.out / "checkpoints")
-        where = "no checkpoint was saved"
-        if good:
-            where = f"the last good checkpoint is {good[-1]} (--resume auto starts there)"
-        return Diverged(f"steps {streak[0]['step']}-{streak[-1]['step']} were skipped, {len(streak)} in a row "
-                        f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; "
-                        f"{where}; try a lower --lr (now {self.cfg.lr:g}) or --grad-clip 1.0 (now "
-                        f"{self.cfg.grad_clip:g})")
-
     def save(self, step: int) -> float | None:
         """A checkpoint of step `step`, unless a weight or an Adam moment is not finite on some
         rank (collective): then none, and the newest good one stays the newest."""
@@ -323,7 +294,7 @@ class Trainer:
         except Exception as e:  # the flight log says where this rank was; then the error goes on
             self.guard.dump(crash_reason(e))
             if isinstance(e, torch.OutOfMemoryError):
-                raise UserError(self.out_of_memory()) from None
+                raise UserError(outcome.out_of_memory(self)) from None
             raise
         # Past the last collective: peers may stop watching us (and we them), so that ranks that
         # finish at different times -- or rank 0 taking the store down with it -- are no alarm.
@@ -365,7 +336,7 @@ class Trainer:
                         self.trackers.write(rec)
                     bar.update(rec)
                     if len(streak) >= cfg.max_skipped:
-                        raise self.diverged(streak)
+                        raise outcome.diverged(self, streak)
             failed = False
         finally:
             bar.close()
@@ -374,41 +345,7 @@ class Trainer:
             if self.trackers:
                 self.trackers.close(failed)
         self.drop_graph()
-        if val is None or rec is None:
-            val = self.passes.validate(self.device)
-        if self.mc and ev is None:  # (a run resumed at its last step)
-            ev = evaluate.in_training(self)
-        save_s = self.save(cfg.max_steps)
-        sha = checkpoint.weights_sha256(self.engine)
-        summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
-                   "skipped_steps": skipped, "tokens_per_s": rec["tokens_per_s"] if rec else None,
-                   "weights_sha256": sha, "save_s": save_s, **(ev or {})}
-        if self.layout.pp > 1:  # each stage's mean bubble over the run's steps
-            summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
-            self.passes.write_schedule(self.out / "schedule.json", rec["bubble"] if rec else None)
-        if cfg.compile:  # how many graphs torch.compile made (one per block shape: 1 for GPT-2)
-            from torch._dynamo.utils import counters
-
-            summary["compiled_graphs"] = counters["stats"]["unique_graphs"]
-        if rt.is_main:
-            summary["unigram_val_loss"] = unigram_entropy(self.built.train_data)
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            if rec:
-                plot_runs([str(self.out)], str(self.out / "loss.png"))
-            rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
-        if cfg.sample_tokens:  # every rank takes part: under ZeRO-3 gathering is collective
-            tok = get_tokenizer(self.built.tok_name)
-            prompt = sample_prompt(tok, self.built.val_loader.data)  # e.g. a speaker's name line
-            context = min(self.mcfg.block_size, cfg.seq_len)  # the positions it was trained on
-            with self.engine.gathered():
-                text = tok.decode(generate(self.passes.next_logits, prompt or [tok.eot], cfg.sample_tokens,
-                                           block_size=context, device=self.device,
-                                           mult=self.layout.tp if self.layout.sp else 1, seed=cfg.seed,
-                                           share=self.passes.share_token))
-            start = f"the prompt {tok.decode(prompt)!r}, from the validation text" if prompt else "no prompt"
-            rt.log(f"--- sample ---\n[{start}, then {cfg.sample_tokens} sampled tokens]\n"
-                   + tok.decode(prompt) + text + "\n--------------")
-        return summary
+        return outcome.finish(self, rec, val, ev, skipped, bubbles)
 
 
 def _ranges(ranks: list[int]) -> str:

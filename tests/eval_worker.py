@@ -12,11 +12,15 @@ from braidtrain.evaluate import read_evalfile, score, totals
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.dist.runtime import init_runtime
 
 
 def main(path, out):
     rt = init_runtime("env")
+    comm = Comm(rt.device)
+    group = build_mesh(rt.rank, rt.world_size, comm).groups["world"]
     examples = read_evalfile(path)
     model = GPT(model_config("tiny", 256, n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
     init_weights(model, seed=3)
@@ -28,7 +32,7 @@ def main(path, out):
     for name, logits_of in (("gpt", model), ("moe", moe), ("bigram", lambda x: table[x])):
         for world in (1, 2, 4):
             mine = score(logits_of, examples, rank=rt.rank, world=world, block_size=16, vocab=256) if rt.rank < world else [0, 0]
-            res[f"{name}/{world}"] = totals(mine, len(examples), rt.cpu_sum)
+            res[f"{name}/{world}"] = totals(mine, len(examples), lambda v: comm.ordered_sum(v, group))
     with open(f"{out}/rank{rt.rank}.json", "w") as f:
         json.dump(res, f)
     rt.close()

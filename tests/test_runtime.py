@@ -18,16 +18,20 @@ import torch.distributed as dist
 
 from braidtrain.errors import UserError
 from braidtrain.dist.rendezvous import FS_FILE
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.dist.runtime import init_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Each child: init, a rank-ordered cpu_sum and a plain all_reduce, print one JSON line, close twice.
+# Each child: init, a rank-ordered sum (Comm.ordered_sum) and a plain all_reduce, print one JSON line, close twice.
 WORKER = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
 from braidtrain.errors import UserError
+from braidtrain.dist.comm import Comm
+from braidtrain.dist.mesh import build_mesh
 from braidtrain.dist.runtime import init_runtime
 t0 = time.monotonic()
 try:
@@ -38,8 +42,10 @@ except UserError as e:
     sys.exit(2)
 t = torch.tensor([float(rt.rank + 1)])
 dist.all_reduce(t)
-s = rt.cpu_sum(rt.rank + 1)
-rt.barrier()
+comm = Comm(rt.device)
+world = build_mesh(rt.rank, rt.world_size, comm).groups["world"]
+s = comm.ordered_sum(rt.rank + 1, world)
+comm.barrier(world)
 rt.store.set(f"hello/{{rt.rank}}", "x")  # the store is usable after init
 print("RESULT " + json.dumps(dict(rank=rt.rank, world=rt.world_size, local=rt.local_rank, sum=s,
                                   ar=t.item(), backend=rt.backend, device=str(rt.device))), flush=True)
@@ -165,8 +171,10 @@ def test_single_process(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     rt = init_runtime(device="cpu")
     assert (rt.rank, rt.world_size, rt.local_rank, rt.store, rt.backend) == (0, 1, 0, None, "gloo")
-    assert rt.is_main and rt.cpu_sum(2.5) == 2.5
-    rt.barrier()
+    comm = Comm(rt.device)
+    world = build_mesh(rt.rank, rt.world_size, comm).groups["world"]
+    assert rt.is_main and comm.ordered_sum(2.5, world) == 2.5
+    comm.barrier(world)
     rt.close()
     rt.close()
 

@@ -126,11 +126,11 @@ def run_comm(args) -> int:
                 for _ in range(args.warmup):
                     _launch(comm, op, bufs, group, n, r).wait()
                 sync()
-                rt.barrier()
+                comm.barrier(group)
                 t = _time(comm, op, bufs, group, n, r, args.iters)
                 comm.step_comm()  # (its per-step sums are not this command's)
-                t = rt.cpu_sum(t) / n  # the mean over ranks, the same on every rank
-                ok = rt.cpu_sum(0.0 if ok else 1.0) == 0.0
+                t = comm.ordered_sum(t, group) / n  # the mean over ranks, the same on every rank
+                ok = comm.ordered_sum(0.0 if ok else 1.0, group) == 0.0
                 algbw = S / t / 1e9
                 rows.append({"op": op, "bytes": S, "time_us": t * 1e6, "algbw_GBps": algbw,
                              "busbw_GBps": algbw * bus_factor(op, n), "correct": ok, "ranks": n,

@@ -232,6 +232,15 @@ class Comm:
         kw = {"device_ids": [self.device.index]} if self.cuda and group.pg is dist.group.WORLD else {}
         self._sync("barrier", group, lambda: dist.barrier(group=group.pg, **kw))
 
+    def ordered_sum(self, x: float, group: Group) -> float:
+        """x summed over the group's members in group order, in float64 on the host: the same bits
+        on every member (an all_reduce's order of addition depends on the backend's algorithm)."""
+        rows = self.gather_rows(torch.tensor([float(x)], dtype=torch.float64, device=self.device), group)
+        total = 0.0
+        for v in rows.flatten().tolist():
+            total += v
+        return total
+
     def all_gather_object(self, obj, group: Group) -> list:
         """Every member's (picklable) obj, in group order."""
         out = [obj] * group.size

@@ -43,25 +43,6 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
-        if self.world_size == 1:
-            return
-        # NCCL would otherwise guess the GPU from the rank and warn about it.
-        dist.barrier(device_ids=[self.device.index]) if self.backend == "nccl" else dist.barrier()
-
-    def cpu_sum(self, x: float) -> float:
-        """x summed over ranks 0..N-1 in that order, in float64: bit-identical on every rank,
-        unlike all_reduce whose summation order depends on the backend's algorithm."""
-        if self.world_size == 1:
-            return float(x)
-        mine = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine)
-        total = 0.0
-        for v in torch.cat(parts).tolist():
-            total += v
-        return total
-
     def log(self, *args) -> None:
         if self.is_main:
             print(*args, flush=True)

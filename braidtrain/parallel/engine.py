@@ -38,7 +38,7 @@ import torch
 
 from braidtrain.dist.comm import Comm, pairwise_sum
 from braidtrain.dist.flight import timing_events
-from braidtrain.parallel import buckets, expert, placement, zb
+from braidtrain.parallel import buckets, expert, norm, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
 from braidtrain.parallel.tied import Tied
@@ -84,7 +84,7 @@ class Engine:
         self.input_only = False  # inside input_phase()
         self.tied = Tied(self)  # the tied embedding's two uses, kept apart (exact mode, pipelines)
         self.zero_hooks = Zero(self) if any(b.zero >= 2 for b in self.buckets) else None
-        self.exact_norm = exact_sums.ExactNorm(self) if exact else None
+        self.norm = (norm.ExactNorm if exact else norm.Norm)(self)
         self.sourced = expert.Sourced(self) if exact and self.ep.size > 1 else None  # experts' leaves by source
         for part in self.parts:
             part.use_expert_sink(self.sourced.add if self.sourced else None)
@@ -344,38 +344,10 @@ class Engine:
             yield
 
     # -- gradient norm and the parameter all-gather --------------------------------------------
-    def norm_view(self, b, g):
-        """The gradient as the norm sees it: each parameter once (Table.counted_here)."""
-        drop = self.segments(b, lambda e: not self.table.counted_here(e))
-        if not drop:
-            return g
-        g = g.clone()
-        for a, e in drop:
-            g[a:e] = 0
-        return g
-
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradient, each parameter counted once: a 0-dim tensor on
-        the device (reading it is the caller's host synchronisation)."""
-        if self.exact:
-            return self.exact_norm()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        owned = list(self.owned())
-        for group in dict.fromkeys(b.group for b in self.buckets):  # each reduce group's shards, summed over it
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            for b, _, g in owned:
-                if b.group is group:
-                    # one read of the bucket, no squared copy
-                    sq += torch.linalg.vector_norm(self.norm_view(b, g), dtype=torch.float32).square()
-            if self.zero >= 1 and group.size > 1:
-                self.comm.all_reduce(sq, group).wait()
-            if group.axis == "expert" and self.ep.size > 1:  # the other ep ranks' experts
-                self.comm.all_reduce(sq, self.ep).wait()
-            total += sq
-        for group in (self.pp, self.tp):  # the other stages' parameters, the other shards
-            if group.size > 1:
-                self.comm.all_reduce(total, group).wait()
-        return total.sqrt()
+        the device (reading it is the caller's host synchronisation). parallel/norm.py."""
+        return self.norm()
 
     def gather_params(self):
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
@@ -390,7 +362,7 @@ class Engine:
         self._pool, self.pending = {}, []
         if self.exact:
             self.scratch = {b: torch.empty(b.padded, device=self.device) for b in self.buckets if b.group.size > 1}
-            self.exact_norm = exact_sums.ExactNorm(self)
+            self.norm = norm.ExactNorm(self)
             self.tied.laid_out_again()
 
     def model_state_bytes(self) -> int:
