@@ -71,6 +71,8 @@ for split in ("train", "val"):
     write_bin(out / f"ids_{split}_000000.bin", read_bin(src).astype("uint32") * 500 + 7, vocab_size=128256)
 EOF
 
+# (--loss-tol 0.1: after these few steps float8's loss stands up to 9% above bf16's, torchao's and
+# braidtrain's float8 within 1% of each other; the loss part's 300 steps are the loss criterion)
 bench() {  # bench NAME MODEL [bench train args]: one model's variants, the table in NAME.log, rows in bench_NAME.json
   local name=$1 model=$2
   shift 2
@@ -78,7 +80,7 @@ bench() {  # bench NAME MODEL [bench train args]: one model's variants, the tabl
   # (a subshell: the file-size limit stops each run's final checkpoint, not this script's files)
   ( ulimit -f 2000000
     python -m braidtrain bench train --model "$model" -i "$IDS" $SHAPE --steps $STEPS --warmup $WARM --nproc 1 $DEV \
-      --loss-tol 0.05 --json "$OUT/bench_$name.json" "$@" ) > "$OUT/$name.log" 2>&1
+      --loss-tol 0.1 --json "$OUT/bench_$name.json" "$@" ) > "$OUT/$name.log" 2>&1
   echo "exit $? ($SECONDS s in)"; grep -vE "^\[|Warning|warn" "$OUT/$name.log" | tail -12
 }
 keep="--on-save-error continue"
