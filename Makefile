@@ -17,6 +17,7 @@ install:
 
 install-test: install
 	@$(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install -q pytest
+	@$(PY) -c "import xdist" 2>/dev/null || $(PY) -m pip install -q pytest-xdist==3.8.0  # 2 workers: one core idles less
 	@$(PY) -m ruff --version 2>/dev/null | grep -qx "ruff 0.17.6" || $(PY) -m pip install -q ruff==0.17.6  # the linter (pyproject.toml)
 	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0  # its CPU interpreter runs the kernel tests
 	@$(PY) -c "import transformers" 2>/dev/null || $(PY) -m pip install -q transformers==5.24.0  # the export test; pulls no torch
@@ -35,4 +36,4 @@ run: data
 
 test: install-test
 	$(PY) -m ruff check braidtrain tests benchmarks
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile

@@ -1,7 +1,3 @@
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from helpers import Layouts, prepare_bytes
@@ -29,19 +25,29 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda it: 2 if it.module.__name__ in QUIET else 1 if suite_of(it) else 0)
 
 
+def xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    """Start the layouts launch for every suite this session's tests ask for, before the first test."""
+    """Start the layouts launch for every suite this session's tests ask for, before the first test.
+    Under pytest-xdist (`make test` runs 2 workers) the workers share one launch in their common
+    base folder; each worker collected every test, so each asks for the same suites. (The xdist
+    controller collects nothing: it starts nothing.)"""
     wanted = list(dict.fromkeys(s for s in map(suite_of, session.items) if s))
     if wanted and not session.config.option.collectonly:
-        session.config.stash[LAUNCH] = Layouts(Path(tempfile.mkdtemp(prefix="braidtrain-layouts-")), wanted)
+        base = session.config._tmp_path_factory.getbasetemp()
+        out = (base.parent if xdist_worker(session.config) else base) / "layouts"
+        session.config.stash[LAUNCH] = Layouts(out, wanted)
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
+    """End the launch -- under xdist, once it is done: the other worker may not have read it yet.
+    (Its folder is in pytest's base folder, which pytest prunes.)"""
     launch = session.config.stash.get(LAUNCH, None)
     if launch is not None:
-        launch.stop()
-        shutil.rmtree(launch.out, ignore_errors=True)
+        launch.stop(wait=xdist_worker(session.config) and exitstatus != pytest.ExitCode.INTERRUPTED)
 
 
 @pytest.fixture(scope="session")

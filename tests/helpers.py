@@ -223,23 +223,44 @@ def run_interpreted(script: str) -> dict:
 class Layouts:
     """tests/layouts_worker.py's suites of layouts, run one after another in one 8-rank process
     group, started in the background (conftest.py starts it before the first test); `results()`
-    waits for it: suite -> its results."""
+    waits for it: suite -> its results. One launch a session: under pytest-xdist every worker
+    asks for it with the same folder, the first to create the folder starts it, and each reads
+    the results once the launch's exit code is in OUT/rc."""
 
     def __init__(self, out: Path, suites: list[str]):
-        self.out, self.suites = Path(out), suites
+        self.out, self.suites, self.proc = Path(out), suites, None
+        try:
+            self.out.mkdir(parents=True)  # (atomic: one worker starts the launch)
+        except FileExistsError:
+            return
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
                str(ROOT / "tests" / "layouts_worker.py"), str(out), ",".join(suites)]
-        self.log = open(self.out / "log.txt", "w+")
+        self.log = open(self.out / "log.txt", "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._exit_code, daemon=True).start()
+
+    def _exit_code(self) -> None:
+        rc = self.proc.wait()
+        (self.out / "rc.part").write_text(str(rc))
+        os.replace(self.out / "rc.part", self.out / "rc")
 
     def results(self, timeout: float = 1800) -> dict:
-        rc = self.proc.wait(timeout)
-        self.log.seek(0)
-        assert rc == 0, self.log.read()[-4000:]
+        deadline = time.monotonic() + timeout
+        while not (self.out / "rc").exists():
+            assert time.monotonic() < deadline, f"the layouts launch did not end within {timeout} s"
+            time.sleep(0.5)
+        rc = int((self.out / "rc").read_text())
+        assert rc == 0, (self.out / "log.txt").read_text()[-4000:]
         return {s: json.loads((self.out / f"results_{s}.json").read_text()) for s in self.suites}
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:  # (torchrun ends its workers on SIGTERM)
+    def stop(self, wait: bool = False) -> None:
+        """End the launch (torchrun ends its workers on SIGTERM); `wait`: let it finish first (other
+        xdist workers may still read its results)."""
+        if self.proc is None:
+            return
+        if wait:
+            self.proc.wait(1800)
+        elif self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
