@@ -52,6 +52,7 @@ MIXTRAL = model_config("mixtral-tiny", 256, n_layer=4, n_embd=32, n_head=4, n_kv
                        moe_capacity=1.0)
 MIXTRAL_BIAS = replace(MIXTRAL, moe_balance="bias", moe_bias_rate=0.01, moe_shared=1)
 T, B, SEQS = 16, 1, 8  # 8 sequences a step: 8 micro-steps at dp 1, 4 at dp 2
+STEPS = 7  # a default-mode layout's steps: the loss of its last below its first's (each step its own batch)
 
 
 def layouts(suite: str):
@@ -59,9 +60,9 @@ def layouts(suite: str):
     if suite == "dp":  # data parallelism alone: every ZeRO stage on 2 ranks, the sharded ones on 4 and 8
         default = [(2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 2), (4, 3), (8, 1)]
         exact = [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3), (8, 0), (8, 1)]
-        return ([("ref", dict(), 10), ("ref-exact", dict(exact=True), 6)]
-                + [(f"dp{dp}-z{z}", dict(dp=dp, zero=z), 10) for dp, z in default]
-                + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), 10)]
+        return ([("ref", dict(), STEPS), ("ref-exact", dict(exact=True), 6)]
+                + [(f"dp{dp}-z{z}", dict(dp=dp, zero=z), STEPS) for dp, z in default]
+                + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), STEPS)]
                 + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), 6) for dp, z in exact])
     if suite == "cp":  # context parallelism: cp 2 and 4, ring and allgather, with dp / ZeRO, tp (sp), pp
         # (cp with tp, pp and both, with and without exact mode: the "matrix" suite)
@@ -88,15 +89,15 @@ def layouts(suite: str):
                  ("dp8-ep4-z1", dict(dp=8, ep=4, zero=1)), ("dp2-ep2-z2-recompute", dict(dp=2, ep=2, zero=2, recompute=True))]
         # Mixtral's shape (test_moe.py): ep 2 with pp 2 and with tp 2, bias balancing; exact across ep 1/2/4 at
         # dp 4, ZeRO 0 and 3
-        mix = [("mix-ref", dict(cfg="mix"), 9), ("mix-dp2-ep2-pp2", dict(cfg="mix", dp=2, ep=2, pp=2, zero=1), 9),
-               ("mix-tp2-dp2-ep2", dict(cfg="mix", tp=2, dp=2, ep=2), 9), ("mix-bias-ref", dict(cfg="mix-bias"), 9),
-               ("mix-bias-dp2-ep2-tp2", dict(cfg="mix-bias", tp=2, dp=2, ep=2, zero=1), 9),
+        mix = [("mix-ref", dict(cfg="mix"), STEPS), ("mix-dp2-ep2-pp2", dict(cfg="mix", dp=2, ep=2, pp=2, zero=1), STEPS),
+               ("mix-tp2-dp2-ep2", dict(cfg="mix", tp=2, dp=2, ep=2), STEPS), ("mix-bias-ref", dict(cfg="mix-bias"), STEPS),
+               ("mix-bias-dp2-ep2-tp2", dict(cfg="mix-bias", tp=2, dp=2, ep=2, zero=1), STEPS),
                ("mix-ref-exact", dict(cfg="mix", exact=True), 4)]
         mix += [(f"mix-dp4-ep{ep}-z{z}-exact", dict(cfg="mix", dp=4, ep=ep, zero=z, exact=True), 4)
                 for ep, z in ((1, 0), (2, 0), (4, 0), (2, 3), (4, 3))]
-        return ([("ref", dict(), 9), ("ref-free", dict(cfg="free"), 9),
+        return ([("ref", dict(), STEPS), ("ref-free", dict(cfg="free"), STEPS),
                  ("ref-exact", dict(exact=True), 4)]
-                + [(n, kw, 9) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact] + mix)
+                + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact] + mix)
     if suite == "llama":  # the Llama-3 family on every axis (test_llama.py), default mode and exact
         default = [("dp2-z1", dict(dp=2, zero=1)), ("dp2-z3", dict(dp=2, zero=3)), ("tp2-sp", dict(tp=2, sp=True)),
                    ("pp2-1f1b", dict(pp=2, schedule="1f1b")), ("pp2-zb", dict(pp=2, schedule="zb")), ("cp2", dict(cp=2)),
@@ -106,25 +107,25 @@ def layouts(suite: str):
                  ("dp4-z3", dict(dp=4, zero=3)), ("pp2-1f1b-dp2", dict(pp=2, dp=2, zero=1, schedule="1f1b")),
                  ("pp2-zb", dict(pp=2, zero=2, schedule="zb")), ("tied-pp2-interleaved", dict(pp=2, schedule="interleaved",
                                                                                             cfg="tied"))]
-        return ([("ref", dict(), 10), ("ref-tied", dict(cfg="tied"), 10), ("ref-exact", dict(exact=True), 4),
+        return ([("ref", dict(), STEPS), ("ref-tied", dict(cfg="tied"), STEPS), ("ref-exact", dict(exact=True), 4),
                  ("ref-tied-exact", dict(exact=True, cfg="tied"), 4)]
-                + [(n, kw, 10) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
+                + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
             for tp, dp, sp, z in ((2, 1, False, 0), (2, 1, True, 1), (4, 1, False, 0), (4, 1, True, 0),
                                   (2, 2, False, 1), (2, 2, True, 0), (2, 4, True, 1), (4, 2, True, 2))]
-    out = [("ref", dict(), 10), ("ref-exact", dict(exact=True), 4)]
+    out = [("ref", dict(), STEPS), ("ref-exact", dict(exact=True), 4)]
     for pp in (2, 4):
         for sched in ("gpipe", "1f1b", "interleaved", "zb"):
-            out.append((f"pp{pp}-{sched}", dict(pp=pp, schedule=sched), 10))
+            out.append((f"pp{pp}-{sched}", dict(pp=pp, schedule=sched), STEPS))
             for dp in (1, 2):
                 if pp * dp <= 8:
                     out.append((f"pp{pp}-dp{dp}-{sched}-exact", dict(pp=pp, dp=dp, schedule=sched, exact=True, zero=1), 4))
-    out += [("pp2-dp2-z1", dict(pp=2, dp=2, zero=1), 10), ("pp2-dp2-z2-zb", dict(pp=2, dp=2, zero=2, schedule="zb"), 10),
+    out += [("pp2-dp2-z1", dict(pp=2, dp=2, zero=1), STEPS), ("pp2-dp2-z2-zb", dict(pp=2, dp=2, zero=2, schedule="zb"), STEPS),
             # b = 2: under sp a rank's rows of a micro-batch are a slice, sent contiguous
-            ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True, b=2), 10),  # (pp 2 x dp 2 x tp 2: the "matrix" suite)
-            ("pp2-recompute", dict(pp=2, recompute=True), 10),
+            ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True, b=2), STEPS),  # (pp 2 x dp 2 x tp 2: the "matrix" suite)
+            ("pp2-recompute", dict(pp=2, recompute=True), STEPS),
             ("pp2-dp2-z0-exact", dict(pp=2, dp=2, zero=0, exact=True), 4),
             ("pp2-dp2-z2-exact", dict(pp=2, dp=2, zero=2, exact=True, schedule="interleaved"), 4)]
     return out
@@ -153,7 +154,7 @@ MATRIX = [
     ("moe-exact", "moe", ("ref", dict()), [
         ("dp4-ep4-z3", dict(dp=4, ep=4, zero=3)), ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2, zero=1, schedule="1f1b"))]),
 ]
-MATRIX_STEPS = {False: (10, 5), True: (4, 2)}  # (steps, midway) in default and exact mode
+MATRIX_STEPS = {False: (STEPS, STEPS // 2), True: (4, 2)}  # (steps, midway) in default and exact mode
 # 4 blocks: pp 2 x interleaved 2 still a block a chunk; tp's and cp's messages are per block
 SHALLOW = replace(CFG, n_layer=4)
 
