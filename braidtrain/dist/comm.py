@@ -300,8 +300,9 @@ class Comm:
                             inline=inline)
 
     def broadcast(self, t, group: Group, src: int) -> Handle:
-        """Process-group rank `src`'s t on every member of group (in place)."""
-        return self._launch("broadcast", group, t, lambda g: dist.broadcast(t, src, group=g, async_op=True))
+        """Group member `src`'s t on every member of group (in place)."""
+        return self._launch("broadcast", group, t, lambda g: dist.broadcast(t, group.global_rank(src), group=g,
+                                                                            async_op=True))
 
     def all_to_all(self, out, inp, group: Group) -> Handle:
         if group.pg is None:
