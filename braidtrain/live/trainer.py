@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+
 import torch
 
 from braidtrain.dist.flight import Aborted
