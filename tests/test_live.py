@@ -353,12 +353,12 @@ def test_a_lost_pipeline_rank_retires_its_replica(tmp_path, shakespeare, ref):
 def test_a_frozen_tensor_parallel_rank_retires_its_replica(tmp_path, shakespeare):
     """dp 2 x tp 2: a rank of replica 1 (ranks 2, 3) frozen in a step, found by the heartbeat; its tp
     partner leaves in one line, replica 0 goes on as dp 1 x tp 2 (its tp group made again over the
-    new world, the model's layers holding the same Group) and ends with a tp-2 run's weights."""
+    new world, the model's layers holding the same Group) and ends with a tp-2 run's weights. (-b 8:
+    a quarter of the micro-batches, each a tp collective per layer -- which cost most here.)"""
     d = draw("tp", rank=(2, 3), step=range(2, STEPS + 1))
-    tp_ref, run = tmp_path / "ref", tmp_path / "run"
-    braidtrain("train", *COMMON, "--tp", 2, "-i", shakespeare, "--out", tp_ref, nproc=2)
-    pids, codes, out, err = by_hand(4, [*COMMON, "--tp", 2, "-i", shakespeare, "--out", run],
-                                    f"stop:rank={d['rank']}:step={d['step']}", tmp_path)
+    tp_ref, run, args = tmp_path / "ref", tmp_path / "run", [*COMMON, "-b", 8, "--tp", 2, "-i", shakespeare]
+    braidtrain("train", *args, "--out", tp_ref, nproc=2)
+    pids, codes, out, err = by_hand(4, [*args, "--out", run], f"stop:rank={d['rank']}:step={d['step']}", tmp_path)
     assert f"live recovery at step {d['step']}: rank {d['rank']} lost (no heartbeat for" in out, out[-3000:]
     check_retired(run, tp_ref, pids, codes, err, d["rank"], d["step"], partner=5 - d["rank"])
 
