@@ -1,6 +1,6 @@
 """A collective in flight: its record in the flight log (Record), its Handle, and how it is waited
 for -- on CUDA by the stream that launched it, on a host backend by the host, in slices when live
-recovery may abort it (Aborted)."""
+recovery may abort it (Aborted; a send and a receive then go as an all-to-all: abortable_p2p)."""
 
 from __future__ import annotations
 
