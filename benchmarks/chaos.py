@@ -22,6 +22,14 @@ restart path (torchrun, --max-restarts 0, then a new torchrun with --resume auto
 times the same thing there: the "resumed from" line plus the redone steps' step_s up to that step.
 
     python benchmarks/chaos.py --live --trials 20 [--against-restart K]
+
+--layout tp|pp|cp (with --live): each replica 2 ranks along that axis, --nproc ranks in all (4: two
+replicas, ZeRO-0; 8: four, a random ZeRO stage -- 0-2 under pp). The fault strikes a random rank
+outside replica 0 (rank 0's: it hosts the store); its replica is retired (live/replicas.py), its
+other rank must leave in one line, exit 0, and the other replicas go on, bitwise as ever (the
+reference runs the same axis at 2: exact mode's bits depend on tp and cp).
+
+    python benchmarks/chaos.py --live --layout tp --nproc 8 --trials 10
 """
 
 from __future__ import annotations
@@ -81,19 +89,30 @@ def trial(k: int, rnd: random.Random, data: str, work: Path, want: str) -> dict:
 LIVE_D = 2048  # 2 micro-batches a rank at dp 4: a lost rank's two go to two of the three others
 
 
-def live_args(data: str, run: Path, zero: int = 0) -> list:
+def live_args(data: str, run: Path, zero: int = 0, layout: str | None = None) -> list:
     args = [a if a != str(D) else str(LIVE_D) for a in MODEL]  # (a bucket a block: ZeRO-3 gathers every micro-batch)
-    return [*args, "-z", zero, "--bucket-mb", "0.5", "-i", data, "--out", run]
+    return [*args, "-z", zero, "--bucket-mb", "0.5", "-i", data, "--out", run, *(["--" + layout, 2] if layout else [])]
 
 
-def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, against: bool) -> dict:
-    kind, rank, step = rnd.choice(["kill", "stop"]), rnd.randrange(1, 4), rnd.randrange(4, STEPS + 1)  # (as trial())
-    zero = rnd.randrange(4)
+def replica(r: int, layout: str | None, n: int) -> int:
+    """Rank r's replica (data-parallel index) with 2 ranks along `layout` (mesh.py's grid: pp outermost)."""
+    return r if layout is None else r % (n // 2) if layout == "pp" else r // 2
+
+
+def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, against: bool, layout: str | None = None,
+               n: int = 4) -> dict:
+    outside = [r for r in range(n) if replica(r, layout, n) != 0]  # (replica 0 holds rank 0, the store's host)
+    kind, rank, step = rnd.choice(["kill", "stop"]), rnd.choice(outside), rnd.randrange(4, STEPS + 1)  # (as trial())
+    if not layout:
+        zero = rnd.randrange(4)
+    else:  # (ZeRO 1-3 over a replica group of one: no; ZeRO-3 with a pipeline: no)
+        zero = rnd.randrange(3 if layout == "pp" else 4) if n // 2 > 2 else 0
+    gone = [r for r in range(n) if replica(r, layout, n) == replica(rank, layout, n)]
     run = work / f"live{k}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NPROC="4",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NPROC=str(n),
                BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}")
-    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, live_args(data, run, zero))], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run([str(ROOT / "scripts" / "live.sh"), *map(str, live_args(data, run, zero, layout))], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
     (work / f"live{k}.log").write_text(p.stdout + p.stderr)
     t0 = re.search(r"fault injected: .* at step \d+ \(t=([\d.]+)\)", p.stderr)
     t1 = re.search(rf"live: step {step} completed by ranks ([\d,]+) \(t=([\d.]+)\)", p.stdout)
@@ -104,22 +123,26 @@ def live_trial(k: int, rnd: random.Random, data: str, work: Path, want: str, aga
         if (run / "metrics.jsonl").is_file() else []
     moved = [json.loads(line) for line in changes.read_text().splitlines()] if changes.is_file() else []
     same_pids = len(moved) == 1 and {int(r): x for r, x in moved[0]["pids"].items()} == \
-        {r: x for r, x in pids.items() if r != rank}
-    r = {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": zero, "world": "4 -> 3",
-         "ok": p.returncode == 0 and got == want and steps == list(range(1, STEPS + 1)) and same_pids,
+        {r: x for r, x in pids.items() if r not in gone}
+    left = [r for r in gone if r != rank]  # a retired replica's other ranks: one line each, exit 0
+    said = all(f"braidtrain: rank {r}: its replica (data-parallel index {replica(r, layout, n)}) was retired" in p.stderr
+               and f"live.sh: rank {r} (pid {pids.get(r)}) exited 0" in p.stderr for r in left)
+    r = {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": zero, "world": f"{n} -> {n - len(gone)}",
+         "ok": p.returncode == 0 and got == want and steps == list(range(1, STEPS + 1)) and same_pids and said,
          "same_pids": same_pids, "live_s": float(t1.group(2)) - float(t0.group(1)) if t0 and t1 else None}
     if against:
-        r["restart_s"] = restart_time(k, kind, rank, step, zero, data, work)
+        r["restart_s"] = restart_time(k, kind, rank, step, zero, data, work, layout, n)
     return r
 
 
-def restart_time(k: int, kind: str, rank: int, step: int, zero: int, data: str, work: Path) -> float | None:
+def restart_time(k: int, kind: str, rank: int, step: int, zero: int, data: str, work: Path, layout: str | None = None,
+                 n: int = 4) -> float | None:
     """Today's path for the same fault: seconds from the fault to the end of the step it interrupted."""
     run = work / f"restart{k}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    args = [*live_args(data, run, zero)]
-    _, ev1 = torchrun(4, args, dict(env, BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}"), work / f"restart{k}-a.log")
-    rc, ev2 = torchrun(4, [*args, "--resume", "auto"], env, work / f"restart{k}-b.log")
+    args = [*live_args(data, run, zero, layout)]
+    _, ev1 = torchrun(n, args, dict(env, BRAIDTRAIN_FAULT=f"{kind}:step={step}:rank={rank}"), work / f"restart{k}-a.log")
+    rc, ev2 = torchrun(n, [*args, "--resume", "auto"], env, work / f"restart{k}-b.log")
     t0 = ev1.get("fault injected")
     if rc or not t0 or "resumed from" not in ev2:
         return None
@@ -133,7 +156,7 @@ def live_main(a) -> int:
     with tempfile.TemporaryDirectory(prefix="braidtrain-chaos-") as tmp:
         work = Path(tmp)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        rc, _ = torchrun(2, live_args(a.data, work / "ref"), env, work / "ref.log")
+        rc, _ = torchrun(2, live_args(a.data, work / "ref", layout=a.layout), env, work / "ref.log")
         if rc:
             print((work / "ref.log").read_text()[-3000:], file=sys.stderr)
             return 1
@@ -141,7 +164,7 @@ def live_main(a) -> int:
         rows = []
         fmt = lambda x: "-" if x is None else f"{x:.1f} s"
         for k in range(a.trials):
-            r = live_trial(k, rnd, a.data, work, want, k < a.against_restart)
+            r = live_trial(k, rnd, a.data, work, want, k < a.against_restart, a.layout, a.nproc)
             rows.append(r)
             print(f"trial {k}: {r['fault']}, ZeRO-{r['zero']}, world {r['world']}: "
                   f"{'bitwise equal, survivors the same processes' if r['ok'] else 'FAILED'}; fault to that step "
@@ -172,7 +195,11 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="live recovery (scripts/live.sh) instead of the restart")
     ap.add_argument("--against-restart", type=int, default=0, metavar="K",
                     help="--live: time the first K trials' faults on the restart path too")
+    ap.add_argument("--layout", choices=("tp", "pp", "cp"), help="--live: replicas of 2 ranks along this axis")
+    ap.add_argument("--nproc", type=int, default=4, help="--live: ranks (4 or 8)")
     a = ap.parse_args()
+    if a.layout and not a.live:
+        ap.error("--layout goes with --live")
     if a.live:
         return live_main(a)
     rnd = random.Random(a.seed)

@@ -114,7 +114,7 @@ def build(cfg: Config) -> Run:
 
     comm = Comm(device)
     mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, ep=lay.ep, new_group=rt.new_group,
-                      ring=lay.virtual > 1)
+                      ring=ring(lay, cfg.live_recovery))
     out, session, run_id, out_lock = resolve_out(cfg, rt, comm, mesh)  # (before the model: a refusal costs nothing)
     train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
@@ -188,6 +188,12 @@ def _inductor_on_a_baseline_cpu(device) -> None:
         from torch._inductor import config as inductor
 
         inductor.cpp.simdlen = 1
+
+
+def ring(lay: layout.Layout, live: bool) -> bool:
+    """Whether the mesh pairs the last pipeline stage with the first: the interleaved schedule's
+    transfers, and under live recovery the tied embedding's exchange (parallel/tied.py)."""
+    return lay.virtual > 1 or (live and lay.pp > 2)
 
 
 def make_parts(mcfg: ModelConfig, mesh: Mesh, lay: layout.Layout, sp: bool) -> list[Stage]:

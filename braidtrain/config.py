@@ -109,7 +109,7 @@ class Config:
     fp8: str | None = None  # tensorwise | rowwise: the blocks' linear layers in float8 (model/fp8.py)
     timeout: float = 300.0
     heartbeat_timeout: float = 30.0  # seconds of silence before a peer counts as lost; 0: no heartbeat
-    live_recovery: bool = False  # a lost data-parallel rank: the survivors go on in-process (live/)
+    live_recovery: bool = False  # a lost rank (under pp/tp/cp: its replica): the survivors go on in-process (live/)
     join: bool = False  # live recovery: this process replaces a lost rank (-pr) of a running job
 
     def to_toml(self) -> str:

@@ -138,8 +138,9 @@ def train_parser(sub):
                    help="seconds without a peer's heartbeat before the survivors write their flight logs and exit "
                         "(default 30; 0: off)")
     g.add_argument("--live-recovery", action="store_true", default=None,
-                   help="when a data-parallel rank dies or freezes, the others go on without a restart, taking over "
-                        "its sequences (ZeRO-0; start the ranks with -pi tcp/fs: scripts/live.sh)")
+                   help="when a rank dies or freezes, the others go on without a restart, taking over its sequences "
+                        "(under pp, tp or cp its replica leaves with it; start the ranks with -pi tcp/fs: "
+                        "scripts/live.sh)")
     g.add_argument("--join", action="store_true", default=None,
                    help="--live-recovery: join the running job (-pi tcp -ps, its -pn) in place of lost rank -pr, "
                         "taking the state from a peer at a step boundary")

@@ -7,7 +7,8 @@ buddy copies, parallel/mirror.py). The stage, the rank and the step are drawn at
 each test prints (BRAIDTRAIN_TEST_SEED=S runs the same draw again). The kill goes through
 scripts/live.sh (the launch path users take); the others through the tests' fork server. Plus the
 tree that makes the redone step exact, against parallel/exact.py's, and the one-line refusals and
-fallbacks."""
+fallbacks. Under pp or tp a lost rank retires its whole replica (live/replicas.py): its live partner
+leaves in one line, the other replica goes on, bitwise as ever."""
 
 from __future__ import annotations
 
@@ -200,18 +201,20 @@ def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
     assert "membership change 2 at step 6: rank 2 joined" in braidtrain("doctor", run).stdout
 
 
-def test_plan_counts_the_copies_and_keeps_data_parallelism_alone():
-    """`plan --live-recovery`: only dp layouts, each ZeRO 1-3 rank with its neighbour's shard
-    counted -- at ZeRO-3 its sharded state twice (m, v, the gradient and the parameters) -- against
-    the planner's estimate of the same layout without; another axis asked for is one line."""
+def test_plan_counts_the_copies_and_refuses_expert_parallelism():
+    """`plan --live-recovery`: layouts of two replicas or more, each ZeRO 1-3 rank with its
+    neighbour's shard counted -- at ZeRO-3 its sharded state twice (m, v, the gradient and the
+    parameters) -- against the planner's estimate of the same layout without; --ep is one line."""
     from braidtrain.model import registry
     from braidtrain.plan.estimate import estimate
     from braidtrain.plan.memory import GB
     from braidtrain.plan.space import Candidate, Setup
 
     p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "-t", 64, "-d", D, "--variants", "--json", "--live-recovery")
-    live = json.loads(p.stdout)["layouts"]
-    assert {r["zero"] for r in live} == {0, 1, 2, 3} and all(r["dp"] == 4 for r in live)
+    rows = json.loads(p.stdout)["layouts"]
+    assert all(r["dp"] >= 2 and r["ep"] == 1 for r in rows) and any(r["tp"] * r["pp"] * r["cp"] > 1 for r in rows)
+    live = [r for r in rows if r["dp"] == 4]
+    assert {r["zero"] for r in live} == {0, 1, 2, 3}
     s = Setup(registry.model_config("tiny", 50257), 4, 80.0, 64, D)
     for r in live:
         zero = r["zero"]
@@ -219,9 +222,9 @@ def test_plan_counts_the_copies_and_keeps_data_parallelism_alone():
         u = want["optimizer"] / 2 / GB  # ZeRO 1-3: 4P/n, a shard of one fp32 tensor of the model's size
         extra = {"params": u * (zero == 3), "grads": u * (zero >= 1), "optimizer": 2 * u * (zero >= 1)}
         assert all(r["mem_gb"][k] == pytest.approx(want[k] / GB + extra[k], rel=1e-9) for k in extra), (r, want)
-    p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "--live-recovery", "--tp", 2, check=False)
-    assert p.returncode == 2 and p.stderr.strip() == \
-        "braidtrain: error: --live-recovery keeps data parallelism alone, got --tp 2", p.stderr
+    p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "--live-recovery", "--ep", 2, check=False)
+    assert p.returncode == 2 and p.stderr.startswith(
+        "braidtrain: error: --live-recovery does not recover expert parallelism, got --ep 2"), p.stderr
 
 
 def test_the_redone_steps_tree_is_exact_modes():
@@ -266,7 +269,9 @@ def test_the_redone_steps_tree_is_exact_modes():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--tp", "2"], "--live-recovery needs data parallelism alone, got --tp 2"),
+    (["--moe-experts", "2", "--ep", "2"], "--live-recovery does not recover expert parallelism, got --ep 2: an ep "
+                                          "group spans 2 replicas"),
+    (["--join", "--tp", "2"], "--join replaces one data-parallel rank, and with --tp 2 a lost rank retires"),
     (["--heartbeat-timeout", "0"], "--live-recovery finds frozen ranks by the heartbeat"),
     (["--join"], "--join replaces a lost rank of a running job: give -pi tcp"),
     (["--join", "--no-live"], "--join adds a process to a job that runs with --live-recovery: give both"),
@@ -306,3 +311,68 @@ def test_a_rank_lost_with_its_buddy_falls_back_in_one_line(tmp_path, shakespeare
     state = estimate(s, Candidate(4, d["zero"], 2, False))["state"]
     want = (state["params"] + state["grads"] + state["optimizer"] - state["transient"]) / 1e9
     assert metrics(run)[0]["mem_gb"] == pytest.approx(want, rel=0.01)
+
+
+def check_retired(run: Path, ref: Path, pids: dict, codes: dict, err: str, lost: int, step: int, partner: int) -> None:
+    """4 ranks, 2 replicas: `lost` (of replica 1) lost at `step`; its partner left in one line (exit 0),
+    the other replica's ranks -- the processes that started -- logged every step once and ended with
+    the uninterrupted run's losses and weights; the membership log and doctor name the retired replica."""
+    left = [r for r in range(4) if r not in (lost, partner)]
+    assert codes == {r: -signal.SIGKILL if r == lost else 0 for r in range(4)}, err[-5000:]
+    line = (f"braidtrain: rank {partner}: its replica (data-parallel index 1) was retired because rank {lost} was "
+            f"lost; ranks {','.join(map(str, left))} go on without it; exiting")
+    assert [x for x in err.splitlines() if f"rank {partner}: " in x and "fault" not in x] == [line], err[-3000:]
+    recs, want = metrics(run), metrics(ref)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in recs] == [r["loss"] for r in want]
+    assert [(r["step"], r["world_size"]) for r in recs if "recover_s" in r] == [(step, 2)]
+    (change,) = membership(run)
+    assert (change["step"], change["members"], list(change["lost"]), change["retired"], change["left"]) == \
+        (step, left, [str(lost)], [1], [partner])
+    assert {int(r): p for r, p in change["pids"].items()} == {r: pids[r] for r in left}
+    assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+    report = braidtrain("doctor", run).stdout
+    assert f"membership change 1 at step {step}: rank {lost} lost" in report, report
+    assert f"replica 1 retired (rank {partner} leaves); ranks {','.join(map(str, left))} go on, world 4 -> 2 " \
+           f"(dp 2 -> 1)" in report, report
+
+
+def test_a_lost_pipeline_rank_retires_its_replica(tmp_path, shakespeare, ref):
+    """dp 2 x pp 2: a rank of replica 1 (ranks 1, 3) killed in a step. Its stage is nowhere else, so
+    the replica is retired: its other stage leaves in one line, and replica 0 (ranks 0, 2) does the
+    step again with all the micro-batches -- its pipeline's transfers abandonable all-to-alls -- and
+    ends with the weights of the one-process run (exact mode's bits do not depend on dp or pp)."""
+    d = draw("pp", rank=(1, 3), step=range(2, STEPS + 1))
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*COMMON, "--pp", 2, "-i", shakespeare, "--out", run],
+                                    f"kill:rank={d['rank']}:step={d['step']}", tmp_path)
+    assert f"live recovery at step {d['step']}: rank {d['rank']} lost (its process" in out, out[-3000:] + err[-3000:]
+    check_retired(run, ref, pids, codes, err, d["rank"], d["step"], partner=4 - d["rank"])
+
+
+def test_a_frozen_tensor_parallel_rank_retires_its_replica(tmp_path, shakespeare):
+    """dp 2 x tp 2: a rank of replica 1 (ranks 2, 3) frozen in a step, found by the heartbeat; its tp
+    partner leaves in one line, replica 0 goes on as dp 1 x tp 2 (its tp group made again over the
+    new world, the model's layers holding the same Group) and ends with a tp-2 run's weights. (-b 8:
+    a quarter of the micro-batches, each a tp collective per layer -- which cost most here.)"""
+    d = draw("tp", rank=(2, 3), step=range(2, STEPS + 1))
+    tp_ref, run, args = tmp_path / "ref", tmp_path / "run", [*COMMON, "-b", 8, "--tp", 2, "-i", shakespeare]
+    braidtrain("train", *args, "--out", tp_ref, nproc=2)
+    pids, codes, out, err = by_hand(4, [*args, "--out", run], f"stop:rank={d['rank']}:step={d['step']}", tmp_path)
+    assert f"live recovery at step {d['step']}: rank {d['rank']} lost (no heartbeat for" in out, out[-3000:]
+    check_retired(run, tp_ref, pids, codes, err, d["rank"], d["step"], partner=5 - d["rank"])
+
+
+def test_a_loss_in_rank_0s_replica_falls_back_in_one_line(tmp_path, shakespeare):
+    """dp 2 x tp 2, rank 1 killed: its replica holds rank 0, whose process hosts the store and cannot
+    leave -- the ranks left fall back to the restart path (exit 75) together, each in one line."""
+    run = tmp_path / "run"
+    pids, codes, out, err = by_hand(4, [*SMALL, "-d", D, "-x", 3, "--tp", 2, "--heartbeat-timeout", 3, "-i",
+                                        shakespeare, "--out", run], "kill:rank=1:step=2", tmp_path)
+    assert codes == {0: 75, 1: -signal.SIGKILL, 2: 75, 3: 75}, err[-5000:]
+    line = ("peer lost: rank 1 lost: it retires replica 0, and its rank 0, which hosts the rendezvous store, cannot "
+            "leave; falling back to the checkpoint restart")
+    assert sorted(x.split(":")[1] for x in err.splitlines() if line in x) == [" rank 0", " rank 2", " rank 3"], err
+    (change,) = membership(run)
+    assert change["fallback"] and change["step"] == 2
+    assert "membership change 1 at step 2: rank 1 lost; it retires replica 0" in braidtrain("doctor", run).stdout

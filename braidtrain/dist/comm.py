@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from braidtrain.dist.flight import Handle, Record, AllWorks, timing_events
+from braidtrain.dist.flight import Handle, Record, AllWorks, abortable_p2p, timing_events
 
 # torch 2.13 renamed the *_tensor collectives to *_single; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -309,8 +309,9 @@ class Comm:
                             inline=inline)
 
     def broadcast(self, t, group: Group, src: int) -> Handle:
-        """Process-group rank `src`'s t on every member of group (in place)."""
-        return self._launch("broadcast", group, t, lambda g: dist.broadcast(t, src, group=g, async_op=True))
+        """Group member `src`'s t on every member of group (in place)."""
+        return self._launch("broadcast", group, t, lambda g: dist.broadcast(t, group.global_rank(src), group=g,
+                                                                            async_op=True))
 
     def all_to_all(self, out, inp, group: Group) -> Handle:
         if group.pg is None:
@@ -338,6 +339,8 @@ class Comm:
 
         if group.pg is None:
             recv.copy_(send)
+        elif self.abort is not None and not self.cuda:  # (live recovery: flight.abortable_p2p)
+            return self._launch("send_recv", group, send, abortable_p2p(send, recv, to, frm, group))
         return self._launch("send_recv", group, send, fn, direct=direct)
 
     def transfer(self, tensor, group: Group, what: str) -> Handle:
@@ -349,6 +352,9 @@ class Comm:
 
         def fn(g):
             return (dist.isend if send else dist.irecv)(tensor, other, group=g)
+
+        if self.abort is not None and not self.cuda:  # (live recovery: flight.abortable_p2p)
+            fn = abortable_p2p(*((tensor, None) if send else (None, tensor)), 1, 0, group)
 
         # On CUDA not through the side stream, where each operation waits for the one before: a
         # send held there until its peer receives would hold up the receive this rank posts next,

@@ -1,8 +1,8 @@
-"""Live recovery: a lost data-parallel rank costs no restart and no step (--live-recovery).
+"""Live recovery: a lost data-parallel rank costs no restart and no step (--live-recovery); under pp,
+tp or cp a lost rank retires its whole replica, and the other replicas go on (replicas.py).
 
 Without it, any failure ends every process and the job restarts from the last checkpoint
-(fault.py, docs/fault-tolerance.md). With it, under data parallelism alone, the survivors carry on in
-the same processes:
+(fault.py, docs/fault-tolerance.md). With it the survivors carry on in the same processes:
 
     rank 2 killed ──► a survivor's collective fails (gloo: the connection closed) ──┐
     rank 1 frozen ──► a survivor's heartbeat finds it silent for --heartbeat-timeout ─┤
@@ -20,12 +20,14 @@ Ranks keep their number (the heartbeat's keys, the checkpoint's file names, the 
 the process group numbers the members 0..n-1 in rank order. The store lives in rank 0's process
 (-pi tcp / -pi fs), so rank 0 is the one rank whose loss cannot be recovered live: the survivors
 find the store gone and fall back to the restart path (exit 75), as they do when the main thread is
-stuck where it cannot be interrupted (a checkpoint save's barrier), no agreement comes in time, or
--- ZeRO 1-3 -- a rank is lost with its buddy, or one rank would be left.
+stuck where it cannot be interrupted (a checkpoint save's barrier), no agreement comes in time, a
+rank of rank 0's replica is lost (pp, tp, cp), or -- ZeRO 1-3 -- a rank is lost with its buddy, or
+one rank (one replica) would be left.
 
-  trainer.py   LiveTrainer: the step that survives a loss, recover, grow (a joiner in), rebuild
+  trainer.py   LiveTrainer: the step that survives a loss, recover, grow (a joiner in)
   members.py   the agreement on the members through the store; the membership log
   redo.py      the step's micro-batches over the members left, summed by global number
+  replicas.py  a lost rank's replica retired (pp, tp, cp); the world rebuilt over the ranks left
   state.py     the state brought level, sent to a joiner, re-sharded; checked by sha256
   join.py      a process that joins a running job in place of a lost rank (--join)
 """

@@ -25,9 +25,12 @@ from braidtrain.dist.fault import MEMBERSHIP
 TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "socket")
 
 
-def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeout: float) -> dict:
+def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeout: float,
+          replica=lambda r: r) -> dict:
     """Epoch e's decision: {"members", "lost": {rank: why}, "done": {rank: steps}, "pids", "update"}
-    ("update": what a member that applied the step's update reported, or None)."""
+    ("update": what a member that applied the step's update reported, or None). A lost rank takes
+    its replica out (`replica`: a rank's, live/replicas.py): the members are the ranks here of the
+    other replicas; "pids" has every rank here, those of a retired replica too."""
     key, deadline, since = f"live/{e}/next", time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
         if store.check([key]):
@@ -39,7 +42,8 @@ def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeou
         lost = {p: why for p in ids if p not in here and (why := judge(guard, p, since, heartbeat_timeout))}
         if len(here) + len(lost) == len(ids):
             applied = [h["update"] for h in here.values() if h.get("update") is not None]
-            decision = {"members": [p for p in ids if p in here], "lost": lost,
+            retired = {replica(p) for p in lost}
+            decision = {"members": [p for p in ids if p in here and replica(p) not in retired], "lost": lost,
                         "done": {p: h["done"] for p, h in here.items()}, "pids": {p: h["pid"] for p, h in here.items()},
                         "update": applied[0] if applied else None}
             store.compare_set(key, "", json.dumps(decision))
@@ -49,8 +53,9 @@ def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeou
 
 
 def leave_together(store, e: int, ids: list[int], me: int, wait: float) -> None:
-    """Before the members fall back to the restart path together: each says so, and rank 0 -- whose
-    process hosts the store -- waits (up to `wait` seconds) until all have read the decision."""
+    """Before the ranks `ids` (every one still here) fall back to the restart path together: each
+    says so, and rank 0 -- whose process hosts the store -- waits (up to `wait` seconds) until all have
+    read the decision."""
     try:
         store.set(f"live/{e}/leaving/{me}", "1")
         deadline = time.monotonic() + wait

@@ -64,14 +64,16 @@ class Transfer:
     # -- ZeRO 1-3: the shards, from their holders -------------------------------------------------
     def reshard(self, old: list[int], held: dict) -> str:
         """The sharded state over the members now (mirror.reshard), from the members `old` of the
-        layout before (this rank's holdings `held`); every member's hash of it compared."""
-        group, world = self.mesh.groups["replica"], self.mesh.groups["world"]
-        self.mirror, got = mirror.reshard(self.engine, self.opt, self.comm, group, len(old), held,
-                                          mirror.holders(old, self.ids))
-        seen = self.comm.all_gather_object((self.opt.step_count, got), world)
+        layout before (this rank's holdings `held`); every member's hash of it compared -- within
+        its replica group (under pp or tp the groups hold other parameters: replicas.py)."""
+        group, me, g = self.mesh.groups["replica"], self.rt.rank, self.grid
+        was = g.group(old, me)
+        self.mirror, got = mirror.reshard(self.engine, self.opt, self.comm, group, len(was), held,
+                                          mirror.holders(was, g.group(self.ids, me), g.cp), g.cp)
+        seen = self.comm.all_gather_object((self.opt.step_count, got), group)
         self.opt.step_count, want = seen[0]  # (process-group rank 0: a member before, never a joiner)
         if got != want:
-            self.bad_copy(f"the re-sharded state assembled here has sha256 {got[:12]}, rank {self.ids[0]}'s "
+            self.bad_copy(f"the re-sharded state assembled here has sha256 {got[:12]}, rank {group.ranks[0]}'s "
                           f"{want[:12]}")
         return got
 

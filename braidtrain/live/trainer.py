@@ -1,24 +1,22 @@
-"""LiveTrainer: the training loop whose step survives the loss of a data-parallel rank (the package
-docstring draws the protocol). A step that fails in a collective because a peer was lost is
-recovered -- the members agreed (members.py), the world rebuilt over them, the state brought level
-and laid out over them (state.py) -- and done again with the lost ranks' micro-batches divided
-(redo.py); a joiner is let in at a step boundary (grow). A step interrupted after some survivors
-applied its update is not done twice: those behind apply the same update (state.catch_up).
+"""LiveTrainer: the training loop whose step survives the loss of a data-parallel rank -- or, under
+pp, tp or cp, of a whole replica (replicas.py). The package docstring draws the protocol. A step
+that fails in a collective because a peer was lost is recovered -- the members agreed (members.py),
+the world rebuilt over them (replicas.py), the state brought level and laid out over them
+(state.py) -- and done again with the lost ranks' micro-batches divided (redo.py); a joiner is let
+in at a step boundary (grow). A step interrupted after some survivors applied its update is not
+done twice: those behind apply the same update (state.catch_up).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from braidtrain.dist.flight import Aborted
 from braidtrain.errors import UserError
@@ -27,24 +25,24 @@ from braidtrain.live import members
 from braidtrain.live.join import build_joiner
 from braidtrain.live.members import first_line, is_transport, ranks
 from braidtrain.live.redo import Redo
+from braidtrain.live.replicas import Grid, Replicas
 from braidtrain.live.state import Transfer
-from braidtrain.dist.mesh import build_mesh
 from braidtrain.parallel import mirror
-from braidtrain.parallel.buckets import Q
 from braidtrain.train import Trainer
-
-_leaked = []  # the process groups given up: never destroyed (their threads may wait on a dead peer)
 
 
 def check_config(cfg) -> None:
     """--live-recovery's one-line refusals, before anything starts."""
     if cfg.join and not cfg.live_recovery:
         raise UserError("--join adds a process to a job that runs with --live-recovery: give both")
-    others = [f"--{a} {getattr(cfg, a)}" for a in ("pp", "cp", "tp", "ep") if getattr(cfg, a) != 1]
-    if others:
-        raise UserError(f"--live-recovery needs data parallelism alone, got {' '.join(others)}: losing one of "
-                        f"those ranks takes its whole replica out, which live recovery does not do; drop "
-                        f"--live-recovery (the checkpoint restart recovers these layouts)")
+    if cfg.ep != 1:
+        raise UserError(f"--live-recovery does not recover expert parallelism, got --ep {cfg.ep}: an ep group spans "
+                        f"{cfg.ep} replicas (carved from the dp axis), so a lost rank would break the other replicas' "
+                        f"expert exchange too; drop --live-recovery (the checkpoint restart recovers it) or use --ep 1")
+    others = [f"--{a} {getattr(cfg, a)}" for a in ("pp", "cp", "tp") if getattr(cfg, a) != 1]
+    if cfg.join and others:
+        raise UserError(f"--join replaces one data-parallel rank, and with {' '.join(others)} a lost rank retires its "
+                        f"whole replica, whose ranks cannot join back live: drop --join")
     if cfg.heartbeat_timeout <= 0:
         raise UserError("--live-recovery finds frozen ranks by the heartbeat: give --heartbeat-timeout > 0")
     if cfg.device not in (None, "cpu") or (cfg.device is None and torch.cuda.is_available()):
@@ -58,17 +56,21 @@ def check_config(cfg) -> None:
                         "and the lost rank's -pr (not 0: rank 0 hosts the store)")
 
 
-class LiveTrainer(Redo, Transfer, Trainer):
+class LiveTrainer(Redo, Transfer, Replicas, Trainer):
     """The training loop with live recovery. Ranks keep their numbers; `ids` are the members now,
-    in process-group order."""
+    in process-group order, `replicas` the data-parallel indices left (replicas.py: under dp alone,
+    the same)."""
 
     def __init__(self, cfg):
         super().__init__(cfg, build_joiner(cfg) if cfg.join else None)
+        lay = self.layout  # (a joiner's: the job's first layout)
         self.on = cfg.live_recovery and (self.rt.world_size > 1 or cfg.join)
-        self.ids = list(range(self.layout.dp))
-        self.D, self.m, self.b = self.layout.dp, self.batch.micro_steps, cfg.batch_size
+        self.grid = Grid(lay.pp, lay.dp, lay.cp, lay.tp)
+        self.ids = list(range(lay.pp * lay.dp * lay.cp * lay.tp))
+        self.replicas, self.replica = list(range(lay.dp)), self.grid.replica(self.rt.rank)
+        self.D, self.m, self.b = lay.dp, self.batch.micro_steps, cfg.batch_size
         self.M = self.D * self.m  # micro-batches of a step
-        self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.ids}  # id -> its global micro-batches
+        self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.replicas}  # replica -> micro-batches
         self.epoch, self.degraded, self.recovering, self.noticed, self.cause = 0, False, False, None, None
         self.lock = threading.Lock()
         self.applied = None  # this step's update, once applied on this rank: its clip scale and skip flag
@@ -85,7 +87,7 @@ class LiveTrainer(Redo, Transfer, Trainer):
             adm = self.built.admission
             self.arrive(adm["epoch"], adm["members"], adm["add"], adm["step"])
         elif self.on and cfg.zero:
-            self.mirror = mirror.Mirror(self.engine, self.opt, self.mesh.groups["replica"])
+            self.mirror = mirror.Mirror(self.engine, self.opt, self.mesh.groups["replica"], stride=lay.cp)
             self.mirror.fill()
 
     # -- the watch threads' side (fault.Guard) ---------------------------------------------------
@@ -116,7 +118,7 @@ class LiveTrainer(Redo, Transfer, Trainer):
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        if self.on and len(self.ids) < self.D:
+        if self.on and self.grid.alone and len(self.ids) < self.D:
             self.boundary(step)
         while True:
             count, self.applied = self.opt.step_count, None
@@ -163,7 +165,7 @@ class LiveTrainer(Redo, Transfer, Trainer):
     def _run(self) -> dict:
         try:
             summary = super()._run()
-            if self.on and self.rt.is_main:  # a joiner still waiting will not be admitted now
+            if self.on and self.rt.is_main and self.grid.alone:  # a joiner still waiting will not be admitted now
                 for r in range(1, self.D):
                     if self.rt.store.check([f"live/join/{r}"]):
                         self.rt.store.set(f"live/joined/{r}", json.dumps({"refused": f"the run ended at step "
@@ -190,61 +192,54 @@ class LiveTrainer(Redo, Transfer, Trainer):
             self.guard.dump(f"live recovery: {cause}", self.out / "flight" / f"live-{e}" / f"rank_{me:05d}.jsonl")
             done = step + 1 if self.applied else step
             store.set(f"live/{e}/here/{me}", json.dumps({"done": done, "pid": os.getpid(), "update": self.applied}))
-            decision = members.agree(store, e, self.ids, self.guard, self.cfg.timeout, self.cfg.heartbeat_timeout)
+            decision = members.agree(store, e, self.ids, self.guard, self.cfg.timeout, self.cfg.heartbeat_timeout,
+                                     self.grid.replica)
         except Exception as x:  # the store is gone with rank 0, or never agreed
             self.fall_back(f"live recovery failed ({first_line(x)})")
         ids, lost = decision["members"], {int(k): v for k, v in decision["lost"].items()}
-        if me not in ids:
+        here = sorted(int(p) for p in decision["pids"])  # (the members, and a retired replica's ranks)
+        if me not in here:
             print(f"braidtrain: rank {me}: the others went on without this rank (judged lost); exiting",
                   file=sys.stderr, flush=True)
             os._exit(EXIT_PEER_LOST)
         if not lost:  # everyone is here: the error was not a lost peer
             raise err
         old, target = self.ids, max(decision["done"].values())
-        why = self.unrecoverable(old, ids)
+        why = self.unrecoverable(old, ids, lost)
         if why:
             if self.rt.is_main:
                 members.record(self.out, {"epoch": e + 1, "step": step + 1, "members": [], "lost": lost,
                                           "what": f"{ranks(lost)} lost; {why}: fell back to the checkpoint restart",
                                           "fallback": True, "time": time.time()})
-            members.leave_together(store, e, ids, me, self.cfg.heartbeat_timeout)  # (rank 0's store goes with it)
+            members.leave_together(store, e, here, me, self.cfg.heartbeat_timeout)  # (rank 0's store goes with it)
             self.fall_back(f"{ranks(lost)} lost: {why}")
+        leaving = [p for p in here if p not in ids]
+        if me in leaving:
+            self.leave(lost, ids)
         if target > step:  # the update was applied by some: the others apply it too
             if self.applied is None:
                 self.catch_up(step, decision["update"])
             if decision["update"]["skip"]:  # (a skipped step does not count in Adam's steps)
                 self.opt.step_count -= 1
         held = self.mirror.holdings() if self.mirror is not None else None
+        dp = self.layout.dp
         self.rebuild(e + 1, ids)
         if held is not None:
             self.reshard(old, held)
         secs = time.time() - t0
-        what = (f"{ranks(lost)} lost ({'; '.join(lost.values())}); ranks {','.join(map(str, ids))} go on, world "
-                f"{len(old)} -> {len(ids)}, " + self.promoted(old, lost)
+        retired = "" if self.grid.alone else self.retired(lost, leaving) + "; "
+        what = (f"{ranks(lost)} lost ({'; '.join(lost.values())}); {retired}ranks {','.join(map(str, ids))} go on, "
+                f"world {len(old)} -> {len(ids)}" + ("" if self.grid.alone else f" (dp {dp} -> {self.layout.dp})")
+                + ", " + self.promoted(old, lost)
                 + (f"step {step + 1} done again" if target == step else f"step {step + 1} already applied"))
         if self.rt.is_main:
             members.record(self.out, {"epoch": e + 1, "step": step + 1, "members": ids, "lost": lost, "what": what,
-                                      "pids": decision["pids"], "cause": cause, "time": time.time(), "recover_s": secs})
+                                      "pids": {p: decision["pids"][p] for p in map(str, ids)}, "cause": cause,
+                                      "time": time.time(), "recover_s": secs, **({} if self.grid.alone else {
+                                          "retired": sorted({self.grid.replica(r) for r in lost}), "left": leaving})})
             print(f"braidtrain: live recovery at step {step + 1}: {what} ({secs:.1f} s)", flush=True)
         self.report = {"world_size": len(ids), "recover_s": secs}
         return target
-
-    def unrecoverable(self, old: list[int], ids: list[int]) -> str | None:
-        """Why the state cannot go on over `ids` (ZeRO 1-3), or None."""
-        if self.mirror is None:
-            return None
-        if len(ids) < 2:
-            return (f"one rank would be left, and ZeRO-{self.cfg.zero} on one rank is ZeRO-0's layout, which live "
-                    f"recovery does not switch to")
-        held = mirror.holders(old, ids)
-        return held if isinstance(held, str) else None
-
-    def promoted(self, old: list[int], lost: dict) -> str:
-        """ZeRO 1-3: whose copies took the lost shards' place (for the membership log)."""
-        if self.mirror is None:
-            return ""
-        copies = ", ".join(f"rank {old[(old.index(r) - 1) % len(old)]}'s copy of rank {r}'s" for r in sorted(lost))
-        return f"{copies} ZeRO-{self.cfg.zero} shard promoted and the state re-sharded over {len(self.ids)} ranks, "
 
     def fall_back(self, why: str) -> None:
         self.guard._publish(f"rank {self.rt.rank}: {why}")
@@ -299,7 +294,7 @@ class LiveTrainer(Redo, Transfer, Trainer):
     def arrive(self, epoch: int, ids: list[int], add: list[int], step: int) -> None:
         """A joiner's side of grow(): it is a member from `step` on; its state comes from the others."""
         with self.lock:
-            self.ids, self.epoch = ids, epoch
+            self.ids, self.replicas, self.epoch = ids, ids, epoch  # (a joiner: dp alone)
         self.guard.watch(ids)
         self.redivide()
         self.arriving = True
@@ -310,39 +305,3 @@ class LiveTrainer(Redo, Transfer, Trainer):
         self.arriving = False
         print(f"braidtrain: rank {self.rt.rank}: joined at step {step + 1}, the state {source} "
               f"(sha256 {digest[:12]}, checked)", file=sys.stderr, flush=True)
-
-    # -- the new world ---------------------------------------------------------------------------
-    def rebuild(self, epoch: int, ids: list[int]) -> None:
-        """The process group, mesh and engine's groups over `ids`, and the step's work divided
-        among them; what the abandoned step left behind is dropped. (ZeRO 1-3: reshard then lays
-        the buckets out over them.)"""
-        rt, me, n = self.rt, self.rt.rank, len(ids)
-        old = dist.group.WORLD
-        _leaked.append(old)  # its worker threads may still wait on the lost peer: never destroy it
-        dist.destroy_process_group()
-        dist.init_process_group(rt.backend, store=dist.PrefixStore(f"live/{epoch}/pg", rt.store), rank=ids.index(me),
-                                world_size=n, timeout=timedelta(seconds=self.cfg.timeout))
-        comm = self.comm
-        comm.records.clear(), comm.gseq.clear(), comm.members.clear()  # (the old world's are in its flight logs)
-        comm.step_handles = []
-        mesh = build_mesh(me, n, comm, new_group=rt.new_group, members=ids)
-        self.mesh = self.built.mesh = self.passes.mesh = mesh
-        e = self.engine
-        e.tp, e.pp, e.world, e.ep = (mesh.groups[a] for a in ("tp", "pp", "world", "ep"))
-        for b in e.buckets:
-            b.group, b.handle = mesh.groups[b.group.axis], None
-            if b.zero == 0:  # the checkpoint's pieces of each rank; the gradient buffer afresh
-                b.shard_size = -(-b.padded // (n * Q)) * Q
-                at = ids.index(me) * b.shard_size
-                b.lo, b.hi = min(b.padded, at), min(b.padded, at + b.shard_size)
-                b.grad = None if e.exact else torch.zeros(b.padded, device=e.device)
-        e.pending, e._pool = [], {}  # buffers the old group's threads may still write into are not reused
-        e.tied.handle = e.tied.head_sum = e.tied.head_out = None
-        rt.world_size = n
-        self.layout = self.built.layout = dataclasses.replace(self.layout, dp=n)
-        with self.lock:
-            self.ids, self.epoch, self.joined = ids, epoch, {}
-            self.comm.abort.clear()
-            self.noticed, self.recovering, self.cause = None, False, None
-        self.guard.watch(ids)
-        self.redivide()

@@ -54,7 +54,7 @@ class Engine:
         self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
         self.table = placement.build(self.parts)
         self.tp, self.pp, self.world = mesh.groups["tp"], mesh.groups["pp"], mesh.groups["world"]
-        self.ep = mesh.groups["ep"]  # ranks holding different experts (parallel/expert.py)
+        self.ep, self.p2p = mesh.groups["ep"], mesh.p2p  # ranks holding other experts (expert.py); pipeline pairs
         # Tensor parallelism: the tp ranks of one replica slot hold different shards of the sharded
         # parameters and identical copies of the replicated ones. The norm counts those copies
         # once (Table.counted_here); under sp their gradients are partial sums, added over tp.

@@ -7,6 +7,10 @@ With --live-recovery each member also keeps a copy of the next member's shard:
     its own shard of a bucket    s0     s1     s2     s3
     its copy of                  s1     s2     s3     s0     (member i holds member i+1's; its buddy is i-1)
 
+Under context parallelism the replica group is the dp*cp ranks (d, c) in rank order, and the copy
+of a shard skips the rest of its replica (stride cp: member i holds member i+cp's, the same cp rank
+of the next replica): a lost replica -- all of its cp ranks -- then takes no shard with its copy.
+
 The copy is not sent again every step. Each step, once the gradients are reduced, each member
 sends its reduced gradient shards to its buddy and receives the next member's (exchange: one
 message each way, all buckets packed), and applies to its copy the update the next member applies
@@ -47,10 +51,10 @@ class Mirror:
     """This rank's copy of the next member's shards (module docstring). `init`: each bucket's (params,
     m, v) of that shard, as reshard assembled them; without it, zeros until fill()."""
 
-    def __init__(self, engine, opt, group, init: list | None = None):
-        self.e, self.opt, self.group = engine, opt, group
+    def __init__(self, engine, opt, group, init: list | None = None, stride: int = 1):
+        self.e, self.opt, self.group, self.stride = engine, opt, group, stride
         n, i = group.size, group.index
-        self.next, self.prev = (i + 1) % n, (i - 1) % n
+        self.next, self.prev = (i + stride) % n, (i - stride) % n  # (stride: cp, below)
         self.copies = []  # per bucket: (params, m, v, decay ranges) of the next member's shard
         dev, sizes = engine.device, [b.shard_size for b in engine.buckets]
         self.grads = torch.zeros(sum(sizes), device=dev)  # the next member's reduced gradient shards
@@ -110,12 +114,12 @@ class Mirror:
         return {self.group.index: own, self.next: [c[:3] for c in self.copies]}
 
 
-def holders(old: list[int], new: list[int]) -> dict[int, int] | str:
+def holders(old: list[int], new: list[int], stride: int = 1) -> dict[int, int] | str:
     """Old group index -> the new group index of the member that holds its shard (its owner, else
     its buddy); or the line that says why some shard has none."""
     out = {}
     for j, r in enumerate(old):
-        buddy = old[(j - 1) % len(old)]
+        buddy = old[(j - stride) % len(old)]
         if r in new:
             out[j] = new.index(r)
         elif buddy in new and buddy != r:
@@ -126,14 +130,14 @@ def holders(old: list[int], new: list[int]) -> dict[int, int] | str:
     return out
 
 
-def reshard(engine, opt, comm, group, old_n: int, held: dict, holder: dict) -> tuple[Mirror, str]:
+def reshard(engine, opt, comm, group, old_n: int, held: dict, holder: dict, stride: int = 1) -> tuple[Mirror, str]:
     """Every bucket laid out over `group` (module docstring): old shard j broadcast by the member
     `holder[j]` (this rank's holdings `held`), the bucket's (params, m, v) assembled whole, this
     rank's new shard and its new neighbour's copy kept; the engine's buffers sized again. Returns
     the new Mirror and the sha256 of everything assembled (the same on every member, or a copy went bad)."""
     h = hashlib.sha256()
     me, n = group.index, group.size
-    nxt = (me + 1) % n
+    nxt = (me + stride) % n
     init = []
     for k, b in enumerate(engine.buckets):
         S = math.ceil(b.numel / (old_n * Q)) * Q  # the old layout's shard
@@ -153,4 +157,4 @@ def reshard(engine, opt, comm, group, old_n: int, held: dict, holder: dict) -> t
         p, m, v = (whole[r, nxt * S2 : (nxt + 1) * S2].clone() if r or b.zero == 3 else None for r in range(3))
         init.append((p, m, v))
     engine.laid_out_again()
-    return Mirror(engine, opt, group, init), h.hexdigest()
+    return Mirror(engine, opt, group, init, stride), h.hexdigest()

@@ -87,5 +87,9 @@ class Tied:
                 self.handle = self.head_sum = self.head_out = None
             else:
                 other = mine.new_empty(mine.numel())
-                self.e.comm.send_recv(mine, other, self.partner, self.partner, self.e.pp).wait()
+                # (live recovery: every member of the group must take part, comm.send_recv -- so the
+                # first and last stages' own pair, mesh.p2p, which build.py makes there at any pp)
+                pair = self.e.p2p.get((0, self.e.pp.size - 1)) if self.e.comm.abort is not None else None
+                group, partner = (pair, 1 - pair.index) if pair else (self.e.pp, self.partner)
+                self.e.comm.send_recv(mine, other, partner, partner, group).wait()
                 mine.add_(other)

@@ -58,9 +58,9 @@ def setup_from(args) -> Setup:
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw, gpus_per_node=args.gpus_per_node,
               node_busbw=args.node_busbw, fp8=args.fp8, compile=args.compile, live=args.live_recovery)
-    others = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "cp", "ep") if (getattr(args, k) or 1) != 1]
-    if args.live_recovery and others:
-        raise UserError(f"--live-recovery keeps data parallelism alone, got {' '.join(others)}")
+    if args.live_recovery and (args.ep or 1) != 1:
+        raise UserError(f"--live-recovery does not recover expert parallelism, got --ep {args.ep} (its groups span "
+                        f"replicas: live/trainer.py check_config)")
     if args.live_recovery and args.check is not None:
         raise UserError("--check runs under torchrun, which --live-recovery cannot (its agent stops every worker when "
                         "one fails); the copies' bytes are checked against a live run by tests/test_live.py")

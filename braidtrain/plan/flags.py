@@ -47,7 +47,7 @@ def add_parser(sub):
     for k, kind in (("moe-experts", int), ("moe-top-k", int), ("moe-every", int), ("moe-hidden", int),
                     ("moe-capacity", float)):
         a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
-    a("--live-recovery", action="store_true", help="as train's: data parallelism alone, and at ZeRO 1-3 each rank's "
+    a("--live-recovery", action="store_true", help="as train's: no expert parallelism, and at ZeRO 1-3 each rank's "
                                                    "copy of its neighbour's shard (parallel/mirror.py)")
     a("--top", type=int, default=12, help="rows of the table (0: all)")
     a("--variants", action="store_true", help="every ZeRO stage, b and recompute of each mesh (default: each mesh's "

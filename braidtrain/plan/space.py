@@ -32,7 +32,7 @@ class Setup:
     node_busbw: float = 40.0  # GB/s of a collective whose group spans nodes (InfiniBand, per GPU)
     fp8: str | None = None  # --fp8's recipe: the blocks' linears in float8
     compile: bool = False  # --compile: its partition keeps fewer activations (model/counts.py traces it)
-    live: bool = False  # --live-recovery: data parallelism alone; at ZeRO 1-3 the buddy copies (parallel/mirror.py)
+    live: bool = False  # --live-recovery: no expert parallelism; at ZeRO 1-3 the buddy copies (parallel/mirror.py)
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,12 @@ def meshes(s: Setup, tps=None, sps=(False, True), pps=None, schedules=None, cps=
 
 def layouts(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
             pps=None, schedules=None, cps=None, eps=None):
-    if s.live:  # live recovery keeps data parallelism alone (live/trainer.py check_config)
-        tps, sps, pps, cps, eps = (1,), (False,), (1,), (1,), (1,)
+    if s.live:  # live recovery does not recover expert parallelism (live/trainer.py check_config)
+        eps = (1,)
     E = s.cfg.moe_experts
     for dp, tp, sp, pipe, cp in meshes(s, tps, sps, pps, schedules, cps):
+        if s.live and dp == 1:  # (one replica: any loss retires rank 0's, live/replicas.py)
+            continue
         experts = [e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and E % e == 0] if E else [1]
         for ep in [e for e in experts if eps is None or e in eps]:
             for zero in zeros if dp * cp > 1 or len(zeros) == 1 else (0,):  # one replica: nothing to shard
