@@ -41,7 +41,6 @@ import torch
 from braidtrain import evaluate, outcome
 from braidtrain.build import build
 from braidtrain.config import Config
-from braidtrain.dist.fault import crash_reason
 from braidtrain.errors import SaveFailed, UserError
 from braidtrain.io import checkpoint
 from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops
@@ -292,7 +291,7 @@ class Trainer:
         try:
             summary = self._run()
         except Exception as e:  # the flight log says where this rank was; then the error goes on
-            self.guard.dump(crash_reason(e))
+            self.guard.dump(self.guard.failure(e))
             if isinstance(e, torch.OutOfMemoryError):
                 raise UserError(outcome.out_of_memory(self)) from None
             raise

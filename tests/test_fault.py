@@ -17,9 +17,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import torch.distributed as dist
+
+from braidtrain.dist.fault import Guard
 from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
 
 D = 512
@@ -332,6 +336,25 @@ def test_doctor_finds_mismatched_collectives(tmp_path):
     last = diagnose(tmp_path)[-1]
     assert last.startswith("mismatch at collective #17 (step 41): ranks 0,1,3 "
                            "issued all_reduce") and "rank 2 issued all_gather" in last
+
+
+def test_a_crash_after_a_peer_was_lost_names_the_peer(tmp_path):
+    """A survivor's collective that fails because another survivor gave up (a closed connection)
+    before this rank's own heartbeat read the abort: the flight log's reason is the lost peer that
+    the store names, then the crash -- and a crash with no peer lost stays a crash."""
+    store = dist.HashStore()
+    rt = SimpleNamespace(rank=2, world_size=4, attempt=0, connect=lambda timeout: store)
+    guard = Guard(rt, None, tmp_path, 0.0, heartbeat_timeout=600)  # (no verdict of its own in this test)
+    guard.start()
+    try:
+        err = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9100: Connection reset by peer")
+        assert guard.failure(err).startswith("crash: RuntimeError: [gloo"), guard.failure(err)
+        store.set("hb/abort", "rank 0 saw: rank 1 sent no heartbeat for 3.1 s (dead or frozen)")
+        reason = guard.failure(err)
+        assert reason.startswith("peer lost: rank 0 saw: rank 1 sent no heartbeat"), reason
+        assert "(then crash: RuntimeError: [gloo" in reason, reason
+    finally:
+        guard.close(clean=True)
 
 
 def test_doctor_says_when_all_is_well(tmp_path):

@@ -25,7 +25,8 @@ So every rank runs a `Guard`:
              between bytecodes -- never while it is blocked in a collective -- so the handler is a
              no-op whose only job is to make Python's C-level handler write the signal number to a
              wakeup pipe; the watch thread reads the pipe and acts.
-  crashes    an exception in the training loop writes the flight log (main thread) and propagates.
+  crashes    an exception in the training loop writes the flight log (main thread) and propagates;
+             its reason names the lost peer where one was lost first (Guard.failure).
 
 Each rank's flight log, and `braidtrain doctor`, which reads them: dist/doctor.py. The test hook
 that makes a rank fail on purpose (BRAIDTRAIN_FAULT): dist/inject.py.
@@ -207,10 +208,17 @@ class Guard:
                     self._end_frozen()
                     self.fatal(f"peer lost: {verdict}", EXIT_PEER_LOST)
 
+    def failure(self, e: BaseException) -> str:
+        """The flight log's reason for an exception in the loop: a peer lost first, if one was (a
+        survivor that gave up leaves, and its partners' collectives fail on the closed connection
+        before their own heartbeat reads the abort it published), else the exception."""
+        cause = self._peer_lost()
+        return f"peer lost: {cause} (then {crash_reason(e)})"[:500] if cause else crash_reason(e)
+
     def _peer_lost(self) -> str | None:
-        """On a signal: whether a peer was lost first -- torchrun terminates every rank as soon as
-        one has left, often before the others' heartbeat saw the abort that rank published; the
-        flight log should then give the cause, not the signal. Asks the store once (briefly)."""
+        """On a signal or a crash: whether a peer was lost first -- torchrun terminates every rank as
+        soon as one has left, often before the others' heartbeat saw the abort that rank published;
+        the flight log should then give the cause, not the signal. Asks the store once (briefly)."""
         if not self.heartbeat:
             return None
         if not self.abort:
