@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from braidtrain.dist.flight import Handle, Record, AllWorks, abortable_p2p, timing_events
+from braidtrain.dist.flight import Handle, Record, AllWorks, timing_events
 
 # torch 2.13 renamed the *_tensor collectives to *_single; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -339,7 +339,7 @@ class Comm:
 
         if group.pg is None:
             recv.copy_(send)
-        elif self.abort is not None and not self.cuda:  # (live recovery: flight.abortable_p2p)
+        elif self.abort is not None and not self.cuda:  # (live recovery: abortable_p2p)
             return self._launch("send_recv", group, send, abortable_p2p(send, recv, to, frm, group))
         return self._launch("send_recv", group, send, fn, direct=direct)
 
@@ -353,7 +353,7 @@ class Comm:
         def fn(g):
             return (dist.isend if send else dist.irecv)(tensor, other, group=g)
 
-        if self.abort is not None and not self.cuda:  # (live recovery: flight.abortable_p2p)
+        if self.abort is not None and not self.cuda:  # (live recovery: abortable_p2p)
             fn = abortable_p2p(*((tensor, None) if send else (None, tensor)), 1, 0, group)
 
         # On CUDA not through the side stream, where each operation waits for the one before: a
@@ -390,6 +390,21 @@ class Comm:
         out = torch.empty(group.size * values.numel(), dtype=values.dtype, device=values.device)
         self.all_gather(out, values, group).wait()
         return out.view(group.size, -1)
+
+
+def abortable_p2p(send, recv, to: int, frm: int, group):
+    """Under live recovery on gloo, a send to group index `to` and a receive from `frm` (either may
+    be None) as an all-to-all whose other parts are empty: gloo's own send and receive, waited for
+    with a timeout, close the connection (torch 2.13), so live recovery could not abandon them.
+    Every member of the group must take part (a pipeline's pair, a cp ring). Returns comm's fn.
+    (The splits go by the process group's order of its ranks, torch's: sorted, unlike a pipeline
+    pair's `ranks`, which go from sender to receiver.)"""
+    order = sorted(group.ranks)
+    ins, outs = [0] * group.size, [0] * group.size
+    have = send if send is not None else recv
+    src, dst = (have.new_empty(0) if t is None else t.view(-1) for t in (send, recv))
+    ins[order.index(group.ranks[to])], outs[order.index(group.ranks[frm])] = src.numel(), dst.numel()
+    return lambda g: dist.all_to_all_single(dst, src, outs, ins, group=g, async_op=True)
 
 
 def pairwise_sum(x: torch.Tensor) -> torch.Tensor:

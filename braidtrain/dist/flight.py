@@ -1,6 +1,6 @@
 """A collective in flight: its record in the flight log (Record), its Handle, and how it is waited
 for -- on CUDA by the stream that launched it, on a host backend by the host, in slices when live
-recovery may abort it (Aborted; a send and a receive then go as an all-to-all: abortable_p2p)."""
+recovery may abort it (Aborted; a send and a receive then go as an all-to-all: comm.py's abortable_p2p)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 
 def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -140,18 +139,3 @@ class AllWorks:
 
     def get_future(self):
         raise RuntimeError("no single future")  # Handle then takes the end time at wait()
-
-
-def abortable_p2p(send, recv, to: int, frm: int, group):
-    """Under live recovery on gloo, a send to group index `to` and a receive from `frm` (either may
-    be None) as an all-to-all whose other parts are empty: gloo's own send and receive, waited for
-    with a timeout, close the connection (torch 2.13), so live recovery could not abandon them.
-    Every member of the group must take part (a pipeline's pair, a cp ring). Returns comm's fn.
-    (The splits go by the process group's order of its ranks, torch's: sorted, unlike a pipeline
-    pair's `ranks`, which go from sender to receiver.)"""
-    order = sorted(group.ranks)
-    ins, outs = [0] * group.size, [0] * group.size
-    have = send if send is not None else recv
-    src, dst = (have.new_empty(0) if t is None else t.view(-1) for t in (send, recv))
-    ins[order.index(group.ranks[to])], outs[order.index(group.ranks[frm])] = src.numel(), dst.numel()
-    return lambda g: dist.all_to_all_single(dst, src, outs, ins, group=g, async_op=True)
