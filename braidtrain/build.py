@@ -19,13 +19,13 @@ import torch
 
 from braidtrain import layout
 from braidtrain.io import checkpoint, export, rundir
-from braidtrain.dist.comm import Comm
+from braidtrain.collective.comm import Comm
 from braidtrain.config import Config
 from braidtrain.io.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
 from braidtrain.errors import UserError
-from braidtrain.dist.fault import Guard
-from braidtrain.dist.inject import Fault
-from braidtrain.dist.mesh import Mesh, build_mesh
+from braidtrain.collective.fault import Guard
+from braidtrain.collective.inject import Fault
+from braidtrain.collective.mesh import Mesh, build_mesh
 from braidtrain.model import fp8, registry
 from braidtrain.model.protocol import ModelConfig
 from braidtrain.model.stage import Stage
@@ -35,7 +35,7 @@ from braidtrain.parallel.context import Context
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.expert import Dispatch
 from braidtrain.plan.search import auto_layout
-from braidtrain.dist.runtime import Runtime, find_runtime
+from braidtrain.collective.runtime import Runtime, find_runtime
 
 
 @dataclass

@@ -72,7 +72,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     print("\n".join(diagnose(Path(args.run))))
     return 0

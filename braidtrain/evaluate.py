@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from braidtrain.dist.comm import Comm
-from braidtrain.dist.mesh import build_mesh
-from braidtrain.dist.runtime import init_runtime
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.mesh import build_mesh
+from braidtrain.collective.runtime import init_runtime
 from braidtrain.errors import UserError
 from braidtrain.io.checkpoint import latest, load_model
 from braidtrain.io.data import get_tokenizer, tokenizer_for

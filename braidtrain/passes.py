@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from braidtrain.dist.comm import pairwise_sum
+from braidtrain.collective.comm import pairwise_sum
 from braidtrain.parallel import pipeline, schedule
 from braidtrain.parallel.actions import Action
 

@@ -12,9 +12,9 @@ from braidtrain.evaluate import read_evalfile, score, totals
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
-from braidtrain.dist.comm import Comm
-from braidtrain.dist.mesh import build_mesh
-from braidtrain.dist.runtime import init_runtime
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.mesh import build_mesh
+from braidtrain.collective.runtime import init_runtime
 
 
 def main(path, out):

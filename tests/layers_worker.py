@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from braidtrain.dist.comm import Comm
+from braidtrain.collective.comm import Comm
 from braidtrain.errors import UserError
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config

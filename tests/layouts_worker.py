@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from braidtrain.build import make_parts
 from braidtrain.io import checkpoint
 from braidtrain.io.checkpoint import weights_sha256
-from braidtrain.dist.comm import Comm
+from braidtrain.collective.comm import Comm
 from braidtrain.layout import make_layout
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.mesh import build_mesh
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at

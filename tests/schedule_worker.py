@@ -11,15 +11,15 @@ from contextlib import nullcontext
 
 import torch
 
-from braidtrain.dist.comm import Comm
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel.actions import Action, check
 from braidtrain.parallel.schedule import Executor
-from braidtrain.dist.runtime import init_runtime
+from braidtrain.collective.runtime import init_runtime
 
 M = 4  # micro-batches per rank
 ORDERS = {

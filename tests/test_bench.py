@@ -18,7 +18,7 @@ from braidtrain.bench import torchref
 from braidtrain.bench import train as bench
 from braidtrain.bench.comm import OPS, sizes
 from braidtrain.bench.train import BUSY, _median_row, gpu_load, slowest
-from braidtrain.dist.comm import bus_factor
+from braidtrain.collective.comm import bus_factor
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
 

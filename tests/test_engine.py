@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import ROOT, launch
-from braidtrain.dist.comm import Comm, Group
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.comm import Comm, Group
+from braidtrain.collective.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
@@ -293,7 +293,7 @@ def test_timing_events_are_recorded_again_once_read_but_a_captured_graphs_never(
     """On CUDA a new pair of timing events cost the host ~33 us a collective and a reused pair ~7
     us: step_comm() hands each pair it has read back for a later collective -- except the pairs of
     collectives captured in a CUDA graph, which every replay of the graph records again."""
-    from braidtrain.dist.flight import Handle
+    from braidtrain.collective.flight import Handle
 
     class Event:  # what step_comm reads of a finished CUDA timing event pair
         def elapsed_time(self, _end):
@@ -343,7 +343,7 @@ def test_each_flight_record_names_its_group_and_its_number_in_it(tmp_path):
     numbers doctor lines up, group by group. The flight log's header lists every group's members."""
     import json
 
-    from braidtrain.dist.comm import group_name
+    from braidtrain.collective.comm import group_name
 
     comm = Comm(torch.device("cpu"))
     tp = Group("tp", (2, 3), 0, None, comm, group_name("tp", (2, 3), 8))

@@ -2,7 +2,7 @@
 the heartbeat and named by `doctor`, signals, a save that fails midway, damaged checkpoints, a
 slow save that must not look like a lost peer -- and doctor's reasoning on hand-made flight logs.
 
-Faults are injected with the BRAIDTRAIN_FAULT test hook (dist/inject.py). Every run here is exact
+Faults are injected with the BRAIDTRAIN_FAULT test hook (collective/inject.py). Every run here is exact
 (or compared to itself), so "recovered" means: the same weights_sha256 as an uninterrupted run.
 """
 
@@ -23,7 +23,7 @@ import pytest
 
 import torch.distributed as dist
 
-from braidtrain.dist.fault import Guard
+from braidtrain.collective.fault import Guard
 from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
 
 D = 512
@@ -305,7 +305,7 @@ def history(n: int, *tail) -> list[tuple]:
 
 
 def test_doctor_names_the_rank_that_stopped(tmp_path):
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     logs = {r: history(13, (13, "all_gather", False)) for r in (0, 1, 2)}
     logs[3] = history(13)  # stopped after #12: it never issued #13
@@ -315,7 +315,7 @@ def test_doctor_names_the_rank_that_stopped(tmp_path):
 
 
 def test_doctor_infers_a_silent_rank_and_ignores_older_sessions(tmp_path):
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     write_logs(tmp_path, {1: history(5)}, session=500.0)  # rank 1's file from an earlier session
     write_logs(tmp_path, {r: history(13, (13, "all_gather", False), (14, "all_reduce", False)) for r in (0, 2, 3)})
@@ -328,7 +328,7 @@ def test_doctor_infers_a_silent_rank_and_ignores_older_sessions(tmp_path):
 
 
 def test_doctor_finds_mismatched_collectives(tmp_path):
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     logs = {r: history(20, (20, "all_reduce", False)) for r in (0, 1, 2, 3)}
     logs[2][17] = (17, "all_gather", False)
@@ -358,7 +358,7 @@ def test_a_crash_after_a_peer_was_lost_names_the_peer(tmp_path):
 
 
 def test_doctor_says_when_all_is_well(tmp_path):
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     write_logs(tmp_path, {r: history(9) for r in range(4)}, reason="signal SIGTERM")
     assert diagnose(tmp_path)[-1] == "no problem found: every rank's last collective completed"
@@ -371,7 +371,7 @@ def test_doctor_lines_up_each_group_on_its_own(tmp_path):
     own counts disagree; rank 1 freezes inside its tp group's collective #57. Doctor must name it by
     that group -- where its tp partner was left waiting -- and list the others, each waiting in its
     replica group (rank 2 behind rank 0, rank 3 behind rank 1), without blaming either."""
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     groups = {"world": [0, 1, 2, 3], "tp[0,1]": [0, 1], "tp[2,3]": [2, 3], "replica[0,2]": [0, 2], "replica[1,3]": [1, 3]}
 
@@ -395,7 +395,7 @@ def test_doctor_lines_up_each_group_on_its_own(tmp_path):
 def test_doctor_names_a_deadlock_between_two_groups(tmp_path):
     """Rank 0 waits in group a for rank 1, which waits in group b for rank 0: nobody stopped; the
     order of their collectives cannot meet."""
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     groups = {"a": [0, 1], "b": [0, 1]}
     write_logs(tmp_path, {0: [(0, "send_recv", True, "a", 0), (1, "send_recv", False, "a", 1)],
@@ -408,7 +408,7 @@ def test_doctor_names_a_deadlock_between_two_groups(tmp_path):
 def test_doctor_blames_no_rank_when_every_member_issued_the_collective(tmp_path):
     """dp 2 x tp 2, all four ranks inside their replica group's #3, each issued by both members: no
     rank held anyone up (nor is it a deadlock); the collectives themselves did not complete."""
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     groups = {"replica[0,2]": [0, 2], "replica[1,3]": [1, 3]}
     write_logs(tmp_path, {r: [(0, "all_reduce", True, f"replica[{r % 2},{r % 2 + 2}]", 0),
@@ -421,7 +421,7 @@ def test_doctor_blames_no_rank_when_every_member_issued_the_collective(tmp_path)
 
 def test_doctor_reads_flight_logs_from_before_groups_were_named(tmp_path):
     """A log of the code before: records with a mesh axis and one count per rank, no group table."""
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.doctor import diagnose
 
     write_logs(tmp_path, {r: history(13, (13, "all_gather", False)) for r in (0, 1, 2)} | {3: history(13)})
     for f in (tmp_path / "flight").iterdir():
@@ -442,9 +442,9 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     timing events count for the step, beside any collective launched eagerly between steps."""
     import torch
 
-    from braidtrain.dist.comm import Comm, Group
-    from braidtrain.dist.flight import Handle
-    from braidtrain.dist.doctor import diagnose
+    from braidtrain.collective.comm import Comm, Group
+    from braidtrain.collective.flight import Handle
+    from braidtrain.collective.doctor import diagnose
 
     class Event:  # what Comm reads of a CUDA timing event pair: the start's, and a finished end
         def __init__(self, ms):
@@ -502,7 +502,7 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
                                           ("kill:step=x", "expected KIND:step=S")])
 def test_bad_fault_spec(spec, words):
     from braidtrain.errors import UserError
-    from braidtrain.dist.inject import Fault
+    from braidtrain.collective.inject import Fault
 
     with pytest.raises(UserError, match=words):
         Fault(spec)

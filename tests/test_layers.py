@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from helpers import ROOT, launch
-from braidtrain.dist.comm import Comm, Group
+from braidtrain.collective.comm import Comm, Group
 from braidtrain.errors import UserError
 from braidtrain.layout import check_tp
-from braidtrain.dist.mesh import Mesh
+from braidtrain.collective.mesh import Mesh
 from braidtrain.model.gpt2 import GPT, GPTConfig
 from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config

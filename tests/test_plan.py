@@ -16,8 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from braidtrain.dist.comm import Comm
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.mesh import build_mesh
 from braidtrain.errors import UserError
 from braidtrain.model.gpt2 import GPT
 from braidtrain.model.registry import model_config

@@ -17,10 +17,10 @@ import pytest
 import torch.distributed as dist
 
 from braidtrain.errors import UserError
-from braidtrain.dist.rendezvous import FS_FILE
-from braidtrain.dist.comm import Comm
-from braidtrain.dist.mesh import build_mesh
-from braidtrain.dist.runtime import init_runtime
+from braidtrain.collective.rendezvous import FS_FILE
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.mesh import build_mesh
+from braidtrain.collective.runtime import init_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,9 +30,9 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
 from braidtrain.errors import UserError
-from braidtrain.dist.comm import Comm
-from braidtrain.dist.mesh import build_mesh
-from braidtrain.dist.runtime import init_runtime
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.mesh import build_mesh
+from braidtrain.collective.runtime import init_runtime
 t0 = time.monotonic()
 try:
     rt = init_runtime(**json.loads(sys.argv[1]))

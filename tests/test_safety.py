@@ -2,7 +2,7 @@
 alike and, K in a row, stop the run (exit 3) with its last good checkpoint intact; out of memory
 is one line with the planner's view; checkpoint folders that are not shared are named at the
 first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
-test hook (dist/inject.py): "nan", "nan-on", "oom", "local-disk"."""
+test hook (collective/inject.py): "nan", "nan-on", "oom", "local-disk"."""
 
 import torch
 

@@ -23,9 +23,9 @@ import time
 import torch
 
 from braidtrain.bench.flags import OPS
-from braidtrain.dist.comm import Comm, bus_factor
-from braidtrain.dist.mesh import build_mesh
-from braidtrain.dist.runtime import init_runtime
+from braidtrain.collective.comm import Comm, bus_factor
+from braidtrain.collective.mesh import build_mesh
+from braidtrain.collective.runtime import init_runtime
 from braidtrain.errors import UserError
 
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from braidtrain.errors import UserError
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.mesh import build_mesh
 
 OWN = {"process_rank", "join", "out", "resume", "start_over", "progress", "server", "fs_path", "init_method",
        "timeout", "heartbeat_timeout", "max_steps", "device"}  # a joiner's settings that may differ from the job's
@@ -35,15 +35,15 @@ def build_joiner(cfg):
     buffers; ZeRO 1-3: over the members now, as they re-lay theirs), the guard. The state comes
     afterwards, from the members (LiveTrainer.arrive)."""
     from braidtrain import build as b
-    from braidtrain.dist.comm import Comm, Group
+    from braidtrain.collective.comm import Comm, Group
     from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
-    from braidtrain.dist.fault import Guard
+    from braidtrain.collective.fault import Guard
     from braidtrain.layout import from_config
     from braidtrain.model import registry
     from braidtrain.optim import AdamW
     from braidtrain.parallel import placement
     from braidtrain.parallel.engine import Engine
-    from braidtrain.dist.runtime import find_runtime
+    from braidtrain.collective.runtime import find_runtime
 
     rt = find_runtime(cfg.init_method, num_processes=cfg.num_processes, process_rank=cfg.process_rank,
                       gpus_per_node=cfg.gpus_per_node, server=cfg.server, device=cfg.device, timeout_s=cfg.timeout)

@@ -19,8 +19,8 @@ import time
 
 import torch.distributed as dist
 
-from braidtrain.dist.flight import Aborted
-from braidtrain.dist.fault import MEMBERSHIP
+from braidtrain.collective.flight import Aborted
+from braidtrain.collective.fault import MEMBERSHIP
 
 TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "socket")
 

@@ -1,7 +1,7 @@
 """Replicas: what a lost rank takes out when the layout has pp, tp or cp > 1, and the world rebuilt
 over the ranks left (live recovery, trainer.py).
 
-The mesh numbers rank = ((p*D + d)*cp + c)*tp + t (dist/mesh.py: pp, dp, cp, tp, outer to inner).
+The mesh numbers rank = ((p*D + d)*cp + c)*tp + t (collective/mesh.py: pp, dp, cp, tp, outer to inner).
 A replica is a dp index d: its pp*cp*tp ranks hold one copy of the model between them and read the
 same sequences. A tp, pp or cp rank's part of it -- its shard, stage or chunk of the sequence -- is
 nowhere else in its replica, so losing it retires the whole replica:
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from braidtrain.build import ring
-from braidtrain.dist.mesh import build_mesh
+from braidtrain.collective.mesh import build_mesh
 from braidtrain.live.members import ranks
 from braidtrain.parallel import mirror
 from braidtrain.parallel.buckets import Q

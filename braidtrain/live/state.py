@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from braidtrain.dist.fault import EXIT_PEER_LOST
+from braidtrain.collective.fault import EXIT_PEER_LOST
 from braidtrain.optim import lr_at
 from braidtrain.parallel import mirror
 

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from braidtrain.dist.flight import Aborted
+from braidtrain.collective.flight import Aborted
 from braidtrain.errors import UserError
-from braidtrain.dist.fault import EXIT_PEER_LOST
+from braidtrain.collective.fault import EXIT_PEER_LOST
 from braidtrain.live import members
 from braidtrain.live.join import build_joiner
 from braidtrain.live.members import first_line, is_transport, ranks

@@ -36,8 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
-from braidtrain.dist.comm import Comm, pairwise_sum
-from braidtrain.dist.flight import timing_events
+from braidtrain.collective.comm import Comm, pairwise_sum
+from braidtrain.collective.flight import timing_events
 from braidtrain.parallel import buckets, expert, norm, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket

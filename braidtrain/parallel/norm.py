@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.dist.comm import pairwise_sum
+from braidtrain.collective.comm import pairwise_sum
 from braidtrain.parallel import placement
 from braidtrain.parallel.buckets import Q, stride
 

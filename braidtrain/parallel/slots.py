@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.dist.comm import pairwise_sum
+from braidtrain.collective.comm import pairwise_sum
 
 
 def shares(ids: list[int], slots: int, m: int) -> dict[int, list[int]]:

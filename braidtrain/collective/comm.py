@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from braidtrain.dist.flight import Handle, Record, AllWorks, timing_events
+from braidtrain.collective.flight import Handle, Record, AllWorks, timing_events
 
 # torch 2.13 renamed the *_tensor collectives to *_single; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -77,7 +77,7 @@ class Group:
     ranks: tuple[int, ...]
     index: int
     pg: object
-    comm: "Comm" = field(repr=False)
+    comm: Comm = field(repr=False)
     name: str = ""
     tree: tuple = ()  # the order exact sums add the members' parts in (default: group order)
     pg_ranks: tuple = ()  # the members' ranks in torch's default group, where not `ranks` (live recovery)
@@ -106,7 +106,7 @@ class Comm:
         self.ready = torch.cuda.Event() if self.cuda else None  # recorded on the compute stream, waited for by side
         self.spare: list[tuple] = []  # timing event pairs already read, to record again
         self.replay_rec: Record | None = None  # the open flight record of a replayed graph
-        self.abort: "threading.Event | None" = None  # live recovery (live/): set, waits give up (Aborted)
+        self.abort: threading.Event | None = None  # live recovery (live/): set, waits give up (Aborted)
 
     # -- the step ------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -316,7 +316,8 @@ class Comm:
     def all_to_all(self, out, inp, group: Group) -> Handle:
         if group.pg is None:
             out.copy_(inp)
-        return self._launch("all_to_all", group, inp, lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
+        return self._launch("all_to_all", group, inp,
+                            lambda g: dist.all_to_all_single(out, inp, group=g, async_op=True))
 
     def all_to_all_v(self, out, inp, out_splits: list[int], in_splits: list[int], group: Group) -> Handle:
         """Rows of `inp` in runs of in_splits[i] to group index i; out receives out_splits[j] rows

@@ -28,8 +28,8 @@ So every rank runs a `Guard`:
   crashes    an exception in the training loop writes the flight log (main thread) and propagates;
              its reason names the lost peer where one was lost first (Guard.failure).
 
-Each rank's flight log, and `braidtrain doctor`, which reads them: dist/doctor.py. The test hook
-that makes a rank fail on purpose (BRAIDTRAIN_FAULT): dist/inject.py.
+Each rank's flight log, and `braidtrain doctor`, which reads them: collective/doctor.py. The test hook
+that makes a rank fail on purpose (BRAIDTRAIN_FAULT): collective/inject.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     """A start/end pair of CUDA timing events. Recorded inside a graph capture they become graph
     nodes (external events), so every replay records them again and they time that replay."""
     external = torch.cuda.is_current_stream_capturing()
-    return torch.cuda.Event(enable_timing=True, external=external), torch.cuda.Event(enable_timing=True, external=external)
+    return tuple(torch.cuda.Event(enable_timing=True, external=external) for _ in range(2))
 
 
 @dataclass

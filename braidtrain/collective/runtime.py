@@ -1,6 +1,6 @@
 """Who am I? Rank, world size and device, known before the ranks meet (find_runtime), so that the
 layout is validated before any process group forms; then the process group (Runtime.join). How
-the ranks meet, whatever launched them (llm.c's -pi env, tcp, fs, mpi): dist/rendezvous.py.
+the ranks meet, whatever launched them (llm.c's -pi env, tcp, fs, mpi): collective/rendezvous.py.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from braidtrain.dist.rendezvous import (FS_FILE, by_hand, check_in, first_line, from_env, from_mpi, fs_store,
+from braidtrain.collective.rendezvous import (FS_FILE, by_hand, check_in, first_line, from_env, from_mpi, fs_store,
                                        open_store, parse_server, with_nonce)
 from braidtrain.errors import UserError
 
@@ -27,9 +27,9 @@ class Runtime:
     device: torch.device
     backend: str
     init_method: str
-    store: "dist.Store | None" = None  # keys here are private to this run and attempt (prefixed)
+    store: dist.Store | None = None  # keys here are private to this run and attempt (prefixed)
     # keys that outlive a restart of the group: torchrun's agent keeps its store across restarts
-    launch_store: "dist.Store | None" = None
+    launch_store: dist.Store | None = None
     attempt: int = 0  # torchrun's restart count (TORCHELASTIC_RESTART_COUNT); 0 for other launchers
     _owns_group: bool = field(default=False, repr=False)
     _store_addr: tuple | None = field(default=None, repr=False)  # (host, port, key prefix of `store`)
@@ -47,7 +47,7 @@ class Runtime:
         if self.is_main:
             print(*args, flush=True)
 
-    def connect(self, timeout_s: float) -> "dist.Store":
+    def connect(self, timeout_s: float) -> dist.Store:
         """A second client connection to the store, with the same keys as `store`: for a thread (the
         heartbeat) that must neither share the main thread's connection nor wait behind it."""
         host, port, prefix = self._store_addr

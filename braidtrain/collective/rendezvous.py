@@ -191,7 +191,8 @@ def check_in(store, rank, world, deadline, timeout_s):
         for i in [i for i in pending if store.check([f"np/{i}"])]:
             pending.discard(i)
             if (theirs := int(store.get(f"np/{i}"))) != world:
-                msg = f"rank {i} was started with -pn {theirs} but rank 0 with -pn {world}: start every process with the same -pn"
+                msg = (f"rank {i} was started with -pn {theirs} but rank 0 with -pn {world}: start every process "
+                       "with the same -pn")
         if pending and time.monotonic() >= deadline:
             msg = (f"only {world - len(pending)} of {world} processes reached the rendezvous within "
                    f"{timeout_s:g} s: start all ranks 0..{world - 1}, each with -pn {world}")

@@ -15,7 +15,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from braidtrain.dist.fault import MEMBERSHIP
+from braidtrain.collective.fault import MEMBERSHIP
 from braidtrain.errors import UserError
 
 
@@ -25,7 +25,7 @@ def read_logs(flight_dir: Path) -> tuple[dict[int, dict], dict[int, list[dict]],
     logs, problems = {}, []
     for f in sorted(flight_dir.glob("rank_*.jsonl")):
         try:
-            lines = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+            lines = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
             if not lines or lines[0].get("flight") != 1:
                 raise ValueError("no header line")
             logs[f] = lines
@@ -34,7 +34,7 @@ def read_logs(flight_dir: Path) -> tuple[dict[int, dict], dict[int, list[dict]],
     if not logs:
         raise UserError(f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a "
                         "peer")
-    latest = max(l[0]["session"] for l in logs.values())
+    latest = max(lines[0]["session"] for lines in logs.values())
     headers, records = {}, {}
     for f, lines in logs.items():
         h = lines[0]
@@ -75,7 +75,7 @@ def diagnose(run: Path) -> list[str]:
                 out.append(f"membership change {c['epoch']} at step {c['step']}: {c['what']}")
                 folder = flight / f"live-{c['epoch'] - 1}"
                 if folder.is_dir() and any(folder.glob("rank_*.jsonl")):
-                    out += [f"  {l}" for l in _diagnose_logs(folder)]
+                    out += [f"  {line}" for line in _diagnose_logs(folder)]
     if out and not any(flight.glob("rank_*.jsonl")):
         return out
     return out + _diagnose_logs(flight)

@@ -49,7 +49,7 @@ class Fault:
         self.kind, self.step, self.rank, self.seconds = kind, opts["step"], opts.get("rank"), opts.get("seconds", 5.0)
 
     @staticmethod
-    def from_env(rank: int, attempt: int) -> "Fault | None":
+    def from_env(rank: int, attempt: int) -> Fault | None:
         spec = os.environ.get("BRAIDTRAIN_FAULT")
         if not spec:
             return None
