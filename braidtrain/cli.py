@@ -81,8 +81,8 @@ def cmd_doctor(args) -> int:
 def cmd_export(args) -> int:
     from braidtrain.io.export import export
 
-    ckpt = export(args.run, args.out, args.format)
-    print(f"wrote {args.out} (HuggingFace GPT-2) from {ckpt}")
+    ckpt, arch = export(args.run, args.out, args.format)
+    print(f"wrote {args.out} (HuggingFace {arch}) from {ckpt}")
     return 0
 
 
@@ -205,11 +205,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p = parsers["doctor"] = sub.add_parser("doctor", help="read a run's flight logs: which rank stopped where")
     p.add_argument("run")
-    p = parsers["export"] = sub.add_parser("export", help="write a run's newest checkpoint as a HuggingFace GPT-2 "
-                                                          "folder")
+    what = ("write a run's newest checkpoint as a HuggingFace folder of its family (GPT2LMHeadModel, "
+            "LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM)")
+    p = parsers["export"] = sub.add_parser("export", help=what, description=what[0].upper() + what[1:] + ".")
     p.add_argument("run", help="a run directory, or one checkpoint folder")
-    p.add_argument("--format", default="hf", choices=["hf"])
-    p.add_argument("--out", required=True)
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json and model.safetensors")
+    p.add_argument("--out", required=True, help="the folder to write (transformers' from_pretrained reads it)")
     parsers["plan"] = plan_flags.add_parser(sub)
     parsers["bench"] = bench_flags.add_parser(sub)
     args, extra = parser.parse_known_args(argv)

@@ -1,5 +1,6 @@
 """HuggingFace interchange: the name/shape mapping, a round trip, `export` and `--init-from` through
-the CLI, and the same logits as transformers' GPT2LMHeadModel (`make test` installs transformers)."""
+the CLI, the same logits as transformers' GPT2LMHeadModel (`make test` installs transformers), and
+export's output and help naming the run's family, not GPT-2's alone."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_export_and_init_from_through_the_cli(tmp_path, shakespeare):
     base = [*SMALL, "-i", shakespeare, "-d", 512]
     braidtrain("train", *base, "-x", 3, "--out", run)
     out = braidtrain("export", run, "--format", "hf", "--out", hf).stdout
-    assert "step_00000003" in out
+    assert "step_00000003" in out and "(HuggingFace GPT2LMHeadModel)" in out, out
     braidtrain("train", *base, "-x", 1, "--out", tmp_path / "again", "--init-from", hf)
 
     family, fields = export.read_config(str(hf))
@@ -87,3 +88,28 @@ def test_export_and_init_from_through_the_cli(tmp_path, shakespeare):
         src = hf if extra else tmp_path
         p = braidtrain("train", *base, "-x", 1, "--out", tmp_path / "bad", "--init-from", src, *extra, check=False)
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr, p.stderr
+
+
+def test_export_names_the_runs_family(tmp_path, shakespeare):
+    """`export` of a Llama run says it wrote a LlamaForCausalLM (a GPT-2 run's GPT2LMHeadModel:
+    test_export_and_init_from_through_the_cli), and the folder's config.json says the same."""
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    braidtrain("train", "--model", "llama3-tiny", "--n-layer", "1", "-t", "32", "-b", "2", "-x", "1",
+               "--val-every", "0", "--sample-tokens", "0", "--no-progress", "-i", shakespeare, "--out", run)
+    out = braidtrain("export", run, "--out", hf).stdout
+    assert "(HuggingFace LlamaForCausalLM) from" in out and "GPT" not in out, out
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["export", "--help"]])
+def test_help_names_every_family_export_writes(argv, capsys):
+    """export is per family: its help names no family alone, but every architecture it writes."""
+    from braidtrain import cli
+    from braidtrain.model import registry
+
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "GPT-2" not in text, text
+    for arch in (a for fam in registry.FAMILIES.values() for a in fam.ARCHITECTURES):
+        assert arch in text, arch

@@ -68,8 +68,10 @@ def hf_config(cfg, tokenizer: str) -> dict:
     return {**registry.family_of(cfg).hf_config(cfg, eot), "braidtrain_tokenizer": tokenizer}
 
 
-def export(run: str, out: str, fmt: str = "hf") -> Path:
-    """Write the newest valid checkpoint of `run` (or the checkpoint folder `run`) as `fmt`."""
+def export(run: str, out: str, fmt: str = "hf") -> tuple[Path, str]:
+    """Write the newest valid checkpoint of `run` (or the checkpoint folder `run`) as `fmt`; the
+    checkpoint written and the HuggingFace architecture it became (the family's, e.g.
+    LlamaForCausalLM)."""
     if fmt != "hf":
         raise UserError(f"unknown export format {fmt!r}: use --format hf")
     run_path = Path(run)
@@ -78,15 +80,16 @@ def export(run: str, out: str, fmt: str = "hf") -> Path:
     ckpt = run_path if (run_path / "meta.json").exists() else latest(run_path)
     params, meta = load_params(ckpt)
     cfg = saved_config(meta)
-    write_hf(params, cfg, meta["tokenizer"], Path(out))
-    return ckpt
+    return ckpt, write_hf(params, cfg, meta["tokenizer"], Path(out))
 
 
-def write_hf(params: dict[str, torch.Tensor], cfg, tokenizer: str, dest: Path) -> None:
+def write_hf(params: dict[str, torch.Tensor], cfg, tokenizer: str, dest: Path) -> str:
+    """Write config.json and model.safetensors into dest; the architecture config.json names."""
     config = hf_config(cfg, tokenizer)  # (first: it refuses what HF has no architecture for)
     dest.mkdir(parents=True, exist_ok=True)
     save_file(to_hf(params, cfg), str(dest / "model.safetensors"), metadata={"format": "pt"})  # HF insists on "pt"
     (dest / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return config["architectures"][0]
 
 
 def read_config(folder: str):
