@@ -9,7 +9,7 @@ prints its measurements as JSON for the tests here to judge.
 
 The interpreter runs programs one after another, so repeatability and batch invariance can only
 fail here through the code's own logic (e.g. a block size that depends on B or T); the GPU's
-scheduling is checked by benchmarks/attention_gpu.py on the H200 (docs/performance.md)."""
+scheduling is checked by benchmarks/kernels/attention_gpu.py on the H200 (docs/performance.md)."""
 
 import json
 import os

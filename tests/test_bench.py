@@ -144,7 +144,7 @@ def test_median_row_over_rounds():
 
 @pytest.mark.parametrize("repeat", [1, 2])
 def test_rounds_keep_their_runs_apart(tmp_path, monkeypatch, capsys, repeat):
-    """--keep DIR: a single round's runs in DIR itself (benchmarks/two_gpu.sh reads them there),
+    """--keep DIR: a single round's runs in DIR itself (benchmarks/speed/two_gpu.sh reads them there),
     round k's in DIR/roundk; the second round runs the variants in reverse order; the baseline
     failing in one round fails its row, and no row gets a ratio."""
     folders, orders = [], []

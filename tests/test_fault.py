@@ -509,11 +509,11 @@ def test_bad_fault_spec(spec, words):
 
 
 def test_one_chaos_trial_ends_bitwise_equal(tmp_path, shakespeare):
-    """benchmarks/chaos.py, one trial (seed 24: rank 0 of 2 frozen at step 6 under ZeRO-1, the
+    """benchmarks/fault/chaos.py, one trial (seed 24: rank 0 of 2 frozen at step 6 under ZeRO-1, the
     survivor ends it after the 5 s heartbeat timeout, the restart on 1 process): the final weights
     are the uninterrupted run's, and the freeze was detected and ended within the heartbeat."""
     out = tmp_path / "chaos.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1", "--seed", "24",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fault" / "chaos.py"), "--trials", "1", "--seed", "24",
                         "--data", str(shakespeare), "--json", str(out)], cwd=ROOT, env=env(), capture_output=True,
                        text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

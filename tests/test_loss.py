@@ -7,7 +7,7 @@ Both implementations of the fused pass are measured by the same function, _measu
 kernel in a subprocess with TRITON_INTERPRET=1 (which must be set before triton is first imported,
 and pytest shares one process between test files), and the plain-torch pass in this process. Each
 prints or returns its measurements for the tests here to judge. (Repeatability under the
-interpreter, which runs programs in order, is the weaker check; benchmarks/loss_gpu.py makes it on
+interpreter, which runs programs in order, is the weaker check; benchmarks/kernels/loss_gpu.py makes it on
 the H200.)"""
 
 import json
@@ -84,7 +84,7 @@ def test_autocast(measured):
     the loss matches autocast's reference to fp32 rounding (fp32 logits would be ~1e-3 off), dh and
     dw come back fp32, as close to the exact gradient as autocast's own. (The interpreter rounds
     fp32 -> bf16 by truncation where the GPU rounds to nearest, so its bf16 dlogits are a little
-    worse: a looser bound there; benchmarks/loss_gpu.py checks bf16 on the GPU.)"""
+    worse: a looser bound there; benchmarks/kernels/loss_gpu.py checks bf16 on the GPU.)"""
     assert measured["autocast.dtypes"] == ["torch.float32"] * 3, measured
     assert measured["autocast.loss"] <= 1e-5 < measured["autocast.fp32_logits_loss"], measured
     slack = 2.0 if measured["path"] == "triton" else 1.25

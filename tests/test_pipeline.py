@@ -136,7 +136,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_zero_bubbles_split_backward_is_the_backward_to_the_bit(device, bf16):
     """B then W (parallel/zb.py) on a middle chunk and on the last one (head and loss): the input's
     gradient and every parameter's equal those of one plain backward, bitwise -- in fp32 and
-    under bf16 autocast (on the GPU too, where the GPU is: benchmarks/gpu_smoke.sh runs this)."""
+    under bf16 autocast (on the GPU too, where the GPU is: benchmarks/axes/pipeline_gpu.sh runs this)."""
     from braidtrain.parallel.placement import init_weights
     from braidtrain.model.registry import model_config, pipeline_chunks
     from braidtrain.parallel import zb

@@ -8,7 +8,7 @@ every sum accumulated in fp32 — the same maths as
 Why. torch's flash, memory-efficient and cuDNN attention backward passes add partial dQ
 (or dK, dV) tiles into global memory with atomics from many thread blocks at once, so the
 order of the additions, and their rounding, changes from run to run: two identical backward
-passes can differ in the last bits (benchmarks/attention_gpu.py shows whether they do). Exact
+passes can differ in the last bits (benchmarks/kernels/attention_gpu.py shows whether they do). Exact
 mode needs the same bits every run, and
 the same bits for a sequence whatever batch it is computed in. Here each output element is
 written by exactly one program, each program adds its terms in a fixed order, and the
@@ -33,7 +33,7 @@ nothing) and masked on store.
 Cost vs. flash. FA2's backward does 5 block matmuls per (query block, key block) and adds
 dQ with atomics; computing dQ in its own pass recomputes S and dP, so 7 — the backward does
 1.4× the matmul FLOPs (fwd+bwd 9/7 ≈ 1.29×), on top of Triton vs. hand-written CUDA.
-`benchmarks/attention_gpu.py` measures it. Memory is flash's: O(B·H·T) for L and Δ.
+`benchmarks/kernels/attention_gpu.py` measures it. Memory is flash's: O(B·H·T) for L and Δ.
 
 The kernels are in attention_kernels.py. The public entry points never import triton; it is
 imported on first use, so this module imports on machines without it (see `available`). Set

@@ -72,7 +72,7 @@ _MAX_BLOCK = 4096
 def _config(vocab_size: int) -> _Config:
     """Chunk size by vocab_size only (never by N: a row's bits must not depend on the batch),
     16 columns a thread. Chosen by measurement: 4096 columns with 8 warps ran fastest of the
-    chunk sizes tried (benchmarks/loss_gpu.py --configs; docs/performance-history.md)."""
+    chunk sizes tried (benchmarks/kernels/loss_gpu.py --configs; docs/performance-history.md)."""
     block = min(_MAX_BLOCK, 1 << max(vocab_size - 1, 1).bit_length())
     return _Config(block, max(4, min(32, block // 512)))
 

@@ -253,7 +253,7 @@ class Dispatch:
 
     def __init__(self, exact: bool = False):
         self.exact, self.sink = exact, None
-        self.grouped = True  # one grouped GEMM (False: a loop, for benchmarks/moe_gpu.py)
+        self.grouped = True  # one grouped GEMM (False: a loop, for benchmarks/kernels/moe_gpu.py)
 
     def experts_of(self, E: int, r: int) -> range:
         return range(r * E // self.n, (r + 1) * E // self.n)

@@ -4,13 +4,13 @@
 #      and finemoe-small (64 experts of 512, top 8) at -b 8 -t 1024 -d 65536: --compile --cuda-graph
 #      (gpt2-moe eager too, the host-bound baseline), dropless (the presets') and at capacity 1.25; tokens/s,
 #      MFU on the active parameters, host_s / step_s, peak memory
-#   2. a profile of the fine-grained preset's compiled step (benchmarks/profile_step.py)
+#   2. a profile of the fine-grained preset's compiled step (benchmarks/profile/profile_step.py)
 #   3. side by side with transformers' MixtralForCausalLM under torch.compile (bench train --torch
 #      hf-compile) at mixtral-small's shape, from the same initial weights, final losses compared
 # (0: GPT-2's exact bits, a check that a change left them alone.) Parts 0 1 take ~5 min on the H200,
 # 2 3 about as long: two calls (ONLY=graph with parts 1 3: one call of ~7 min). Everything printed is
 # also in $OUT/moe_speed.txt (appended).
-# Usage: OUT=/tmp/out bash benchmarks/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU;
+# Usage: OUT=/tmp/out bash benchmarks/speed/moe_speed_gpu.sh [0|1|2|3 ...]; SMOKE=1: tiny shapes on the CPU;
 #        ONLY='graph ...': part 1's runs of those names alone (eager, graph, graph-cap1.25)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -62,9 +62,9 @@ fi
 
 if [[ " $parts " == *" 2 "* ]] && [ -z "${SMOKE:-}" ]; then
   echo "== profile: finemoe-small --compile --cuda-graph"
-  python benchmarks/profile_step.py --model finemoe-small -i $D $shape --compile --cuda-graph $q 2>&1 | head -60
+  python benchmarks/profile/profile_step.py --model finemoe-small -i $D $shape --compile --cuda-graph $q 2>&1 | head -60
   echo "== profile: mixtral-small --compile --cuda-graph"
-  python benchmarks/profile_step.py --model mixtral-small -i $D $shape --compile --cuda-graph $q 2>&1 | head -40
+  python benchmarks/profile/profile_step.py --model mixtral-small -i $D $shape --compile --cuda-graph $q 2>&1 | head -40
 fi
 
 if [[ " $parts " == *" 3 "* ]]; then  # (bench checks that the final losses agree within --loss-tol: else exit 2)

@@ -9,7 +9,7 @@ Two scenarios, each under `torchrun --max-restarts 1`, on the tiny model (CPU, g
           heartbeat), and to the first completed step after the restart -- which includes torchrun's
           own 30 s grace before it SIGKILLs a worker that ignores SIGTERM (a stopped one must).
 
-    python benchmarks/fault_recovery.py [--nproc 4] [--repeat 3] [--heartbeat-timeout 3]
+    python benchmarks/fault/fault_recovery.py [--nproc 4] [--repeat 3] [--heartbeat-timeout 3]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--model", "tiny", "-b", "2", "-t", "128", "--val-every", "0", "--sample-tokens", "0", "--no-progress"]
 
 

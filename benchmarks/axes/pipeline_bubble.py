@@ -14,7 +14,7 @@ step. Printed per run, stage by stage:
                  and 1f1b, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) zb
 
 Usage (repo root; bytes data from `braidtrain data prepare --tokenizer bytes`):
-    python benchmarks/pipeline_bubble.py --data data/shakespeare_bytes [--pp 4] [--micro 8 16]
+    python benchmarks/axes/pipeline_bubble.py --data data/shakespeare_bytes [--pp 4] [--micro 8 16]
 Processes beyond the cores wait their turn: the bubble on an oversubscribed machine is the
 scheduler's as much as the pipeline's (say so next to any figure quoted).
 """
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from braidtrain.parallel import pipeline  # noqa: E402
 

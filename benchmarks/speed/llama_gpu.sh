@@ -5,14 +5,14 @@
 #   a. llama3.2-1b at -b 4 -t 2048: braidtrain --compile --cuda-graph and --compile side by side with
 #      transformers' LlamaForCausalLM under torch.compile (bench train --torch hf-compile; target >= 1.10x)
 #   b. llama3.2-3b and llama3.1-8b: the layout plan picks for one H200, with --compile: tokens/s, MFU,
-#      measured peak memory against plan's estimate (benchmarks/fit_gpu.py: no checkpoint, as an 8B's
+#      measured peak memory against plan's estimate (benchmarks/speed/fit_gpu.py: no checkpoint, as an 8B's
 #      96 GB would not fit the disk); a layout that fails is followed by the next leaner one
 #   c. the loss at the 128k vocabulary: loss.py's fused head against the transformers model's (its
 #      lm_head in bf16, fp32 logits, cross-entropy; eager and torch.compile), time and memory
-#   d. where the time goes: benchmarks/profile_step.py of braidtrain's --compile step and of hf-compile's
-# Usage: bash benchmarks/llama_gpu.sh [a b c d]   (default: all; a part is skipped, saying so, when
+#   d. where the time goes: benchmarks/profile/profile_step.py of braidtrain's --compile step and of hf-compile's
+# Usage: bash benchmarks/speed/llama_gpu.sh [a b c d]   (default: all; a part is skipped, saying so, when
 #        fewer seconds are left of BUDGET (default 540) than it needs)
-#        SMOKE=1 bash benchmarks/llama_gpu.sh   the same steps on the CPU at tiny sizes (checks this script)
+#        SMOKE=1 bash benchmarks/speed/llama_gpu.sh   the same steps on the CPU at tiny sizes (checks this script)
 # A_COMPILE=1: part a runs braidtrain's --compile layout too (without it, its best: --cuda-graph).
 # Writes its log and each part's JSON to $OUT (default /tmp/llama_gpu); deletes every run directory.
 set -uo pipefail
@@ -72,7 +72,7 @@ if [[ $parts == *" b "* ]]; then
     for lay in "$first" "$second"; do
       fits 130 || break
       rm -f "$OUT/b_${model}.json"
-      python benchmarks/fit_gpu.py $fsteps --json "$OUT/b_${model}.json" --model $model -i $WIDE -t $t -d $d \
+      python benchmarks/speed/fit_gpu.py $fsteps --json "$OUT/b_${model}.json" --model $model -i $WIDE -t $t -d $d \
         -z 0 $lay $c $dev 2>&1 | tail -4
       [ -s "$OUT/b_${model}.json" ] && break
       echo "($model $lay did not run: the next leaner layout)"
@@ -85,19 +85,19 @@ if [[ $parts == *" c "* ]]; then
   echo "== c. the loss at the 128k vocabulary: $loss"
   # (on the CPU its Triton kernel runs in Triton's interpreter: set for this command only, or
   # braidtrain's training above would take that slow path too)
-  fits 45 && env $([ "${SMOKE:-0}" = 1 ] && echo TRITON_INTERPRET=1) python benchmarks/loss_gpu.py $loss
+  fits 45 && env $([ "${SMOKE:-0}" = 1 ] && echo TRITON_INTERPRET=1) python benchmarks/kernels/loss_gpu.py $loss
   echo "(c: exit $?, $SECONDS s)"
 fi
 
 if [[ $parts == *" d "* ]]; then
   echo "== d. profile of one step, $m1 $bt -d $d1: braidtrain ${comp}"
   if fits 100; then
-    python benchmarks/profile_step.py --model $m1 -i $WIDE $bt -d $d1 $comp $dev --out /tmp/llama_prof \
+    python benchmarks/profile/profile_step.py --model $m1 -i $WIDE $bt -d $d1 $comp $dev --out /tmp/llama_prof \
       2>&1 | tee "$OUT/d_braidtrain.txt" | head -60
     rm -rf /tmp/llama_prof
   fi
   echo "== d. profile of one step: torch $yard"
-  fits 130 && python benchmarks/profile_step.py --torch $yard --model $m1 -i $WIDE $bt -d $d1 $dev \
+  fits 130 && python benchmarks/profile/profile_step.py --torch $yard --model $m1 -i $WIDE $bt -d $d1 $dev \
     2>&1 | tee "$OUT/d_$yard.txt" | head -60
   echo "(d: $SECONDS s)"
 fi

@@ -14,8 +14,8 @@ megabytes make several shards), and prints a row per case:
     worker), in MB
 
 Usage (repo root):
-    python benchmarks/corpus_throughput.py --mb 300 --dir /tmp/corpus_bench
-    python benchmarks/corpus_throughput.py --case parquet:gpt2:2 --case jsonl:llama3:2
+    python benchmarks/corpus/corpus_throughput.py --mb 300 --dir /tmp/corpus_bench
+    python benchmarks/corpus/corpus_throughput.py --case parquet:gpt2:2 --case jsonl:llama3:2
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 # machine has it); (2) gpt2 a few steps at pp 1 through the reshaped engine (default -z 0, -z 1
 # --compile, exact); (3) the bubble benchmark on the host's CPU cores (gloo, pp 4, 3 threads a
 # process). Usage (repo root; data/shakespeare_gpt2 and data/shakespeare_bytes carried):
-#   bash benchmarks/pipeline_gpu.sh
+#   bash benchmarks/axes/pipeline_gpu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RUNS=/tmp/pipeline_gpu; mkdir -p "$RUNS"
@@ -24,4 +24,4 @@ for run in "default -z 0" "compile -z 1 --compile" "exact -z 0 --exact"; do
   echo "$name: $(tail -n 1 $RUNS/$name/metrics.jsonl | cut -c1-200)"; grep weights_sha256 $RUNS/$name/summary.json
 done
 echo "== (3) bubble, CPU processes"
-python benchmarks/pipeline_bubble.py --data data/shakespeare_bytes --pp 4 --micro 8 16 --threads 3
+python benchmarks/axes/pipeline_bubble.py --data data/shakespeare_bytes --pp 4 --micro 8 16 --threads 3

@@ -1,7 +1,7 @@
 """Where a host-bound training step's Python time goes: cProfile around steps of braidtrain's trainer.
 
-    python benchmarks/host_profile.py [train flags ...]     # from the repo root, one GPU
-    e.g. python benchmarks/host_profile.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile --exact
+    python benchmarks/profile/host_profile.py [train flags ...]     # from the repo root, one GPU
+    e.g. python benchmarks/profile/host_profile.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile --exact
 
 Runs 4 steps to warm up, then 3 under cProfile (which slows Python down, so the figures are
 shares, not times), and prints the functions by their own time and by cumulative time, with
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 

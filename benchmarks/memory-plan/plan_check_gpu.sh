@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # plan --check on one GPU: estimated against measured peak memory for gpt2 and gpt2-xl at two
 # micro-batch sizes each (ZeRO-0, one micro-step), plus ZeRO-3 and recompute variants of gpt2.
-# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/plan_check_gpu.sh
+# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/memory-plan/plan_check_gpu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

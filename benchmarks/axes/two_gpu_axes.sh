@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues #26-#31 on two GPUs of one host (device kind nvidia-h200-x2): one part per device call,
 # each within ten minutes. Usage (repo root, data/shakespeare_gpt2 carried):
-#   bash benchmarks/two_gpu_axes.sh PART
+#   bash benchmarks/axes/two_gpu_axes.sh PART
 #   zero3  #26: plan gpt2-xl on 2 GPUs under a 20 GB cap (ZeRO-0 does not fit, ZeRO-3 does); ZeRO-0
 #          failing with the one-line out-of-memory message; ZeRO-3 training 20 steps; plan --check
 #          of that layout; bench train ZeRO-3 --compile against FSDP2 (+ compile)

@@ -2,7 +2,7 @@
 # One call on the GPU machine: `braidtrain bench train` for gpt2 124M (-b 16 -t 1024, 8 micro-steps
 # a rank) on every local GPU -- braidtrain's default layouts against torch DDP (eager, compiled) and
 # FSDP2 -- then the table. Extra arguments go to bench train (e.g. --layout '-z 1 --compile').
-# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/bench_train_gpu.sh [ARGS]
+# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/speed/bench_train_gpu.sh [ARGS]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

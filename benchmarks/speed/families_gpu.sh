@@ -7,7 +7,7 @@
 #      into the finished run's, each stop in one line (exit 2); --start-over moves it aside and trains
 #   3. Llama-3 on one GPU (llama3.2-1b's shape on the byte corpus): eager, --compile, --cuda-graph,
 #      --recompute and --exact a few steps each, and plan --check of it (estimated against peak memory)
-# Usage: bash benchmarks/families_gpu.sh [1|2|3 ...]   (default: all three)
+# Usage: bash benchmarks/speed/families_gpu.sh [1|2|3 ...]   (default: all three)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 parts=${*:-1 2 3}

@@ -1,9 +1,9 @@
 """Context parallelism's local kernels on one GPU (issue #20): ring attention at cp = 1 against
 torch's flash SDPA -- accuracy and speed -- and the longest sequence gpt2 trains at b = 1.
 
-    python benchmarks/context_gpu.py                # from the repo root; a few minutes
-    python benchmarks/context_gpu.py --kernels      # only the kernel part
-    python benchmarks/context_gpu.py --lengths 32768 65536 --data data/shakespeare_gpt2
+    python benchmarks/kernels/context_gpu.py                # from the repo root; a few minutes
+    python benchmarks/kernels/context_gpu.py --kernels      # only the kernel part
+    python benchmarks/kernels/context_gpu.py --lengths 32768 65536 --data data/shakespeare_gpt2
 
 Kernels (B=1, H=12, D=64, bf16, causal; T from --kernel-lengths): ring attention at cp = 1 is the
 same code path as at any cp -- the two chunks, three block pairs (two diagonal, one full), merged
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.parallel.context import Context  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """Where one training step's GPU time goes: braidtrain's own trainer, torch.profiler around a step.
 
-    python benchmarks/profile_step.py [train flags ...]     # from the repo root, one GPU
-    e.g. python benchmarks/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
-    torchrun --standalone --nproc-per-node 2 benchmarks/profile_step.py ...   # rank 0's step
-    python benchmarks/profile_step.py --torch ddp-compile --model gpt2 -i DATA -b 16 -t 1024 -d 131072
+    python benchmarks/profile/profile_step.py [train flags ...]     # from the repo root, one GPU
+    e.g. python benchmarks/profile/profile_step.py --model gpt2 -i data/shakespeare_gpt2 -b 16 -t 1024 -d 131072 --compile
+    torchrun --standalone --nproc-per-node 2 benchmarks/profile/profile_step.py ...   # rank 0's step
+    python benchmarks/profile/profile_step.py --torch ddp-compile --model gpt2 -i DATA -b 16 -t 1024 -d 131072
         # the same step of bench train's torch yardstick (braidtrain.bench.torchref), for side-by-side profiles
 
 Runs 4 steps to warm up (compilation, allocator), profiles the 5th, and prints the step's wall
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.train import Trainer, gc_by_hand  # noqa: E402
 

@@ -5,7 +5,7 @@
 # (every other round in the other order, so that running first or last falls on each alike), then
 # per layout each version's tokens/s over the rounds, their medians and the new/old ratio.
 # Usage (repo root; data/shakespeare_gpt2 and OLD carried):
-#   bash benchmarks/before_after.sh OLD "1 2 3" [bench train args, e.g. --layout '-z 1 --compile']
+#   bash benchmarks/speed/before_after.sh OLD "1 2 3" [bench train args, e.g. --layout '-z 1 --compile']
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 unset PYTHONPATH  # each version imports its own braidtrain, from the folder it runs in

@@ -10,7 +10,7 @@ on any dp and ZeRO stage). Timed: the fault to the survivors' exit, and to the r
 "resumed from" line (which includes starting the new torchrun). One line per trial, then a
 summary; exit 1 if any trial failed.
 
-    python benchmarks/chaos.py --trials 10 [--seed 0] [--data data/shakespeare_bytes]
+    python benchmarks/fault/chaos.py --trials 10 [--seed 0] [--data data/shakespeare_bytes]
 
 --live: live recovery instead (braidtrain/live/). Each trial starts 4 ranks with scripts/live.sh
 (one process each, -pi tcp, --live-recovery) at a random ZeRO stage (0-3; 1-3 keep each shard's
@@ -21,7 +21,7 @@ in, every step logged once, with the uninterrupted run's weights. Timed: the fau
 restart path (torchrun, --max-restarts 0, then a new torchrun with --resume auto, same world) and
 times the same thing there: the "resumed from" line plus the redone steps' step_s up to that step.
 
-    python benchmarks/chaos.py --live --trials 20 [--against-restart K]
+    python benchmarks/fault/chaos.py --live --trials 20 [--against-restart K]
 
 --layout tp|pp|cp (with --live): each replica 2 ranks along that axis, --nproc ranks in all (4: two
 replicas, ZeRO-0; 8: four, a random ZeRO stage -- 0-2 under pp). The fault strikes a random rank
@@ -29,7 +29,7 @@ outside replica 0 (rank 0's: it hosts the store); its replica is retired (live/r
 other rank must leave in one line, exit 0, and the other replicas go on, bitwise as ever (the
 reference runs the same axis at 2: exact mode's bits depend on tp and cp).
 
-    python benchmarks/chaos.py --live --layout tp --nproc 8 --trials 10
+    python benchmarks/fault/chaos.py --live --layout tp --nproc 8 --trials 10
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, D = 12, 1024  # -d 1024 = b 2 x t 128 x 4 micro-steps at dp 1: a power of two at dp 1, 2 and 4
 MODEL = ["--model", "tiny", "-b", "2", "-t", "128", "-d", str(D), "-x", str(STEPS), "--exact", "--val-every", "0",
          "--sample-tokens", "0", "--no-progress", "--ckpt-every", "3", "--heartbeat-timeout", "5"]

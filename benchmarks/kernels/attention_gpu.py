@@ -1,8 +1,8 @@
 """The deterministic Triton causal attention (braidtrain/model/attention.py) on one GPU, against
 torch's flash SDPA: accuracy, bitwise repeatability, batch invariance, speed.
 
-    python benchmarks/attention_gpu.py            # from the repo root; meant to take 1-2 minutes
-    python benchmarks/attention_gpu.py --configs  # only: time a few other fixed block configs
+    python benchmarks/kernels/attention_gpu.py            # from the repo root; meant to take 1-2 minutes
+    python benchmarks/kernels/attention_gpu.py --configs  # only: time a few other fixed block configs
 
 For bf16 (B=16, H=12, T=1024, D=64) and (B=4, H=25, T=1024, D=64):
   * relative error ||x - ref|| / ||ref|| of o, dq, dk, dv against torch's math SDPA on fp32
@@ -26,7 +26,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.model.attention import _config, available, causal_attention  # noqa: E402
 
 NAMES = ("o", "dq", "dk", "dv")

@@ -9,7 +9,7 @@ median of 20 after 5 warm-up rounds), before any of them is built into the model
   3. bias + GELU: addmm then a compiled tanh-GELU, against cuBLASLt's GELU epilogue
      (torch._addmm_activation).
 
-    python benchmarks/kernel_probe_gpu.py
+    python benchmarks/kernels/kernel_probe_gpu.py
 """
 
 import torch

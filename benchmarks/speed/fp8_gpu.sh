@@ -26,7 +26,7 @@
 # SMOKE=1: the same parts on the CPU with llama3-tiny and tiny, a few steps, no --compile and no
 # CUDA graph (the plumbing: 3b, loss and 1b in ~6 minutes of a loaded 2-core VM; ao ~10 more).
 # RECIPES='tensorwise': the 3b and 1b parts with that recipe only (a shorter call).
-# Usage: OUT=/tmp/out bash benchmarks/fp8_gpu.sh [3b loss 1b ao]   (default: all four, in that order)
+# Usage: OUT=/tmp/out bash benchmarks/speed/fp8_gpu.sh [3b loss 1b ao]   (default: all four, in that order)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -36,7 +36,7 @@ declare -A EST=([3b]=330 [loss]=90 [1b]=220 [ao]=500)  # seconds each part took,
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/fp8-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 if [ "$SMOKE" = 1 ]; then
   BIG=llama3-tiny SMALL_MODEL=llama3-tiny DEV="--device cpu" COMPILE="" STEPS=3 WARM=1 LIMIT=${LIMIT:-100000}
@@ -53,7 +53,7 @@ git log -1 --format='commit %h %s' 2>/dev/null
 
 late() {  # late PART: true (and says so) when PART would end past the limit
   if [ $((SECONDS + ${EST[$1]})) -gt "$LIMIT" ]; then
-    echo "== $1: skipped, ${SECONDS} s gone + ~${EST[$1]} s > ${LIMIT} s (run: bash benchmarks/fp8_gpu.sh $1)" | tee -a "$OUT/summary.txt"
+    echo "== $1: skipped, ${SECONDS} s gone + ~${EST[$1]} s > ${LIMIT} s (run: bash benchmarks/speed/fp8_gpu.sh $1)" | tee -a "$OUT/summary.txt"
     return 0
   fi
   return 1

@@ -1,10 +1,10 @@
 """The fused LM head + cross-entropy (braidtrain/model/loss.py) on one GPU, against torch:
 accuracy, bitwise repeatability, speed, memory.
 
-    python benchmarks/loss_gpu.py            # from the repo root; meant to take under a minute
-    python benchmarks/loss_gpu.py --configs  # also: time the fused pass at other (block, warps)
-    python benchmarks/loss_gpu.py --tokens 8192 --width 2048 --vocab 128256   # llama3.2-1b's head, b 4 x t 2048
-    TRITON_INTERPRET=1 python benchmarks/loss_gpu.py --smoke   # tiny, on CPU: checks this script
+    python benchmarks/kernels/loss_gpu.py            # from the repo root; meant to take under a minute
+    python benchmarks/kernels/loss_gpu.py --configs  # also: time the fused pass at other (block, warps)
+    python benchmarks/kernels/loss_gpu.py --tokens 8192 --width 2048 --vocab 128256   # llama3.2-1b's head, b 4 x t 2048
+    TRITON_INTERPRET=1 python benchmarks/kernels/loss_gpu.py --smoke   # tiny, on CPU: checks this script
 
 By default gpt2's head at B=16, T=1024: h (16384, 768) bf16 -- as under autocast -- w (50304, 768)
 fp32 (the vocabulary padded to a multiple of 128), V = 50257, upstream gradient g = 1/N (the
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.model import loss as L  # noqa: E402
 from braidtrain.model.loss import head_loss  # noqa: E402
 from braidtrain.model.protocol import VOCAB_ALIGN  # noqa: E402

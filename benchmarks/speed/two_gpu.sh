@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two-GPU figures of issue #7 on nvidia-h200-x2, one part per device call (each fits in ten
-# minutes). Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/two_gpu.sh PART
+# minutes). Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/speed/two_gpu.sh PART
 #   exact  --exact --compile on 1 and on 2 H200s: the same losses and weights_sha256? (any further
 #          arguments go to the two-GPU run, e.g. exact -z 3)
 #   quick  bench train on both GPUs: ZeRO-0/1 --compile against torch DDP + compile (5 timed steps)
@@ -80,5 +80,5 @@ comm)
   # the default 50 holds two), then x4 and x16 (the embedding group's bucket, 157 MB, lies between)
   python -m torch.distributed.run --standalone --nproc-per-node 2 -m braidtrain bench comm \
     --ops all_reduce,reduce_scatter --min-bytes 28351488 --max-bytes 512M --json "$OUT/comm_buckets.json" ;;
-*) echo "usage: bash benchmarks/two_gpu.sh exact|graph|graph-train|quick|train|buckets|zero3|comm" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/speed/two_gpu.sh exact|graph|graph-train|quick|train|buckets|zero3|comm" >&2; exit 2 ;;
 esac

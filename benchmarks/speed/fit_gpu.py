@@ -6,8 +6,8 @@ step, and the measured peak memory (metrics' mem_gb, torch's peak allocation) ag
 planner's estimate of the same layout (plan/estimate.py's `allocated`; on the CPU the model state:
 what `plan --check` compares).
 
-    python benchmarks/fit_gpu.py [--steps 6] [--warmup 3] [--json FILE] TRAIN_FLAGS ...
-    e.g. python benchmarks/fit_gpu.py --model llama3.1-8b -i DATA -b 2 -t 2048 -d 8192 --recompute --compile
+    python benchmarks/speed/fit_gpu.py [--steps 6] [--warmup 3] [--json FILE] TRAIN_FLAGS ...
+    e.g. python benchmarks/speed/fit_gpu.py --model llama3.1-8b -i DATA -b 2 -t 2048 -d 8192 --recompute --compile
 
 One process; a layout of one GPU (tp, pp, cp = 1). The run directory (--out, default a temporary
 folder) is removed at the end unless --out is given.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.options import Parser, train_config, train_parser  # noqa: E402
 from braidtrain.plan.estimate import estimate  # noqa: E402
 from braidtrain.plan.memory import GB  # noqa: E402

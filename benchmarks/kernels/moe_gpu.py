@@ -2,7 +2,7 @@
 every block, top-2) at ep 1 -- the experts as one grouped GEMM (torch._grouped_mm) against a
 per-expert loop, and what capacity drops.
 
-    python benchmarks/moe_gpu.py --data data/shakespeare_gpt2     # from the repo root; a few minutes
+    python benchmarks/kernels/moe_gpu.py --data data/shakespeare_gpt2     # from the repo root; a few minutes
 
 1. One MoE layer (16k tokens of gpt2's width, bf16): forward+backward time with the grouped GEMM
    and with the loop, and whether their outputs and gradients are the same bits.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.model.registry import model_config  # noqa: E402
 from braidtrain.model.moe import MoE  # noqa: E402
 from braidtrain.parallel.expert import Dispatch  # noqa: E402

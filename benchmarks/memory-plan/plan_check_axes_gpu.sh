@@ -2,7 +2,7 @@
 # Issue #22 on one GPU: plan --check (estimated against measured peak memory, two training steps)
 # for a layout with recompute and for a mixture of experts (with and without recompute), then
 # `train --layout auto` for two steps (the layout it takes, printed).
-# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/plan_check_axes_gpu.sh
+# Usage (repo root, data/shakespeare_gpt2 carried): bash benchmarks/memory-plan/plan_check_axes_gpu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
