@@ -65,8 +65,10 @@ def train_parser(sub):
     g.add_argument("--start-over", action="store_true", default=None,
                    help="--out holds another run: move its files aside (to OUT.replaced-TIME) and start a new run "
                         "there")
-    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace GPT-2 or Llama folder (braidtrain "
-                                                      "export writes one)")
+    g.add_argument("--init-from", metavar="DIR", help="start from a HuggingFace folder of a family braidtrain "
+                                                      "trains: GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, "
+                                                      "MixtralForCausalLM or Qwen3MoeForCausalLM (braidtrain export "
+                                                      "writes one)")
     g.add_argument("-y", dest="llmc_resume", type=int, choices=[0, 1], help="llm.c: 1 = --resume auto")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g.add_argument("--tensorboard", action="store_true", default=None,
