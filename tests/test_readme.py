@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -162,12 +163,25 @@ def write_my_texts(folder: Path) -> None:
 
 
 def test_readme_commands_run(tmp_path):
+    """RUN's commands in two lanes side by side, each in README order: the CPU-sized run and the
+    commands that read it (they name data/mine_bytes or runs/mine_tiny), and the others, which
+    depend on nothing but my_texts -- so the single-process commands share the two cores."""
     write_my_texts(tmp_path / "my_texts")
     bin_dir = str(Path(sys.executable).parent)  # README's `python` and `torchrun`: this interpreter's
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONPATH": str(REPO),
            "OMP_NUM_THREADS": "1"}
-    for cmd in RUN:
-        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, f"README's `{cmd}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+    def lane(commands: list[str]) -> list[str]:
+        for cmd in commands:
+            p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            if p.returncode:
+                return [f"README's `{cmd}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"]
+        return []
+
+    chain = [c for c in RUN if "mine_bytes" in c or "mine_tiny" in c]
+    with ThreadPoolExecutor(2) as pool:
+        lanes = [pool.submit(lane, chain), pool.submit(lane, [c for c in RUN if c not in chain])]
+        failed = [line for f in lanes for line in f.result()]
+    assert not failed, "\n".join(failed)
     assert (tmp_path / "hf" / "mine_tiny" / "model.safetensors").is_file() and (tmp_path / "loss.png").is_file()
 
