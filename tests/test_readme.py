@@ -4,7 +4,8 @@ SKIPPED with the reason it is not. A command in neither (a new or changed one) f
 so does an entry README no longer has: README cannot go stale unseen.
 
 The scratch folder holds what a reader brings: `my_texts/` (their text: five of Shakespeare's
-plays). About a minute on two quiet CPU cores, most of it the CPU-sized Llama's 60 steps.
+plays). About a minute on two quiet CPU cores, most of it the CPU-sized Llama's 60 steps. Also:
+benchmarks/README.md, the benchmarks' index, has a row for every script there.
 """
 from __future__ import annotations
 
@@ -185,3 +186,15 @@ def test_readme_commands_run(tmp_path):
     assert not failed, "\n".join(failed)
     assert (tmp_path / "hf" / "mine_tiny" / "model.safetensors").is_file() and (tmp_path / "loss.png").is_file()
 
+
+
+def test_benchmarks_index_lists_every_script():
+    """benchmarks/README.md has a row for every script git tracks under benchmarks/, and each row's
+    link is one of them: a new script (top level until it is filed) needs its row."""
+    index = (REPO / "benchmarks" / "README.md").read_text()
+    linked = set(re.findall(r"^\| \[[^]]+\]\(([^)]+)\)", index, re.M))
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.sh"], cwd=REPO / "benchmarks", capture_output=True,
+                             text=True, check=True).stdout.split()
+    scripts = set(tracked)
+    assert scripts - linked == set(), f"scripts with no row in benchmarks/README.md: {sorted(scripts - linked)}"
+    assert linked - scripts == set(), f"rows of benchmarks/README.md naming no script: {sorted(linked - scripts)}"
