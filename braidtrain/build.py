@@ -91,6 +91,8 @@ def build(cfg: Config) -> Run:
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
         cfg = replace(cfg, **chosen)
         rt.log(f"braidtrain: {said}")
+    if cfg.recipe:  # (config.py's build_config: the optimizer's settings and where they came from)
+        rt.log(f"braidtrain: recipe: {cfg.recipe}")
     lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
