@@ -289,7 +289,9 @@ Model, Config = Llama, LlamaConfig
 
 def init_std(cfg: LlamaConfig, name: str) -> float | None:
     """N(0, 0.02) for every weight (HF's initializer_range), the residual projections (o_proj,
-    down_proj) scaled by 1/sqrt(2 n_layer) as GPT-2's; None: ones (the RMSNorms)."""
+    down_proj) scaled by 1/sqrt(2 n_layer) as GPT-2's; None: ones (the RMSNorms). (torchtitan's
+    llama3 draws its untied embedding from N(0, 1) and its head at 1/sqrt(n_embd): docs/performance.md,
+    "Training recipes", says why that is not the suspect in the 3B and 8B divergences.)"""
     if name.endswith("norm.weight"):
         return None
     if name.endswith(("o_proj.weight", "down_proj.weight")):
