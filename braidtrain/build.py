@@ -267,6 +267,7 @@ BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}
 
 
 PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join")  # how a process runs, not what it trains
+SAID_ELSEWHERE = ("recipe",)  # where the optimizer's settings came from: they are compared themselves
 
 
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
@@ -276,7 +277,7 @@ def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
     diff += [f"{k} {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(saved) | set(mine))
-             if k not in now and k not in PROCESS_ONLY and saved.get(k) != mine.get(k)]
+             if k not in now and k not in PROCESS_ONLY + SAID_ELSEWHERE and saved.get(k) != mine.get(k)]
     return ", ".join(diff)
 
 
