@@ -211,9 +211,10 @@ def build_config(config: str | None, overrides: dict) -> Config:
     validate(cfg)
     where = [f"--{k.replace('_', '-')} (command line)" for k in RECIPE_FIELDS if k in given]
     where += [f"{k} ({config_path(config).name})" for k in RECIPE_FIELDS if k in from_file and k not in given]
+    source = f"for --init-from {cfg.init_from}" if cfg.init_from and "model" not in values else f"from preset {preset}"
     cfg.recipe = (f"{name} (lr {_short(cfg.lr)}, warmup {cfg.warmup_steps}{scaled}, cosine to {cfg.final_lr_frac:.0%}, "
-                  f"clip {cfg.grad_clip:.1f}, AdamW {cfg.beta1:g}/{cfg.beta2:g} wd {cfg.weight_decay:g}) "
-                  f"from preset {preset}" + (f"; overridden: {', '.join(where)}" if where else ""))
+                  f"clip {cfg.grad_clip:.1f}, AdamW {cfg.beta1:g}/{cfg.beta2:g} wd {cfg.weight_decay:g}) {source}"
+                  + (f"; overridden: {', '.join(where)}" if where else ""))
     return cfg
 
 

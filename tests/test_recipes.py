@@ -52,6 +52,7 @@ def test_every_llama_family_preset_has_a_recipe_and_gpt2s_keep_the_defaults():
         cfg = resolve(*argv)  # (GPT-2's exact bits: tests/helpers.py's pins train --model tiny for 6 steps)
         assert recipe_of(cfg) == DEFAULTS, argv
         assert cfg.recipe.startswith("gpt2 defaults (lr 6e-4, warmup 10, cosine to 10%")
+    assert resolve("--init-from", "hf/folder").recipe.endswith("wd 0.1) for --init-from hf/folder")  # (no preset)
     cfg = resolve("--config", "gpt2", "-x", 3)  # llm.c's recipe in the file: unscaled, named
     assert (cfg.lr, cfg.warmup_steps, cfg.final_lr_frac) == (6e-4, 700, 0.0)
     assert cfg.recipe.endswith("overridden: lr (gpt2.toml), warmup_steps (gpt2.toml), final_lr_frac (gpt2.toml), "
