@@ -91,6 +91,8 @@ def build(cfg: Config) -> Run:
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
         cfg = replace(cfg, **chosen)
         rt.log(f"braidtrain: {said}")
+    if cfg.recipe:  # (config.py's build_config: the optimizer's settings and where they came from)
+        rt.log(f"braidtrain: recipe: {cfg.recipe}")
     lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
@@ -265,6 +267,7 @@ BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}
 
 
 PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join")  # how a process runs, not what it trains
+SAID_ELSEWHERE = ("recipe",)  # where the optimizer's settings came from: they are compared themselves
 
 
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
@@ -274,7 +277,7 @@ def what_changed(meta: dict, now: dict, cfg: Config) -> str:
     saved = tomllib.loads(meta.get("config", ""))
     mine = tomllib.loads(cfg.to_toml())
     diff += [f"{k} {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(saved) | set(mine))
-             if k not in now and k not in PROCESS_ONLY and saved.get(k) != mine.get(k)]
+             if k not in now and k not in PROCESS_ONLY + SAID_ELSEWHERE and saved.get(k) != mine.get(k)]
     return ", ".join(diff)
 
 

@@ -5,6 +5,14 @@ braidtrain/configs/), then command-line options. `validate` checks each value on
 positive size, a known name); whether the degrees and features fit together, the world size and
 the model is layout.py's question, asked once before any process group forms. Each failure is a
 `UserError` whose one line says what to change.
+
+Recipes. The optimizer's settings (RECIPE_FIELDS: lr, warmup, decay, clipping, AdamW's betas and
+weight decay) that neither the command line nor the config file gives come from the model preset's
+published recipe (its family's RECIPES, e.g. model/llama.py's Llama 3 recipe), whichever of
+--model or a config file's `model` named it; a preset whose family publishes none (GPT-2's) keeps
+the defaults below. A recipe's warmup is for a long run: a run of max_steps steps warms up for at
+most WARMUP_SHARE of them (-x 40: 20 steps, not 200), except under -x -1 (one epoch, its length
+unknown here). `recipe` records where each setting came from; `train` prints it at the start.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from braidtrain.errors import UserError
+from braidtrain.model import registry
 from braidtrain.io.trackers import check_installed
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -61,6 +70,7 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    recipe: str | None = None  # where the settings above came from (build_config writes it)
     seed: int = 1337
     # evaluation and output
     val_every: int = 50
@@ -174,18 +184,44 @@ def load_toml(path: Path) -> dict:
     return out
 
 
+# the settings a model preset's recipe gives (model/*.py's RECIPES) unless given; and a short run's warmup at most
+RECIPE_FIELDS = ("lr", "warmup_steps", "final_lr_frac", "grad_clip", "beta1", "beta2", "weight_decay")
+WARMUP_SHARE = 0.5  # of the run's steps
+
 # What --layout auto chooses (replacing a config file's values for them)
 AUTO_CHOSEN = ("pp", "pp_schedule", "pp_virtual", "pp_split", "cp", "cp_impl", "tp", "sp", "ep", "zero", "batch_size",
                "recompute")
 
 
 def build_config(config: str | None, overrides: dict) -> Config:
-    """Defaults, then the TOML file, then command-line overrides (None means 'not given')."""
-    values = load_toml(config_path(config)) if config else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    """Defaults (or the preset's recipe), then the TOML file, then command-line overrides (None
+    means 'not given')."""
+    from_file = load_toml(config_path(config)) if config else {}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values = {**from_file, **given}
+    preset = values.get("model", Config.model)
+    name, recipe = registry.recipe(preset) or ("gpt2 defaults", {})
+    values.update({k: v for k, v in recipe.items() if k not in values})
+    steps = values.get("max_steps", Config.max_steps)
+    scaled = ""
+    if "warmup_steps" not in from_file | given and steps > 0 and values.get("warmup_steps", 0) > WARMUP_SHARE * steps:
+        scaled = f" of {steps} steps, scaled from {values['warmup_steps']}"
+        values["warmup_steps"] = max(1, int(WARMUP_SHARE * steps))
     cfg = Config(**values)
     validate(cfg)
+    where = [f"--{k.replace('_', '-')} (command line)" for k in RECIPE_FIELDS if k in given]
+    where += [f"{k} ({config_path(config).name})" for k in RECIPE_FIELDS if k in from_file and k not in given]
+    source = f"for --init-from {cfg.init_from}" if cfg.init_from and "model" not in values else f"from preset {preset}"
+    cfg.recipe = (f"{name} (lr {_short(cfg.lr)}, warmup {cfg.warmup_steps}{scaled}, cosine to {cfg.final_lr_frac:.0%}, "
+                  f"clip {cfg.grad_clip:.1f}, AdamW {cfg.beta1:g}/{cfg.beta2:g} wd {cfg.weight_decay:g}) {source}"
+                  + (f"; overridden: {', '.join(where)}" if where else ""))
     return cfg
+
+
+def _short(x: float) -> str:
+    """3e-4, 2.2e-4: a learning rate as papers write it."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
 def validate(cfg: Config) -> None:

@@ -38,11 +38,14 @@ def train_parser(sub):
     g.add_argument("--seq-len", "-t", type=int, help="tokens per sequence")
     g.add_argument("--total-batch", "-d", type=int, help="tokens per optimizer step, over all ranks")
     g.add_argument("--max-steps", "-x", type=int, help="optimizer steps (-1: one epoch of the training data)")
-    g.add_argument("--lr", "-l", type=float)
-    g.add_argument("--final-lr-frac", "-q", type=float)
-    g.add_argument("--warmup-steps", "-u", type=int)
-    g.add_argument("--weight-decay", "-c", type=float)
-    g.add_argument("--grad-clip", type=float)
+    g.add_argument("--lr", "-l", type=float, help="peak learning rate (default: the model preset's recipe, which "
+                                                  "train prints at the start)")
+    g.add_argument("--final-lr-frac", "-q", type=float, help="cosine decay to this share of the peak (default: the "
+                                                             "recipe's)")
+    g.add_argument("--warmup-steps", "-u", type=int, help="linear warm-up steps (default: the recipe's, cut to half "
+                                                          "of a shorter -x)")
+    g.add_argument("--weight-decay", "-c", type=float, help="AdamW's decoupled weight decay (default: the recipe's)")
+    g.add_argument("--grad-clip", type=float, help="clip the gradient's global norm to this (default: the recipe's)")
     g.add_argument("--seed", type=int)
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--val-every", "-v", type=int)

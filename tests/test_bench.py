@@ -81,11 +81,12 @@ def test_bench_train_against_torch(tmp_path, shakespeare, monkeypatch, capsys):
     assert "x ddp" in p.stdout
 
 
-@pytest.mark.parametrize("preset, tol", [("llama3-tiny", 1e-5), ("mixtral-tiny", 1e-4)])
+@pytest.mark.parametrize("preset, tol", [("llama3-tiny", 1e-5), ("mixtral-tiny", 2e-4)])
 def test_hf_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypatch, capsys, preset, tol):
     """--torch hf: transformers' LlamaForCausalLM (MixtralForCausalLM) from braidtrain's initial
     weights, on the same sequences with the same schedule and clipping: in fp32 its final loss is
-    braidtrain's (a mixture's to the balance loss's part, which transformers leaves out: 2e-5)."""
+    braidtrain's (a mixture's to the balance loss's part, which transformers leaves out: 1.0e-4 under
+    mixtral-tiny's recipe, lr 2.2e-4 from the first of 3 steps; 0 with --moe-aux 0)."""
     pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
     out = tmp_path / "train.json"
     p = bench_train("--model", preset, "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",

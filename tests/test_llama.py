@@ -3,8 +3,8 @@ transformers' LlamaForCausalLM (grouped-query attention, Llama-3.1's scaled RoPE
 and an exact round trip of its HuggingFace folder; in one 8-rank process group (tests/layouts_worker.py
 "llama"), llama3-tiny on every axis against the single process (1e-5, loss and gradient norm, 7
 steps) and, in exact mode, to the bit across dp 1/2/4, ZeRO 0-3 and pipeline schedules; then the
-command line: export and --init-from, an exact run stopped and resumed on another layout, the
-planner's verdicts on Llama-3.1-70B, and bad input, one line each."""
+command line: the preset's Llama 3 recipe named at the start, export and --init-from, an exact run
+stopped and resumed on another layout, the planner's verdicts on Llama-3.1-70B, and bad input, one line each."""
 
 import json
 import shutil
@@ -136,7 +136,9 @@ def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakes
     GPT-2 run's checkpoint into a Llama run is one line."""
     base = [*MODEL, "-i", shakespeare, "-d", 512, "--exact"]
     full = tmp_path / "full"
-    braidtrain("train", *base, "-x", 6, "--ckpt-every", 3, "--out", full)
+    p = braidtrain("train", *base, "-x", 6, "--ckpt-every", 3, "--out", full)
+    assert ("recipe: llama3 (lr 3e-4, warmup 3 of 6 steps, scaled from 200, cosine to 10%, clip 1.0, AdamW 0.9/0.95 "
+            "wd 0.1) from preset llama3-tiny\n") in p.stdout  # (test_recipes.py: the recipe's resolution)
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step_00000006")

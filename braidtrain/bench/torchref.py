@@ -59,7 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from braidtrain.io import export
-from braidtrain.config import Config
+from braidtrain.config import build_config
 from braidtrain.layout import batch_plan, make_layout
 from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
 from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
@@ -287,7 +287,8 @@ def setup(a):
     else:
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    cfg = Config(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t, total_batch=a.d)
+    cfg = build_config(None, dict(model=a.model, train_data=a.train_data, batch_size=a.b, seq_len=a.t,
+                                  total_batch=a.d, max_steps=a.steps))  # the preset's recipe, as `train`'s
     dp = 1 if a.mode.startswith("pipe") else dist.get_world_size()
     plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, dp)
     files = resolve_files(a.train_data, "train")

@@ -59,6 +59,7 @@ LLMC_DEPTHS = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (
 PRESETS.update({f"d{d}": dict(n_layer=d, n_head=h, n_embd=c, block_size=1024) for d, (c, h) in LLMC_DEPTHS.items()})
 
 VOCAB = 50257  # the family's tokenizer (GPT-2's BPE): the planner's default vocabulary
+RECIPES: dict = {}  # none: GPT-2's presets train with config.py's defaults, llm.c's settings (config.py)
 
 
 @dataclasses.dataclass(frozen=True)

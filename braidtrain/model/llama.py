@@ -80,6 +80,21 @@ PRESETS = {
 # the family's tokenizer (Llama-3's tiktoken BPE, 128,000 + 256 special tokens): the planner's default vocabulary
 VOCAB = 128256
 
+# The training recipe each preset brings: config.py's optimizer settings where neither the command
+# line nor a config file gives them (config.py, "Recipes": its warmup shortened for a short run).
+# Llama 3's, as torchtitan's llama3 configs train it: AdamW 0.9/0.95, weight decay 0.1, clipping at
+# 1.0, peak lr 3e-4 from 1B to 8B, 1.5e-4 at 70B and 8e-5 at 405B (the Llama 3 paper's), a linear
+# warmup of 200 steps (600 at 405B), then the Llama 2 paper's cosine decay to 10% of the peak. The
+# mixtures take DeepSeek-V3's (paper and torchtitan's deepseek_v3 config: Mixtral and Qwen3-MoE
+# publish none): the same but a peak of 2.2e-4. The CPU-sized presets take their family's recipe.
+LLAMA3 = dict(lr=3e-4, warmup_steps=200, final_lr_frac=0.1, weight_decay=0.1, grad_clip=1.0, beta1=0.9, beta2=0.95)
+RECIPES = {  # preset: (the recipe's name, its settings)
+    **{p: ("llama3", LLAMA3) for p in ("llama3-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b")},
+    "llama3.1-70b": ("llama3 70B", dict(LLAMA3, lr=1.5e-4)),
+    "llama3.1-405b": ("llama3 405B", dict(LLAMA3, lr=8e-5, warmup_steps=600)),
+    **{p: ("deepseek-v3", dict(LLAMA3, lr=2.2e-4)) for p in ("mixtral-tiny", "mixtral-small", "finemoe-small")},
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
@@ -274,7 +289,9 @@ Model, Config = Llama, LlamaConfig
 
 def init_std(cfg: LlamaConfig, name: str) -> float | None:
     """N(0, 0.02) for every weight (HF's initializer_range), the residual projections (o_proj,
-    down_proj) scaled by 1/sqrt(2 n_layer) as GPT-2's; None: ones (the RMSNorms)."""
+    down_proj) scaled by 1/sqrt(2 n_layer) as GPT-2's; None: ones (the RMSNorms). (torchtitan's
+    llama3 draws its untied embedding from N(0, 1) and its head at 1/sqrt(n_embd): docs/performance.md,
+    "Training recipes", says why that is not the suspect in the 3B and 8B divergences.)"""
     if name.endswith("norm.weight"):
         return None
     if name.endswith(("o_proj.weight", "down_proj.weight")):

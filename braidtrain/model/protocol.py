@@ -5,6 +5,8 @@ A family (gpt2.py, llama.py) is one module that declares, and the registry (regi
 
     Config      a frozen ModelConfig subclass: the shape (its own fields beside the common ones)
     PRESETS     preset name -> that Config's fields (all but vocab_size, which is the data's)
+    RECIPES     preset name -> (recipe name, config.py's optimizer settings): the published
+                training recipe the preset brings (config.py, "Recipes"); {}: config.py's defaults
     Model       a Stage subclass: the whole model, or one pipeline chunk of it, built on a mesh
     init_std    (cfg, parameter name) -> the std of its normal init, or None: 1 for a norm's
                 weight, 0 for a bias

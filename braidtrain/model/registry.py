@@ -2,6 +2,7 @@
 
     registry.FAMILIES                   {"gpt2": model/gpt2.py, "llama3": model/llama.py}
     model_config(preset, vocab, ...)    a preset's Config with these fields overriding it
+    recipe(preset)                      the training recipe it brings (its family's RECIPES)
     config_of(family, fields)           a Config from a checkpoint's record
     family_of(cfg) / of_hf(config)      a Config's family; a HuggingFace config.json's
     build(cfg, ...) / pipeline_chunks   a Stage (the whole model or a chunk), or a rank's chunks
@@ -34,6 +35,12 @@ def family_of_preset(preset: str):
         raise UserError(f"unknown model '{preset}': use one of {', '.join(presets())}, or llm.c's d12, d24, ... "
                         "(GPT-2)")
     return fam
+
+
+def recipe(preset: str) -> tuple[str, dict] | None:
+    """The training recipe preset `preset` brings -- its name and config.py's settings -- or None
+    where its family publishes none (GPT-2's: config.py's defaults)."""
+    return family_of_preset(preset).RECIPES.get(preset)
 
 
 def model_config(preset: str, vocab_size: int | None = None, **overrides) -> ModelConfig:

@@ -1,0 +1,92 @@
+"""A model preset's training recipe (config.py, "Recipes"; model/*.py's RECIPES): the same whether
+--model or a config file names the preset, every setting given on the command line or in a config
+file overriding it, a short run's warmup at most half its steps, GPT-2's presets on the defaults
+they always had, and the line that says where each setting came from. In-process: only the
+resolution of the command line, no training (test_llama.py's command-line run checks the line
+`train` prints)."""
+
+import dataclasses
+
+import pytest
+
+from braidtrain.config import RECIPE_FIELDS, WARMUP_SHARE, Config, build_config
+from braidtrain.errors import UserError
+from braidtrain.model import gpt2, llama, registry
+from braidtrain.options import Parser, train_config, train_parser
+
+
+def resolve(*argv):
+    p = Parser(prog="braidtrain")
+    train_parser(p.add_subparsers(dest="command"))
+    return train_config(p.parse_args(["train", *map(str, argv)]))
+
+
+def recipe_of(cfg: Config) -> dict:
+    return {k: getattr(cfg, k) for k in RECIPE_FIELDS}
+
+
+LLAMA3 = dict(lr=3e-4, warmup_steps=200, final_lr_frac=0.1, grad_clip=1.0, beta1=0.9, beta2=0.95, weight_decay=0.1)
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.name in RECIPE_FIELDS}
+
+
+def test_a_preset_brings_its_recipe_whichever_flag_names_it():
+    """--model P and --config P (whose file no longer restates the recipe) resolve to the same
+    settings and the same line, at the run's length; the Llama 3 recipe at 1B and 8B, torchtitan's."""
+    for preset in ("llama3.2-1b", "llama3.1-8b"):
+        by_model, by_config = resolve("--model", preset, "-x", 5000), resolve("--config", preset, "-x", 5000)
+        assert recipe_of(by_model) == recipe_of(by_config) == LLAMA3
+        assert by_model.recipe == by_config.recipe == (
+            f"llama3 (lr 3e-4, warmup 200, cosine to 10%, clip 1.0, AdamW 0.9/0.95 wd 0.1) from preset {preset}")
+    assert resolve("--model", "llama3.1-70b").lr == 1.5e-4
+    assert (resolve("--model", "llama3.1-405b", "-x", 5000).lr, resolve("--model", "llama3.1-405b",
+                                                                        "-x", 5000).warmup_steps) == (8e-5, 600)
+    assert resolve("--model", "mixtral-small", "-x", 5000).recipe.startswith("deepseek-v3 (lr 2.2e-4, warmup 200")
+    # a config file's `model` names the preset as --model does
+    assert recipe_of(build_config(None, {"model": "llama3.2-3b", "max_steps": 5000})) == LLAMA3
+
+
+def test_every_llama_family_preset_has_a_recipe_and_gpt2s_keep_the_defaults():
+    assert set(llama.RECIPES) == set(llama.PRESETS)
+    assert gpt2.RECIPES == {} and registry.recipe("gpt2") is None
+    for argv in (["--model", "gpt2"], ["--model", "tiny", "-x", 6], ["--model", "d12", "-x", 3]):
+        cfg = resolve(*argv)  # (GPT-2's exact bits: tests/helpers.py's pins train --model tiny for 6 steps)
+        assert recipe_of(cfg) == DEFAULTS, argv
+        assert cfg.recipe.startswith("gpt2 defaults (lr 6e-4, warmup 10, cosine to 10%")
+    assert resolve("--init-from", "hf/folder").recipe.endswith("wd 0.1) for --init-from hf/folder")  # (no preset)
+    cfg = resolve("--config", "gpt2", "-x", 3)  # llm.c's recipe in the file: unscaled, named
+    assert (cfg.lr, cfg.warmup_steps, cfg.final_lr_frac) == (6e-4, 700, 0.0)
+    assert cfg.recipe.endswith("overridden: lr (gpt2.toml), warmup_steps (gpt2.toml), final_lr_frac (gpt2.toml), "
+                               "weight_decay (gpt2.toml)")
+
+
+def test_a_short_run_warms_up_for_at_most_half_its_steps():
+    assert WARMUP_SHARE == 0.5
+    cases = {40: 20, 399: 199, 400: 200, 5000: 200, 3: 1, 1: 1, -1: 200}  # -1: one epoch, its length unknown
+    for steps, warmup in cases.items():
+        assert resolve("--model", "llama3.1-8b", "-x", steps).warmup_steps == warmup, steps
+    assert resolve("--model", "llama3.1-8b", "-x", 40).recipe == (
+        "llama3 (lr 3e-4, warmup 20 of 40 steps, scaled from 200, cosine to 10%, clip 1.0, AdamW 0.9/0.95 wd 0.1) "
+        "from preset llama3.1-8b")
+
+
+def test_what_is_given_overrides_the_recipe(tmp_path):
+    cfg = resolve("--model", "llama3.1-8b", "-x", 40, "-l", 1e-4, "-u", 30, "-q", 0.0, "-c", 0.05, "--grad-clip", 0.5)
+    assert recipe_of(cfg) == dict(LLAMA3, lr=1e-4, warmup_steps=30, final_lr_frac=0.0, weight_decay=0.05,
+                                  grad_clip=0.5)  # -u 30 of 40 steps: given, so not scaled
+    assert cfg.recipe == ("llama3 (lr 1e-4, warmup 30, cosine to 0%, clip 0.5, AdamW 0.9/0.95 wd 0.05) from preset "
+                          "llama3.1-8b; overridden: --lr (command line), --warmup-steps (command line), "
+                          "--final-lr-frac (command line), --grad-clip (command line), --weight-decay (command line)")
+    mine = tmp_path / "mine.toml"
+    mine.write_text('model = "llama3.1-8b"\nlr = 1e-3\nbeta2 = 0.99\nwarmup_steps = 100\n')
+    cfg = resolve("--config", mine, "-x", 40, "-l", 2e-3)  # the command line over the file over the recipe
+    assert recipe_of(cfg) == dict(LLAMA3, lr=2e-3, beta2=0.99, warmup_steps=100)
+    assert cfg.recipe.endswith("overridden: --lr (command line), warmup_steps (mine.toml), beta2 (mine.toml)")
+    # llama3-tiny.toml keeps tiny's CPU recipe in place of the preset's, and says so
+    cfg = resolve("--config", "llama3-tiny")
+    assert (cfg.lr, cfg.warmup_steps, cfg.final_lr_frac) == (4e-3, 50, 0.05)
+    assert "lr (llama3-tiny.toml)" in cfg.recipe
+
+
+def test_an_unknown_preset_is_one_line_before_anything_runs():
+    with pytest.raises(UserError, match="^unknown model 'llama4': use one of tiny, gpt2, .*llama3.1-8b"):
+        resolve("--model", "llama4")
