@@ -20,7 +20,7 @@ import torch
 from braidtrain import layout
 from braidtrain.io import checkpoint, export, rundir
 from braidtrain.collective.comm import Comm
-from braidtrain.config import Config
+from braidtrain.config import Config, batch_scaled
 from braidtrain.io.data import LLAMA3_IDS, Loader, TokenData, data_tokenizer, get_tokenizer, resolve_files
 from braidtrain.errors import UserError
 from braidtrain.collective.fault import Guard
@@ -91,9 +91,10 @@ def build(cfg: Config) -> Run:
         chosen, said = auto_layout(cfg, mcfg, rt.world_size, device.type, per_node)
         cfg = replace(cfg, **chosen)
         rt.log(f"braidtrain: {said}")
+    lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
+    cfg = batch_scaled(cfg, lay.batch.total_tokens)
     if cfg.recipe:  # (config.py's build_config: the optimizer's settings and where they came from)
         rt.log(f"braidtrain: recipe: {cfg.recipe}")
-    lay = layout.from_config(cfg, rt.world_size, mcfg, device.type)
     if cfg.cuda_graph and fault:  # the test hook acts in Python, which a replay does not run
         raise UserError("BRAIDTRAIN_FAULT cannot act inside a captured step: unset it, or drop --cuda-graph")
     # Data parallelism alone: each collective is a bucket (megabytes) or a few numbers a step, so

@@ -12,14 +12,18 @@ published recipe (its family's RECIPES, e.g. model/llama.py's Llama 3 recipe), w
 --model or a config file's `model` named it; a preset whose family publishes none (GPT-2's) keeps
 the defaults below. A recipe's warmup is for a long run: a run of max_steps steps warms up for at
 most WARMUP_SHARE of them (-x 40: 20 steps, not 200), except under -x -1 (one epoch, its length
-unknown here). `recipe` records where each setting came from; `train` prints it at the start.
+unknown here). A recipe's lr is for its batch (`batch_tokens` a step): where the lr is the
+recipe's and a step holds fewer tokens, `batch_scaled` lowers it by sqrt(d / batch_tokens) once the
+layout knows d (Adam's square-root rule; 3B at 2,048 tokens a step spiked to a loss of 20 at the
+published 3e-4: docs/performance.md). `recipe` records where each setting came from; `train`
+prints it at the start.
 """
 
 from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from braidtrain.errors import UserError
@@ -71,6 +75,7 @@ class Config:
     beta2: float = 0.95
     eps: float = 1e-8
     recipe: str | None = None  # where the settings above came from (build_config writes it)
+    recipe_batch: int | None = None  # the tokens a step the recipe's lr is for (None: the lr is not the recipe's)
     seed: int = 1337
     # evaluation and output
     val_every: int = 50
@@ -201,7 +206,11 @@ def build_config(config: str | None, overrides: dict) -> Config:
     values = {**from_file, **given}
     preset = values.get("model", Config.model)
     name, recipe = registry.recipe(preset) or ("gpt2 defaults", {})
+    recipe = dict(recipe)
+    batch = recipe.pop("batch_tokens", None)
     values.update({k: v for k, v in recipe.items() if k not in values})
+    if batch and "lr" not in from_file | given:
+        values["recipe_batch"] = batch
     steps = values.get("max_steps", Config.max_steps)
     scaled = ""
     if "warmup_steps" not in from_file | given and steps > 0 and values.get("warmup_steps", 0) > WARMUP_SHARE * steps:
@@ -216,6 +225,18 @@ def build_config(config: str | None, overrides: dict) -> Config:
                   f"clip {cfg.grad_clip:.1f}, AdamW {cfg.beta1:g}/{cfg.beta2:g} wd {cfg.weight_decay:g}) {source}"
                   + (f"; overridden: {', '.join(where)}" if where else ""))
     return cfg
+
+
+def batch_scaled(cfg: Config, tokens: int) -> Config:
+    """`cfg` at a step of `tokens` tokens: the recipe's lr times sqrt(tokens / recipe_batch) where
+    the step is smaller than the recipe's, and the recipe's line saying so."""
+    if not cfg.recipe_batch or tokens >= cfg.recipe_batch:
+        return cfg
+    lr = cfg.lr * math.sqrt(tokens / cfg.recipe_batch)
+    said = f"lr {_short(cfg.lr)}"
+    recipe = cfg.recipe.replace(said, f"lr {_short(lr)} ({_short(cfg.lr)} at the recipe's {cfg.recipe_batch} tokens a "
+                                      f"step, x sqrt({tokens}/{cfg.recipe_batch}))", 1)
+    return replace(cfg, lr=lr, recipe=recipe)
 
 
 def _short(x: float) -> str:

@@ -90,3 +90,19 @@ def test_what_is_given_overrides_the_recipe(tmp_path):
 def test_an_unknown_preset_is_one_line_before_anything_runs():
     with pytest.raises(UserError, match="^unknown model 'llama4': use one of tiny, gpt2, .*llama3.1-8b"):
         resolve("--model", "llama4")
+
+
+def test_a_smaller_step_lowers_the_recipes_lr_by_the_square_root_rule():
+    """The recipe's lr is for its 65,536 tokens a step; at d tokens it is lr * sqrt(d / 65536) (never
+    raised past it), and the line says so; an lr the user gives, or GPT-2's defaults, are left alone."""
+    from braidtrain.config import batch_scaled
+
+    cfg = resolve("--model", "llama3.2-3b", "-x", 5000)
+    assert cfg.recipe_batch == 65536
+    small = batch_scaled(cfg, 4096)
+    assert small.lr == pytest.approx(3e-4 / 4) and small.recipe.startswith(
+        "llama3 (lr 7.5e-5 (3e-4 at the recipe's 65536 tokens a step, x sqrt(4096/65536)), warmup 200")
+    assert batch_scaled(cfg, 1 << 20) == cfg == batch_scaled(cfg, 65536)
+    given = resolve("--model", "llama3.2-3b", "-l", "3e-4")
+    assert given.recipe_batch is None and batch_scaled(given, 4096).lr == 3e-4
+    assert batch_scaled(resolve("--model", "tiny"), 1024).lr == 6e-4

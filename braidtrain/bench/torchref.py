@@ -59,7 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from braidtrain.io import export
-from braidtrain.config import build_config
+from braidtrain.config import batch_scaled, build_config
 from braidtrain.layout import batch_plan, make_layout
 from braidtrain.model.layers import ColumnParallelLinear, RowParallelLinear
 from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
@@ -291,6 +291,7 @@ def setup(a):
                                   total_batch=a.d, max_steps=a.steps))  # the preset's recipe, as `train`'s
     dp = 1 if a.mode.startswith("pipe") else dist.get_world_size()
     plan = batch_plan(cfg.total_batch, cfg.batch_size, cfg.seq_len, dp)
+    cfg = batch_scaled(cfg, plan.total_tokens)
     files = resolve_files(a.train_data, "train")
     data = TokenData(files, data_tokenizer(files)[1])
     mcfg = registry.model_config(a.model, data.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd,
