@@ -179,7 +179,7 @@ def test_the_cpus_products_are_torch_scaled_mms_bit_for_bit(recipe):
 
 def test_the_cpu_never_calls_torch_scaled_mm(monkeypatch):
     """On the CPU the products are fp32 matmuls (emulated_mm): torch's float8 kernel is never asked
-    (on a CPU with AMX it goes to oneDNN, seconds a product)."""
+    (which on a CPU with AMX is oneDNN's, unmeasured here)."""
     def refuse(*args, **kwargs):
         raise AssertionError("torch._scaled_mm called on the CPU")
 
@@ -243,6 +243,20 @@ def test_a_backward_for_one_gradient_computes_only_that_product(monkeypatch):
     assert len(calls) == 2
     torch.autograd.grad(y.sum(), w)
     assert len(calls) == 3
+
+
+def test_without_a_backward_to_come_rowwise_casts_only_for_the_forward(monkeypatch):
+    """Validation and sampling (no_grad): x and W cast once each, as the forward needs, not again
+    for a backward; the output is the same."""
+    casts = []
+    real = fp8.cast
+    monkeypatch.setattr(fp8, "cast", lambda *a, **k: casts.append(1) or real(*a, **k))
+    x, w = data(16, 32, seed=21), data(24, 32, seed=22).requires_grad_()
+    y = fp8.linear(x, w, None, fp8.RECIPES["rowwise"])
+    assert len(casts) == 4  # the forward's two, the backward's two
+    with torch.no_grad():
+        y0 = fp8.linear(x, w, None, fp8.RECIPES["rowwise"])
+    assert len(casts) == 4 + 2 and torch.equal(y0, y.detach())
 
 
 def test_zero_bubbles_split_backward_gives_the_plain_backwards_gradients_once(monkeypatch):
