@@ -234,9 +234,9 @@ def _check_exact(dp: int, micro: int, unit: int, model, device: str) -> None:
 
 
 def check_fp8(recipe: str | None, device: str) -> None:
-    """--fp8 where the float8 kernel runs: a GPU of compute capability 8.9 or later, or a CPU whose
-    torch has torch._scaled_mm (2.13's does). Asked of the device a run trains on (from_config);
-    the planner weighs GPUs it does not have."""
+    """--fp8 where it runs: a GPU of compute capability 8.9 or later (torch._scaled_mm), or a CPU
+    (an fp32 matmul of the float8 values, model/fp8.py). Asked of the device a run trains on
+    (from_config); the planner weighs GPUs it does not have."""
     if recipe is None:
         return
     import torch
@@ -249,9 +249,6 @@ def check_fp8(recipe: str | None, device: str) -> None:
         major, minor = torch.cuda.get_device_capability()
         raise UserError(f"--fp8 needs a GPU of compute capability 8.9 or later (float8 tensor cores: Ada, Hopper); "
                         f"this one is {major}.{minor}: drop --fp8")
-    if device == "cpu":
-        raise UserError(f"--fp8 on the CPU needs torch's CPU float8 matmul (torch._scaled_mm), which torch "
-                        f"{torch.__version__} lacks: drop --fp8, or use a torch that has it (2.13 does)")
     raise UserError(f"--fp8 runs on CUDA GPUs and CPUs, not on {device}: drop --fp8")
 
 

@@ -36,9 +36,14 @@ weight, so ZeRO-3 releases a gathered block after its forward, as it does under 
 (parallel/zero.py sees what is saved).
 
 Where torch._scaled_mm does not run -- on CUDA, dims it rejects (K and N multiples of 16; the
-M of dW too) -- `emulated_mm` does the same product from the same float8 tensors in fp32 (each
-element decoded exactly, then an fp32 matmul). torch 2.13's CPU has the kernel, for every layout
-and size, so the CPU trains through it (slowly: fp32 matmuls are faster there).
+M of dW too) -- and always on the CPU, `emulated_mm` does the same product from the same float8
+tensors in fp32: each element decoded exactly (a float8 value is exact in fp32), divided by its
+power-of-two scale (exact), then an fp32 matmul. On the CPU that is what torch._scaled_mm itself
+does where the CPU lacks AMX (torch 2.13: decode, scale, fp32 matmul), and the bits are the same
+(tests/test_fp8.py); where it has AMX, torch hands float8 to oneDNN instead, whose sums and speed
+we have not measured -- braidtrain never calls it. What the CPU pays over fp32 is the casts and
+the decoding (torch's float8-to-fp32 conversion is not vectorised there): a step of the tiny
+model costs about twice fp32's.
 
 The model package owns this file, not parallel/: the layers call it (layers.py, which the model
 families build from), and model code imports nothing of parallel/ or the layout. It knows no
@@ -91,44 +96,19 @@ def cast(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[t
 
 # -- the product ---------------------------------------------------------------------------------
 
-def _cpu_kernel() -> bool:
-    """Does this torch's CPU run torch._scaled_mm? (Tried once, at import: a 16 x 16 product.)"""
-    try:
-        a = torch.zeros(16, 16, dtype=E4M3)
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.float32)
-        return True
-    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-# Probed when --fp8 is first asked for on the CPU (available(), from the layout's check), not at
-# import: a float8 product on the CPU changes which kernels later fp32 matmuls get (exact mode's
-# pinned bits moved when the probe ran at import). A plain value after that: compiled code reads it
-# without tracing the probe.
-CPU_KERNEL = None
-
-
-def _cpu_runs() -> bool:
-    global CPU_KERNEL
-    if CPU_KERNEL is None:
-        CPU_KERNEL = _cpu_kernel()
-    return CPU_KERNEL
-
-
 def available(device_type: str) -> bool:
-    """Does torch._scaled_mm run here? CUDA: compute capability 8.9 or later (float8 tensor cores:
-    Ada, Hopper, Blackwell). CPU: CPU_KERNEL (torch 2.13 has it)."""
+    """Does --fp8 run here? CUDA: torch._scaled_mm, on compute capability 8.9 or later (float8
+    tensor cores: Ada, Hopper, Blackwell). CPU: always (emulated_mm)."""
     if device_type == "cuda":
         return (hasattr(torch, "_scaled_mm") and torch.cuda.is_available()
                 and torch.cuda.get_device_capability() >= (8, 9))
-    return device_type == "cpu" and _cpu_runs()
+    return device_type == "cpu"
 
 
 def _kernel_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Would torch._scaled_mm take these operands? (Shapes are static: no sync, and torch.compile
-    sees one branch.)"""
-    if a.device.type == "cpu":
-        return _cpu_runs()
+    """Does torch._scaled_mm take these operands? CUDA's, at dims it accepts. (Shapes are static:
+    no sync, and torch.compile sees one branch.) Never the CPU's: emulated_mm gives its bits
+    without its cost (the module docstring)."""
     return a.device.type == "cuda" and a.shape[1] % KERNEL_ALIGN == 0 and b.shape[1] % KERNEL_ALIGN == 0
 
 
@@ -179,14 +159,15 @@ class Float8Linear(torch.autograd.Function):
     x (..., K) of any float dtype, W (N, K) the fp32 parameter; y (..., N) in out_dtype."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe: Recipe, out_dtype: torch.dtype):
+    def forward(ctx, x, w, recipe: Recipe, out_dtype: torch.dtype, backward: bool):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K), row-major (the kernel's first operand)
         if recipe.rowwise:
             x8, sx = cast(x2, E4M3, -1)  # a scale per token, (M, 1)
             w8, sw = cast(w, E4M3, -1)  # per output feature, (N, 1)
             y = scaled_mm(x8, sx, w8.t(), sw.t(), out_dtype, fast=True)
-            # for the backward, scaled along the dims dW and dX sum over: per input feature
-            saved = (*cast(x2, E4M3, 0), *cast(w, E4M3, 0))  # X (M, K) over tokens, W (N, K) over outputs: (1, K) each
+            # for the backward (if one can come), scaled along the dims dW and dX sum over: per input
+            # feature -- X (M, K) over tokens, W (N, K) over outputs: (1, K) each
+            saved = (*cast(x2, E4M3, 0), *cast(w, E4M3, 0)) if backward else ()
         else:
             x8, sx = cast(x2, E4M3)
             w8, sw = cast(w, E4M3)
@@ -209,14 +190,16 @@ class Float8Linear(torch.autograd.Function):
             if r.rowwise or dx is None:
                 g8, sg = cast(g, r.grad, 0 if r.rowwise else None)  # rowwise: (1, N)
             dw = scaled_mm(g8.t().contiguous(), sg.t(), _column_major(x8), sx, torch.float32)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe) -> torch.Tensor:
     """F.linear(x, weight, bias) through Float8Linear: the output in the dtype F.linear would give
     (autocast's, else x's), the bias added in it. (The weight goes in as a view: a node of its
-    own, whose execution the backward can ask about, _needed.)"""
+    own, whose execution the backward can ask about, _needed.) Where no backward can come
+    (validation and sampling, under no_grad), rowwise skips the copies cast for one."""
     kind = x.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    y = Float8Linear.apply(x, weight.view_as(weight), recipe, dt)
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    y = Float8Linear.apply(x, weight.view_as(weight), recipe, dt, backward)
     return y if bias is None else y + bias.to(dt)
