@@ -205,7 +205,10 @@ def test_frozen_store_host_is_detected(tmp_path, shakespeare):
         procs[0].kill()  # frozen: only SIGKILL ends it
         procs[0].communicate()
     assert procs[1].returncode == 75, err
-    assert "rank 1: peer lost: the rendezvous store has not answered" in err
+    # Which silence the judge saw first -- the store's or rank 0's heartbeat (its beat thread may have
+    # been starved of the CPU just before it froze, while the store's own thread still answered) -- is timing.
+    assert "rank 1: peer lost: the rendezvous store has not answered" in err or \
+        "rank 1: peer lost: rank 0 sent no heartbeat" in err, err
     assert "rank 0 stopped after collective #" in doctor(run)
 
 
