@@ -30,12 +30,15 @@ def train(cfg) -> dict:
     if cfg.live_recovery or cfg.join:
         check_config(cfg)
     trainer = LiveTrainer(cfg) if cfg.live_recovery else Trainer(cfg)
+    finished = False
     try:
-        return trainer.run()
+        summary = trainer.run()
+        finished = True
+        return summary
     finally:
         trainer.drop_graph(wait=False)  # these two are no-ops after a clean finish
         trainer.guard.close(clean=False)
-        trainer.rt.close()
+        trainer.rt.close(clean=finished)
 
 
 def cmd_data(args) -> int:

@@ -258,6 +258,7 @@ def run(args) -> int:
     ckpt = run_dir if (run_dir / "meta.json").exists() else latest(run_dir)
     model, meta = load_model(ckpt)
     rt = init_runtime("env", device=args.device)
+    done = False
     try:
         comm = Comm(rt.device)
         world = build_mesh(rt.rank, rt.world_size, comm).groups["world"]
@@ -279,6 +280,7 @@ def run(args) -> int:
             out = Path(args.out) if args.out else (run_dir if ckpt != run_dir else ckpt.parent.parent) / "eval.json"
             out.write_text(json.dumps(res, indent=1) + "\n")
             print(f"wrote {out}")
+        done = True
     finally:
-        rt.close()
+        rt.close(clean=done)
     return 0

@@ -24,9 +24,15 @@ from braidtrain.collective.runtime import init_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Each child: init, a rank-ordered sum (Comm.ordered_sum) and a plain all_reduce, print one JSON line, close twice.
+# Each child: init, a rank-ordered sum (Comm.ordered_sum) and a plain all_reduce, print one JSON line, close
+# twice -- after which no thread of torch's or ours is left (its groups still referenced, as a script would),
+# so that the interpreter's teardown has nothing to abort on (issue #55) -- and prints the count of those.
 WORKER = """
-import json, sys, time
+import json, os, sys, time
+if json.loads(sys.argv[1]).get("init_method") == "mpi":
+    from mpi4py import MPI  # (MPI's own threads start here: they are not ours to join)
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
 from braidtrain.errors import UserError
@@ -51,6 +57,7 @@ print("RESULT " + json.dumps(dict(rank=rt.rank, world=rt.world_size, local=rt.lo
                                   ar=t.item(), backend=rt.backend, device=str(rt.device))), flush=True)
 rt.close()
 rt.close()
+print(f"LEFT {{rt.rank}} {{threads() - before}}", flush=True)
 """
 
 
@@ -97,6 +104,8 @@ def run_all(cmds, timeout=60, stagger=0.0):
 def results(runs):
     for rc, out in runs:
         assert rc == 0, out
+    left = sorted(re.findall(r"LEFT (\d+) (-?\d+)", "".join(out for _, out in runs)))
+    assert left == [("0", "0"), ("1", "0")], f"threads left after close (rank, count): {left}"
     # Children of one launcher share a pipe, so their lines may run together: pick the objects out.
     found = [json.loads(m) for _, out in runs for m in re.findall(r"RESULT (\{[^}]*\})", out)]
     return sorted(found, key=lambda r: r["rank"])

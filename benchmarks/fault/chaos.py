@@ -83,6 +83,8 @@ def trial(k: int, rnd: random.Random, data: str, work: Path, want: str) -> dict:
     return {"trial": k, "fault": f"{kind} rank {rank} at step {step}", "zero": zero, "world": f"{n1} -> {n2}",
             "first_exit": rc1, "ok": rc1 != 0 and rc2 == 0 and got == want,
             "to_exit_s": ev1["exit"] - t0 if t0 else None,
+            # a frozen rank ended by a survivor's heartbeat (fault.Guard._end_frozen), not by torchrun's SIGKILL 30 s on
+            "ended_by_peer": f"ended rank {rank} (pid" in (work / f"trial{k}-a.log").read_text(),
             "to_resumed_s": ev2["resumed from"] - t0 if t0 and "resumed from" in ev2 else None}
 
 

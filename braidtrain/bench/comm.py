@@ -111,6 +111,7 @@ def run_comm(args) -> int:
     if args.min_bytes > args.max_bytes or args.iters < 1 or args.warmup < 0:
         raise UserError("need --min-bytes <= --max-bytes, --iters >= 1 and --warmup >= 0")
     rt = init_runtime("env", device=args.device)
+    done = False
     try:
         n, r = rt.world_size, rt.rank
         comm = Comm(rt.device)
@@ -143,6 +144,7 @@ def run_comm(args) -> int:
             if args.json_path:
                 with open(args.json_path, "w") as f:
                     json.dump(rows, f, indent=1)
+        done = True
         return 0 if all(row["correct"] for row in rows) else 1
     finally:
-        rt.close()
+        rt.close(clean=done)

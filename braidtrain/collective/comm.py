@@ -28,6 +28,7 @@ for each at once. They run `inline`: on the stream that issues them, with no sid
 from __future__ import annotations
 
 import json
+import weakref
 import os
 import threading
 import time
@@ -90,6 +91,27 @@ class Group:
         """Member `index`'s rank in torch's default process group (what torch's ops name peers by):
         its rank in the job, except in a world live recovery rebuilt, which numbers its members 0..n-1."""
         return (self.pg_ranks or self.ranks)[index]
+
+
+def _pg(group: Group):
+    ref = group._pg
+    if ref is None:
+        return None
+    pg = ref()
+    if pg is None:
+        raise RuntimeError(f"process group {group.name} was used after destroy_process_group (Runtime.close)")
+    return pg
+
+
+def _set_pg(group: Group, pg) -> None:
+    group._pg = None if pg is None else weakref.ref(pg)
+
+
+# torch's registry holds each process group, a Group only refers to it: destroy_process_group
+# (Runtime.close) then frees it, and its gloo worker threads are joined while Python still runs --
+# at interpreter teardown, a worker finishing a collective of ours aborts the process ("terminate
+# called without an active exception", issue #55). (A property set here: the dataclass's init stays.)
+Group.pg = property(_pg, _set_pg)
 
 
 class Comm:

@@ -135,9 +135,10 @@ def _diagnose_logs(flight: Path) -> list[str]:
     points: dict[tuple, list[int]] = {}  # (group, gseq) -> the ranks waiting there
     for r, x in waiting.items():
         points.setdefault((x["group"], x["gseq"]), []).append(r)
-    culprits, tails, named, stuck_elsewhere = [], [], set(), False
+    culprits, tails, behind, named, stuck_elsewhere = [], [], [], set(), False
     for (g, k), waiters in sorted(points.items(), key=lambda p: min(waiting[r]["t_start"] for r in p[1])):
-        for m in members.get(g, range(world)):
+        group = members.get(g, range(world))
+        for m in group:
             if m in waiters or m in named:
                 continue
             if m in waiting:  # waits elsewhere: named where it waits; it holds this group up if it never came
@@ -153,7 +154,13 @@ def _diagnose_logs(flight: Path) -> list[str]:
                 j = max(issued, default=-1)
                 if j >= k:
                     continue
-                culprits.append(f"rank {m} stopped at collective #{j}" + (f" ({_desc(issued[j])})" if issued else ""))
+                last = f"#{j}" + (f" ({_desc(issued[j])})" if issued else "")
+                if any(s in group for s in silent):
+                    # Not the cause: the group's silent member never came either. This one was still
+                    # working towards #k when a signal or the heartbeat's verdict stopped it.
+                    behind.append(f"rank {m} had not reached #{k} yet (its last: {last})")
+                else:
+                    culprits.append(f"rank {m} stopped at collective {last}")
             named.add(m)
         tails.append(f"{_ranks(waiters)} waited in #{k} ({_desc(waiting[waiters[0]])})")
     if not culprits and stuck_elsewhere:  # each waits for one who waits elsewhere
@@ -163,4 +170,4 @@ def _diagnose_logs(flight: Path) -> list[str]:
         what = ", and ".join(f"#{k} ({_desc(waiting[ws[0]])}) on {_ranks(ws)}" for (_, k), ws in points.items())
         return out + [f"every rank issued collective {what}, but it did not complete: look at the network / NCCL "
                       f"rather than at one rank"]
-    return out + ["; ".join(culprits + tails)]
+    return out + ["; ".join(culprits + tails + behind)]

@@ -105,8 +105,10 @@ class Guard:
             return
         self.clean = clean
         self.stop.set()
-        for t in self.threads:
-            t.join(timeout=2.0)  # the beat thread may be stuck on a dead store: it is a daemon
+        for t in self.threads:  # after a clean run the store answers: the beat's last call ends within its timeout
+            # (a thread left inside a store call can abort the interpreter's teardown); after a failure the
+            # beat thread may be stuck on a dead store: it is a daemon, and the process ends by os._exit
+            t.join(timeout=self.timeout + 2 * self.interval if clean else 2.0)
         if self.saved_signals is not None:
             old_fd, wake_w, handlers = self.saved_signals
             signal.set_wakeup_fd(old_fd)

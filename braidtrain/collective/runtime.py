@@ -16,6 +16,7 @@ from braidtrain.collective.rendezvous import (FS_FILE, by_hand, check_in, first_
                                        open_store, parse_server, with_nonce)
 from braidtrain.errors import UserError
 
+CLOSE_WAIT_S = 30.0  # how long the store's server waits at the end for the other ranks to let go of it
 HIGH_PRIORITY = ("world", "dp", "replica", "cp", "tp")  # mesh axes whose NCCL groups get high-priority streams
 
 
@@ -38,6 +39,7 @@ class Runtime:
     _deadline: float = field(default=0.0, repr=False)
     _timeout: float = field(default=300.0, repr=False)
     _fs_file: str | None = field(default=None, repr=False)  # -pi fs: the file rank 0 removes once all are in
+    _serves: bool = field(default=False, repr=False)  # this process hosts the store's server
 
     @property
     def is_main(self) -> bool:
@@ -108,12 +110,34 @@ class Runtime:
             raise UserError(f"rank {rank}: setting up the {self.backend} process group failed: "
                             f"{first_line(e)}") from None
         self.store, self.launch_store, self._owns_group = dist.PrefixStore("app", run), launch, True
+        self._serves = rank == 0 and not (self.init_method == "env" and
+                                          os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
         self._store_addr = (store.host, store.port, f"{prefix}/{self.attempt}/app")
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """The end of this rank's part in the run, in order, so that the interpreter's own teardown
+        finds no thread that could still run Python (which aborts the process: "terminate called
+        without an active exception", issue #55): the process groups destroyed -- and so freed, gloo's
+        worker threads joined (braidtrain's Groups only refer to them: comm.Group) -- then the store:
+        each client goes before the server (rank 0's, unless torchrun's agent serves it), which waits
+        for them after a clean run (`clean`: every rank is past its last collective). Idempotent."""
+        others = self.world_size - 1
         if self._owns_group and dist.is_initialized():
+            others = dist.get_world_size() - 1  # (live recovery's world may be smaller now)
             dist.destroy_process_group()
         self._owns_group = False
+        if self.store is not None:
+            try:
+                if not self._serves:
+                    self.store.add("closed", 1)  # (rank 0 may be gone already after a failure)
+                elif clean:
+                    stop = time.monotonic() + min(self._timeout, CLOSE_WAIT_S)
+                    while self.store.add("closed", 0) < others and time.monotonic() < stop:
+                        time.sleep(0.05)
+            except RuntimeError:
+                pass
+            # the last references (-pi mpi's rank 0 keeps its server in _connect): its thread ends here
+            self.store = self.launch_store = self._connect = None
         for k in self._env_set:
             os.environ.pop(k, None)
         self._env_set = []
