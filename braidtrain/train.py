@@ -390,7 +390,9 @@ class Trainer:
                     if self.mc and ((eval_every and (step + 1) % eval_every == 0) or last):
                         ev = evaluate.in_training(self)
                         rec.update(ev)
-                    if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last and not streak:
+                    # (a stop asked: stop() saves this step, if the budget left allows)
+                    if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last and not streak \
+                            and not self.stop_sig:
                         rec["save_s"] = self.save(step + 1)
                     if log:
                         log.write(rec)

@@ -155,6 +155,20 @@ def test_slurm_sigterm_then_sigkill_inside_the_grace_loses_no_step(tmp_path, sha
     assert done >= 2
 
 
+def test_a_save_that_cannot_fit_the_budget_is_not_begun(tmp_path, shakespeare):
+    """The step-2 save sleeps 4 s (the test hook); signalled later with --preempt-budget 3, the run
+    does not begin a save it cannot finish: it says so, and step 2's stays the newest."""
+    run = tmp_path / "run"
+    ranks = Ranks(1, *COMMON, "-i", shakespeare, "--out", run, "--ckpt-every", 2, "--preempt-budget", 3,
+                  environ=dict(env(), BRAIDTRAIN_FAULT="slow-save:step=2:seconds=4"))
+    wait_for_steps(run, 3)
+    ranks.signal(signal.SIGTERM)
+    codes, _, err = ranks.wait()
+    assert codes == [128 + signal.SIGTERM], err[-3000:]
+    assert "not saved: the last save took 4." in err and f"the newest checkpoint is {run}/checkpoints/step_00000002" in err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
+
+
 def test_a_second_signal_or_the_budget_stops_at_once(tmp_path, shakespeare):
     """A save that sleeps (the test hook) holds the stop: a second SIGTERM ends the run at once;
     with no second signal, --preempt-budget does. Both say so in one line; the half-written save
