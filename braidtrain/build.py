@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import tomllib
@@ -151,7 +152,7 @@ def build(cfg: Config) -> Run:
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
-    guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout)
+    guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout, cfg.preempt_budget)
     guard.start()
     run = Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
               run_id, out_lock, balance, guard, fault, bf16)
@@ -160,11 +161,25 @@ def build(cfg: Config) -> Run:
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.toml").write_text(cfg.to_toml())
+            if cfg.save:
+                check_space(run)
         comm.barrier(mesh.groups["world"])
     except BaseException:
         guard.close(clean=False)
         raise
     return run
+
+
+def check_space(run: Run) -> None:
+    """(Rank 0, at the start.) One line when the disk under --out cannot hold the checkpoints the
+    run will keep at once: a checkpoint holds each parameter and its two Adam moments in fp32."""
+    cfg, ckpts = run.cfg, run.out / "checkpoints"
+    mine = [p for p in checkpoint.list_checkpoints(ckpts) if checkpoint.run_of(p) in (run.run_id, None)]
+    saves = 1 + sum(1 for s in range(run.start_step + 1, cfg.max_steps) if cfg.ckpt_every and s % cfg.ckpt_every == 0)
+    copies = max(min(len(mine) + saves, cfg.keep_ckpts + 1) - len(mine), 1)  # (one more while a save rotates)
+    line = rundir.space_warning(run.out, 12 * run.mcfg.num_params(), copies, cfg.keep_ckpts)
+    if line:
+        run.rt.log(line)
 
 
 def _cublas_checked(device) -> None:
@@ -267,8 +282,10 @@ def resolve_out(cfg: Config, rt, comm: Comm, mesh: Mesh) -> tuple[Path, float, s
 BEFORE = {"pp": 1, "cp": 1, "cp_impl": "ring", "cp_order": "zigzag", "ep": 1}
 
 
-PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join")  # how a process runs, not what it trains
-SAID_ELSEWHERE = ("recipe",)  # where the optimizer's settings came from: they are compared themselves
+# how a process runs, not what it trains
+PROCESS_ONLY = ("resume", "start_over", "live_recovery", "join", "preempt_budget")
+# where the optimizer's settings came from: they are compared themselves
+SAID_ELSEWHERE = ("recipe", "recipe_batch")
 
 
 def what_changed(meta: dict, now: dict, cfg: Config) -> str:
@@ -291,7 +308,12 @@ def resume(run: Run) -> None:
         rt.log(f"torchrun restart {rt.attempt}: resuming from the newest valid checkpoint in {ckpt_dir}")
     path = checkpoint.find_resume(cfg.resume, ckpt_dir, rt.log)
     if path is None:
+        rt.log(f"no checkpoint in {ckpt_dir}: starting from step 0")
         return
+    saved_step = json.loads((path / "meta.json").read_text())["step"]  # (find_resume verified it)
+    if saved_step > cfg.max_steps:  # (its weights would be saved, and named, as step max_steps)
+        raise UserError(f"{path} holds step {saved_step}, past this run's -x {cfg.max_steps}: give a larger -x to "
+                        f"train on from it (-x {saved_step} only writes its summary)")
     t0 = time.time()
     meta = checkpoint.load(path, run.engine, run.opt)
     if "moe_bias" in meta:  # --moe-balance bias: the experts' biases as they were

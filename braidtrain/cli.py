@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from braidtrain.bench import flags as bench_flags
-from braidtrain.errors import UserError
+from braidtrain.errors import Stopped, UserError
 from braidtrain.options import Parser, train_config, train_parser
 from braidtrain.plan import flags as plan_flags
 
@@ -224,6 +224,8 @@ def main(argv=None) -> int:
                "export": cmd_export, "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval}[args.cmd]
     try:
         return handler(args)
+    except Stopped as e:  # (a signal: the run said what it saved)
+        return e.exit_code
     except UserError as e:
         print(f"braidtrain: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -88,6 +88,8 @@ class Config:
     keep_ckpts: int = 2
     max_skipped: int = 3  # consecutive non-finite steps (each skipped, no update) before the run stops
     on_save_error: str = "stop"  # a checkpoint save that fails (full disk): stop (exit 2) | continue
+    save: bool = True  # False (--no-save): no checkpoint at all, the final one neither (benchmarks)
+    preempt_budget: float = 25.0  # after SIGTERM/SIGINT: seconds to finish the step and save it (train.py)
     resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
     start_over: bool = False  # a new run into --out that holds another run: move that run's files aside (rundir.py)
     init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
@@ -269,6 +271,8 @@ def validate(cfg: Config) -> None:
         raise UserError("--start-over begins a new run and --resume continues one: give one of them")
     if cfg.on_save_error not in ("stop", "continue"):
         raise UserError(f"on_save_error must be stop or continue, got {cfg.on_save_error!r}")
+    if not (cfg.preempt_budget > 0 and math.isfinite(cfg.preempt_budget)):
+        raise UserError(f"preempt_budget must be a positive number of seconds, got {cfg.preempt_budget}")
     if cfg.layout not in (None, "auto"):
         raise UserError(f"layout must be auto (or unset), got {cfg.layout!r}")
     if cfg.zero not in (0, 1, 2, 3):

@@ -20,3 +20,12 @@ class Diverged(UserError):
     """The run stopped itself: too many steps in a row with a non-finite loss or gradient (exit 3)."""
 
     exit_code = 3
+
+
+class Stopped(Exception):
+    """The run stopped on SIGTERM or SIGINT at a step boundary (train.py Trainer.stop), having said what
+    it saved: the command exits 128 + the signal's number, printing nothing more."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.exit_code = 128 + signum

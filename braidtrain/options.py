@@ -61,6 +61,12 @@ def train_parser(sub):
     g.add_argument("--on-save-error", choices=["stop", "continue"],
                    help="a checkpoint save that fails (a full disk): stop the run (default, exit 2) or log it and go "
                         "on")
+    g.add_argument("--no-save", dest="save", action="store_false", default=None,
+                   help="save no checkpoint, the final one neither (benchmarks; a stop by signal then saves nothing)")
+    g.add_argument("--preempt-budget", type=float, metavar="SECONDS",
+                   help="after SIGTERM or SIGINT: seconds to finish the step in progress and save it, then exit "
+                        "128 + signal; past them, or at a second signal, exit at once (default 25: inside the 30 s "
+                        "Slurm and torchrun allow before SIGKILL)")
     g.add_argument("--max-skipped", type=int,
                    help="stop (exit 3) after this many steps in a row whose loss or gradient is not finite (default 3)")
     g.add_argument("--resume", help="auto (newest valid checkpoint in the run directory) or a checkpoint folder; "

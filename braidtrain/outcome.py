@@ -20,14 +20,17 @@ from braidtrain.plan.space import Setup, candidate_of
 
 def finish(tr, rec: dict | None, val, ev: dict | None, skipped: int, bubbles: list) -> dict:
     """After the last step (trainer `tr`, the last step's record `rec`, the last validation loss
-    `val` and evaluation `ev`): validation and evaluation if the loop did none, the final
-    checkpoint, summary.json and loss.png (rank 0), and the sample. Returns the summary."""
+    `val` and evaluation `ev`): the final checkpoint, validation and evaluation if the loop did
+    none, summary.json and loss.png (rank 0), and the sample. Returns the summary."""
     cfg, rt = tr.cfg, tr.rt
+    save_s = tr.save(cfg.max_steps, final=True)  # first: a stop by signal from here on loses no step
+    sig = tr.stop_asked()
+    if sig:  # (--resume auto then validates and writes the summary)
+        tr.stop(sig, cfg.max_steps, saved=save_s is not None)
     if val is None or rec is None:
         val = tr.passes.validate(tr.device)
     if tr.mc and ev is None:  # (a run resumed at its last step)
         ev = evaluate.in_training(tr)
-    save_s = tr.save(cfg.max_steps)
     sha = checkpoint.weights_sha256(tr.engine)
     summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
                "skipped_steps": skipped, "tokens_per_s": rec["tokens_per_s"] if rec else None,

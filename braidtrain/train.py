@@ -25,7 +25,8 @@ second, and one that struck a single rank inside a step would hold its peers in 
 
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
-from the newest checkpoint (docs/fault-tolerance.md).
+from the newest checkpoint (docs/fault-tolerance.md). SIGTERM or SIGINT stops the run at the next
+step boundary, which every rank reads alike (stop_asked), with a checkpoint of that step (stop).
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import signal
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from braidtrain import evaluate, outcome
 from braidtrain.build import build
 from braidtrain.config import Config
-from braidtrain.errors import SaveFailed, UserError
+from braidtrain.errors import SaveFailed, Stopped, UserError
 from braidtrain.io import checkpoint
 from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops
 from braidtrain.io.trackers import Trackers
@@ -83,6 +87,9 @@ class Trainer:
         self.passes = Passes(run, self.autocast, self.tokens)
         self.next_tokens = None, None  # (step, its host_tokens), read ahead
         self.shared_checked = False  # the checkpoint folder seen by every rank (check_shared, at the first save)
+        self.stop_flag = torch.zeros((), device=self.device)  # (stop_asked's all-reduce)
+        self.stop_sig = 0  # the signal that asked the group to stop, as read at the last step boundary
+        self.save_est = 0.0  # the longest save of this process (s): whether one fits in a stop's budget
         # --cuda-graph: the captured step, its outputs and collectives
         self.graph = self.graph_out = self.graph_handles = None
         self.balance = run.balance  # --moe-balance bias: every MoE layer's expert biases (n_layer, E), all ranks alike
@@ -120,6 +127,7 @@ class Trainer:
         cfg, batch, engine = self.cfg, self.batch, self.engine
         t0 = time.time()
         self.comm.begin_step(step + 1)  # stamped on this step's flight records
+        self.guard.doing = f"in step {step + 1}"
         # this rank's sequences of the step, read while the previous step ran on the GPU, copied
         # once and asynchronously
         nxt, xy = self.next_tokens
@@ -167,7 +175,48 @@ class Trainer:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:
             rec.update(self.moe_metrics(skipped))
+        self.stop_sig = self.stop_asked()
         return rec
+
+    def stop_asked(self) -> int:
+        """At a step boundary, on every rank: the signal that asked any rank to stop (0: none) --
+        one small all-reduce of each rank's note (fault.Guard.signalled), so that every rank reads
+        the same answer after the same step, whenever the signals came."""
+        self.stop_flag.fill_(self.guard.signalled[0] if self.guard.signalled else 0)
+        self.comm.all_reduce(self.stop_flag, self.mesh.groups["world"], op=dist.ReduceOp.MAX).wait()
+        return int(self.stop_flag.item())
+
+    def stop(self, signum: int, done: int, saved: bool) -> None:
+        """Every rank, at the step boundary where the group read a stop request: a checkpoint of
+        step `done`, the last completed one -- unless that step's is `saved` already, or the last
+        save took longer than the budget the group has left -- then the flight log, one line (rank
+        0) and Stopped: exit 128 + signal."""
+        name = signal.Signals(signum).name
+        t = torch.tensor([self.save_est, -self.guard.left()], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(t, self.mesh.groups["world"], op=dist.ReduceOp.MAX).wait()  # (the same on every rank)
+        est, left = t[0].item(), -t[1].item()
+        self.guard.stop_within(left, signum)
+        newest = checkpoint.list_checkpoints(self.out / "checkpoints")
+        newest = f"the newest checkpoint is {newest[-1]}" if newest else "there is no checkpoint"
+        if saved:
+            what = f"its checkpoint was saved at that step; {newest}"
+        elif done == self.start_step:
+            what = f"no step was completed, nothing to save; {newest}"
+        elif not self.cfg.save:
+            what = "nothing saved (--no-save)"
+        elif est > left:
+            what = (f"not saved: the last save took {est:.1f} s and {left:.1f} s of --preempt-budget "
+                    f"{self.cfg.preempt_budget:g} s were left; {newest}")
+        else:
+            secs = self.save(done, final=True)
+            what = (f"saved {self.out / 'checkpoints' / f'step_{done:08d}'} in {secs:.1f} s" if secs is not None
+                    else f"not saved (weights not finite); {newest}")
+        where = self.guard.dump(f"signal {name}")
+        if self.rt.is_main:
+            print(f"braidtrain: rank 0: signal {name}; flight log {where}; stopped after step {done} of "
+                  f"{self.cfg.max_steps}: {what}; continue with --resume auto (exit {128 + signum})",
+                  file=sys.stderr, flush=True)
+        raise Stopped(signum)
 
     def reduce_loss(self, losses: list[torch.Tensor]) -> float:
         """The step's loss sum over every rank (passes.reduce_loss)."""
@@ -259,9 +308,14 @@ class Trainer:
                             f"checkpoint will be whole and a restart would begin at step 0; give --out a folder on "
                             f"storage every node mounts")
 
-    def save(self, step: int) -> float | None:
+    def save(self, step: int, final: bool = False) -> float | None:
         """A checkpoint of step `step`, unless a weight or an Adam moment is not finite on some
-        rank (collective): then none, and the newest good one stays the newest."""
+        rank (collective): then none, and the newest good one stays the newest. None too under
+        --no-save. A save that fails stops the run (SaveFailed) when it is the `final` one, whatever
+        --on-save-error says: the run's last steps would be lost without a word."""
+        if not self.cfg.save:
+            return None
+        self.guard.doing = f"while saving step {step}"
         bad = torch.zeros((), device=self.device)
         for b, (m, v, _) in zip(self.engine.buckets, self.opt.groups):
             bad += (~torch.isfinite(b.data)).sum() + (~torch.isfinite(m)).sum() + (~torch.isfinite(v)).sum()
@@ -279,9 +333,14 @@ class Trainer:
             info["moe_bias"] = self.balance.tolist()
         try:
             midway = self.fault.mid_save if self.fault else None
-            return checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
+            secs = checkpoint.save(self.out / "checkpoints", step, self.engine, self.opt, info, self.rt, self.layout,
                                    self.cfg.keep_ckpts, self.built.run_id, midway=midway)
+            self.save_est = max(self.save_est, secs)
+            return secs
         except SaveFailed as e:
+            if final and self.cfg.on_save_error == "continue":
+                raise SaveFailed(f"{e}; the run's final checkpoint, so the run fails whatever --on-save-error "
+                                 f"says") from None
             if self.cfg.on_save_error == "stop":
                 raise
             self.rt.log(f"warning: {e}; training goes on (--on-save-error continue), the next save tries again")
@@ -290,6 +349,10 @@ class Trainer:
     def run(self) -> dict:
         try:
             summary = self._run()
+        except Stopped:  # (stop: every rank stops here, its flight log written; as below, then)
+            self.comm.barrier(self.mesh.groups["world"])
+            self.guard.close(clean=True)
+            raise
         except Exception as e:  # the flight log says where this rank was; then the error goes on
             self.guard.dump(self.guard.failure(e))
             if isinstance(e, torch.OutOfMemoryError):
@@ -303,7 +366,7 @@ class Trainer:
 
     def _run(self) -> dict:
         cfg, rt, batch = self.cfg, self.rt, self.batch
-        log = MetricsLog(self.out / "metrics.jsonl", self.start_step) if rt.is_main else None
+        log = MetricsLog(self.out / "metrics.jsonl", self.start_step, rt.log) if rt.is_main else None
         rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on "
                f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} "
                f"micro-steps x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp} -> {self.out}")
@@ -311,7 +374,7 @@ class Trainer:
         rec, val, bubbles, ev = None, None, [], None
         eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every
         skipped, streak = 0, []
-        failed = True
+        failed, done = True, self.start_step
         try:
             with gc_by_hand():
                 for step in range(self.start_step, cfg.max_steps):
@@ -327,7 +390,9 @@ class Trainer:
                     if self.mc and ((eval_every and (step + 1) % eval_every == 0) or last):
                         ev = evaluate.in_training(self)
                         rec.update(ev)
-                    if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last and not streak:
+                    # (a stop asked: stop() saves this step, if the budget left allows)
+                    if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and not last and not streak \
+                            and not self.stop_sig:
                         rec["save_s"] = self.save(step + 1)
                     if log:
                         log.write(rec)
@@ -336,6 +401,9 @@ class Trainer:
                     bar.update(rec)
                     if len(streak) >= cfg.max_skipped:
                         raise outcome.diverged(self, streak)
+                    done = step + 1
+                    if self.stop_sig:  # (read by every rank at the end of the step: self.step)
+                        break
             failed = False
         finally:
             bar.close()
@@ -344,6 +412,8 @@ class Trainer:
             if self.trackers:
                 self.trackers.close(failed)
         self.drop_graph()
+        if self.stop_sig:
+            self.stop(self.stop_sig, done, saved=rec.get("save_s") is not None)
         return outcome.finish(self, rec, val, ev, skipped, bubbles)
 
 

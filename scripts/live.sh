@@ -32,8 +32,9 @@ for attempt in $(seq 0 "${RESTARTS:-0}"); do
     echo "live.sh: rank $((FIRST + i)) (pid ${pids[$i]}) exited $code" >&2
     if ((FIRST + i == 0)); then rc=$code; fi
   done
-  # rank 0 lost (killed: 128 + signal) or the others' fallback (75): today's restart, from the checkpoint
-  if ((FIRST != 0 || (rc != 75 && rc < 128))); then exit "$rc"; fi
+  # rank 0 lost (killed: 128 + signal) or the others' fallback (75): today's restart, from the checkpoint;
+  # not a stop by SIGINT or SIGTERM (130, 143: the job saved its last step and stopped, as asked)
+  if ((FIRST != 0 || (rc != 75 && rc < 128) || rc == 130 || rc == 143)); then exit "$rc"; fi
   extra=(--resume auto)
   unset BRAIDTRAIN_FAULT  # (the tests' fault hook fires on the first attempt only, as under torchrun)
 done

@@ -6,6 +6,9 @@
 # (node1:8,node2:8; leave it unset inside a Slurm/PBS allocation, which mpirun reads), MPIRUN_ARGS
 # for your MPI (e.g. "-x PYTHONPATH -x NCCL_SOCKET_IFNAME=eth0"), and DATA / OUT / CONFIG (OUT on
 # storage every node mounts). Every node needs braidtrain in $PYTHON at the same path.
+# A SIGTERM or Ctrl-C to mpirun reaches the ranks after odls_base_sigkill_timeout seconds (Open MPI's
+# default 1) and is followed by SIGKILL as long again: add "--mca odls_base_sigkill_timeout 12" to
+# MPIRUN_ARGS for a stop to save its step (docs/fault-tolerance.md, "Preemption").
 set -euo pipefail
 read -ra extra <<< "${MPIRUN_ARGS:-}"
 exec mpirun -np "${NP:-8}" ${HOSTS:+--host "$HOSTS"} "${extra[@]}" "${PYTHON:-python3}" -m braidtrain train \

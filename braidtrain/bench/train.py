@@ -64,7 +64,8 @@ def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
     for i, layout in enumerate(args.layout or LAYOUTS + (GRAPH_LAYOUTS if cuda else ())):
         run_dir = work / f"braidtrain{i}"
         cmd = [*launch, "braidtrain", "train", *common, "-x", str(args.steps), "--val-every", "0", "--val-steps", "1",
-               "--sample-tokens", "0", "--no-progress", "--out", str(run_dir), *device, *shlex.split(layout)]
+               "--sample-tokens", "0", "--no-progress", "--no-save", "--out", str(run_dir), *device,
+               *shlex.split(layout)]
         out.append((f"braidtrain {layout}", cmd, lambda run_dir=run_dir: _braidtrain_row(run_dir, args.warmup)))
     for mode in [m.strip() for m in args.torch.split(",") if m.strip()]:
         path = work / f"torch-{mode}.json"
@@ -200,7 +201,7 @@ def run_train(args) -> int:
             rows = _run_variants(args, [variants[i] for i in order], d, n, cuda,
                                  f"round {r + 1}/{args.repeat}, " if args.repeat > 1 else "")
             rounds.append([row for _, row in sorted(zip(order, rows))])
-            if not args.keep and args.repeat > 1:  # each variant's run left a checkpoint (GBs for gpt2)
+            if not args.keep and args.repeat > 1:  # each variant's run folder (its metrics; --no-save: no checkpoint)
                 shutil.rmtree(folder, ignore_errors=True)
     rows = [_median_row([r[i] for r in rounds]) for i in range(len(rounds[0]))]
     _print_train(rows, args.baseline if any(r["ratio"] is not None for r in rows) else None)

@@ -20,11 +20,18 @@ So every rank runs a `Guard`:
              flight log, and leaves with os._exit(EXIT_PEER_LOST):
              the main thread is stuck in a collective and cannot be unwound. torchrun sees a failed
              worker and restarts the group, which resumes from the newest checkpoint.
-  signals    SIGTERM (torchrun stopping the group, a scheduler's preemption) and SIGINT write the
-             flight log and exit 128 + signal. Python runs signal handlers only in the main thread,
-             between bytecodes -- never while it is blocked in a collective -- so the handler is a
-             no-op whose only job is to make Python's C-level handler write the signal number to a
-             wakeup pipe; the watch thread reads the pipe and acts.
+  signals    SIGTERM (torchrun stopping the group, a scheduler's preemption) and SIGINT ask the run
+             to stop: the watch thread notes the first (Guard.signalled), the training loop reads
+             every rank's note at each step boundary (one small all-reduce, train.py's stop_asked),
+             so every rank finishes the same step, saves it and exits 128 + signal. The note also
+             starts the clock: a run still alive --preempt-budget seconds after the signal writes its
+             flight log and exits at once, as does a second signal (one within DUPLICATE_S of the
+             first is the same request delivered twice: Slurm signals torchrun and its workers, and
+             torchrun forwards its own). A signal after a peer was lost exits at once, naming the
+             peer. Python runs signal handlers only in the main thread, between bytecodes -- never
+             while it is blocked in a collective -- so the handler is a no-op whose only job is to
+             make Python's C-level handler write the signal number to a wakeup pipe; the watch
+             thread reads the pipe and acts.
   crashes    an exception in the training loop writes the flight log (main thread) and propagates;
              its reason names the lost peer where one was lost first (Guard.failure).
 
@@ -34,6 +41,7 @@ that makes a rank fail on purpose (BRAIDTRAIN_FAULT): collective/inject.py.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -47,6 +55,7 @@ from pathlib import Path
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a temporary failure, worth a restart
 WATCHERS = 8  # each rank watches the next WATCHERS ranks of the ring
 MEMBERSHIP = "membership.jsonl"  # in RUN/flight: each change of the world that live recovery made (live/)
+DUPLICATE_S = 1.0  # a repeat of the stop signal within this many seconds is the same request, not a second one
 
 
 def _noop(_signum, _frame):
@@ -57,8 +66,14 @@ class Guard:
     """Heartbeat, signal handling and flight-log dumps for one rank (see the module docstring).
     `comm.step` tells the dumps which step the rank was in."""
 
-    def __init__(self, rt, comm, flight_dir: Path, session: float, heartbeat_timeout: float):
+    def __init__(self, rt, comm, flight_dir: Path, session: float, heartbeat_timeout: float,
+                 preempt_budget: float = 25.0):
         self.rt, self.comm, self.session = rt, comm, session
+        self.budget = preempt_budget
+        self.signalled: tuple[int, float] | None = None  # the first SIGTERM/SIGINT and when (monotonic): stop asked
+        self.deadline: float | None = None  # (monotonic) past it, a stopping run exits at once
+        self.stop_sig = signal.SIGTERM  # the signal the group stops on (stop_within)
+        self.doing = "before the first step"  # what the main thread does (the line of a budget run out)
         self.path = Path(flight_dir) / f"rank_{rt.rank:05d}.jsonl"
         self.timeout = heartbeat_timeout
         world = rt.world_size
@@ -192,9 +207,12 @@ class Guard:
             elif select.select([self.wake_r], [], [], self.interval)[0]:
                 for signum in os.read(self.wake_r, 64):
                     if signum in (signal.SIGTERM, signal.SIGINT):
-                        name, cause = signal.Signals(signum).name, self._peer_lost()
-                        self.fatal(f"peer lost: {cause} (then {name})" if cause else f"signal {name}", 128 + signum)
+                        self._signal(signum)
             now = time.monotonic()
+            if self.deadline is not None and now > self.deadline and not self.stop.is_set():
+                sig = self.signalled[0] if self.signalled else self.stop_sig
+                self.fatal(f"signal {signal.Signals(sig).name}: --preempt-budget {self.budget:g} s ran out "
+                           f"{self.doing}", 128 + sig)
             if now - woke > self.interval + self.timeout / 2:  # this process itself stood still (no CPU, or the
                 grace = now + 2 * self.interval  # GIL held): its beat thread gets a turn before anyone is judged
             woke = now
@@ -209,6 +227,30 @@ class Guard:
                     self._publish(f"rank {self.rt.rank} saw: {verdict}")
                     self._end_frozen()
                     self.fatal(f"peer lost: {verdict}", EXIT_PEER_LOST)
+
+    def _signal(self, signum: int) -> None:
+        """(The watch thread.) The first SIGTERM or SIGINT asks the run to stop at the next step
+        boundary; a second one, or any after a peer was lost, ends it now."""
+        name, cause, now = signal.Signals(signum).name, self._peer_lost(), time.monotonic()
+        if cause:
+            self.fatal(f"peer lost: {cause} (then {name})", 128 + signum)
+        if self.signalled is None:
+            self.signalled, self.deadline = (signum, now), now + self.budget
+            if self.rt.is_main:
+                print(f"braidtrain: {name}: stopping after the step in progress and saving it (within "
+                      f"--preempt-budget {self.budget:g} s); a second signal stops at once", file=sys.stderr,
+                      flush=True)
+        elif now - self.signalled[1] > DUPLICATE_S:
+            self.fatal(f"signal {name} (a second one: stopped at once)", 128 + signum)
+
+    def stop_within(self, seconds: float, signum: int) -> None:
+        """(The main thread, stopping on `signum`.) Exit at once if still alive in `seconds`: the
+        group's least time left, so that a rank that was not signalled itself gives up with the others."""
+        self.deadline, self.stop_sig = time.monotonic() + seconds, signum
+
+    def left(self) -> float:
+        """Seconds of this rank's --preempt-budget left (inf: not signalled)."""
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
 
     def failure(self, e: BaseException) -> str:
         """The flight log's reason for an exception in the loop: a peer lost first, if one was (a

@@ -14,10 +14,11 @@ piece is named by (tensor name, tp shard, element offset) and meta.json holds th
 re-shards to whatever the current mesh, world size, tp degree and ZeRO stage are.
 
 Publishing is atomic: everything is written into `step_N.tmp/`, fsynced, then rank 0 writes
-meta.json (with every file's sha256 and size) and renames the folder. A save that fails midway (a
-full disk, a killed rank) leaves only a `.tmp` folder, which nothing reads and the next successful
-save removes. A folder without a valid meta.json, or with a missing, truncated or damaged file, is
-skipped (with a warning saying which) for the previous one; nothing is loaded before it verified.
+meta.json (with every file's sha256 and size) and renames the folder. A save that fails midway
+leaves at most a `.tmp` folder, which nothing reads: one that fails with an error (a full disk)
+removes its own at once, and the next successful save removes a killed rank's. A folder without a
+valid meta.json, or with a missing, truncated or damaged file, is skipped (with a warning saying
+which) for the previous one; nothing is loaded before it verified.
 
 There is no RNG state to save: initialisation draws each parameter from its own seeded generator,
 the data order is a pure function of (seed, step), and the model has no dropout.
@@ -130,8 +131,14 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
         failed = f"rank {rt.rank} could not write checkpoint {final}: {getattr(e, 'strerror', None) or e}"
     sums = engine.comm.all_gather_object((fname, digest, failed), world)
     failed = next((f for _, _, f in sums if f), None)
-    if failed:  # nothing was published: the previous checkpoint stands (its .tmp is never read)
-        raise SaveFailed(failed + " (the previous checkpoint is intact; free space, then --resume auto)")
+    if failed:  # nothing was published: the previous checkpoint, if any, stands
+        if rt.is_main:  # (every rank is past its writes) what was written goes: it would only hold space
+            shutil.rmtree(tmp, ignore_errors=True)
+        before = list_checkpoints(ckpt_dir)
+        raise SaveFailed(failed + (f" (the previous checkpoint is intact: {before[-1].name}; its partial files "
+                                   f"were removed; free space, then --resume auto)" if before else
+                                   " (its partial files were removed; there is no earlier checkpoint: free space, "
+                                   "then run again)"))
     if rt.is_main:
         meta = {
             "format": FORMAT,

@@ -153,6 +153,10 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                 except ValueError as e:
                     raise UserError(f"{path} line {n} is not JSON ({e})") from None
                 text = record.get(field) if isinstance(record, dict) else None
+                if isinstance(record, dict) and field in record and not isinstance(text, str):
+                    held = "null" if text is None else f"a {type(text).__name__}, not text"
+                    raise UserError(f"{path} line {n}: its text field '{field}' is {held}: give every record text "
+                                    f"there, or pass --text-field NAME")
                 if not isinstance(text, str):
                     keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
                     raise UserError(f"{path} line {n} has no text field '{field}' (it has {keys}): pass --text-field "

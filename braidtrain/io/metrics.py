@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -33,16 +34,39 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
     return None
 
 
-class MetricsLog:
-    """metrics.jsonl: one JSON object per line; on resume, lines past the resumed step are dropped
-    so the file reads as one uninterrupted run."""
+def read_records(path: Path, warn=None) -> list[dict]:
+    """metrics.jsonl's records. Its last line cut short (a full disk, a process killed as it wrote)
+    is left out, and `warn` told in one line; a damaged line before it is an error."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    out = []
+    for n, line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            out.append(rec)
+        elif n == lines[-1][0]:
+            if warn:
+                warn(f"note: {path}: its last line ({n}) is cut short, a write that did not finish: left out")
+        else:
+            raise UserError(f"{path} line {n} is not a JSON record (damaged): remove the line, or give another run")
+    return out
 
-    def __init__(self, path: Path, resume_step: int = 0):
+
+def _stderr(msg: str) -> None:
+    print(f"braidtrain: {msg}", file=sys.stderr, flush=True)
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line; on resume, lines past the resumed step (and a last
+    line cut short: read_records) are dropped so the file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, resume_step: int = 0, warn=None):
         self.path = path
         if resume_step and path.exists():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in keep))
+            keep = [rec for rec in read_records(path, warn) if rec.get("step", 0) <= resume_step]
+            path.write_text("".join(json.dumps(rec) + "\n" for rec in keep))
         elif path.exists():
             path.unlink()
         self.f = open(path, "a")
@@ -59,7 +83,7 @@ def read_metrics(run: Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run}: no metrics.jsonl (is it a braidtrain run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path, _stderr)
 
 
 def plot_runs(runs: list[str], out: str) -> None:

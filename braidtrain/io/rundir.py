@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -33,8 +34,12 @@ RUN_FILE, LOCK_FILE = "run.json", ".lock"
 
 
 def held_by_a_run(out: Path) -> list[str]:
-    """What of a run `out` holds: its metrics, summary and checkpoints (finished or not)."""
-    found = [name for name in ("metrics.jsonl", "summary.json", RUN_FILE) if (out / name).is_file()]
+    """What of a run `out` holds: its metrics, summary and checkpoints (finished or not). A run
+    that failed before its first step left no metrics line: its run.json, config.toml and flight
+    logs do not make the directory another run's, so the corrected command may use it."""
+    metrics = out / "metrics.jsonl"
+    found = ["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else []
+    found += [name for name in ("summary.json",) if (out / name).is_file()]
     steps = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     return found + (["checkpoints "
                      f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else f"checkpoint {steps[0]}"] if steps else [])
@@ -89,3 +94,21 @@ def claim(out: Path, resume: bool, start_over: bool, log) -> tuple[str, int]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def space_warning(out: Path, size: int, copies: int, keep: int) -> str | None:
+    """One line when the free space under `out` cannot hold `copies` more checkpoints of `size`
+    bytes (what a run keeps at once: --keep-ckpts, and one more while a save replaces the oldest)."""
+    free = shutil.disk_usage(out).free
+    if copies * size <= free:
+        return None
+    return (f"warning: the checkpoints this run keeps need {_size(copies * size)} under {out} ({copies} x "
+            f"{_size(size)}; --keep-ckpts {keep}) and {_size(free)} are free: the save would fail then; free "
+            f"space, give --out on a larger disk, lower --keep-ckpts, or --no-save")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"

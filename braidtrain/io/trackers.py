@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import secrets
 import shutil
 from pathlib import Path
 
 from braidtrain.errors import UserError
+from braidtrain.io.metrics import read_records
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # flag -> the package it needs
 
@@ -68,8 +68,7 @@ def _kept(out: Path, start_step: int) -> list[dict]:
     path = out / "metrics.jsonl"
     if not start_step or not path.is_file():
         return []
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return [r for r in rows if r.get("step", 0) <= start_step]
+    return [r for r in read_records(path) if r.get("step", 0) <= start_step]  # (MetricsLog said what it left out)
 
 
 class TensorBoard:

@@ -108,7 +108,7 @@ def build_joiner(cfg):
             bk.group = mesh.groups[bk.group.axis]
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     out = b.Path(adm["out"])
-    guard = Guard(rt, comm, out / "flight", adm["session"], cfg.heartbeat_timeout)
+    guard = Guard(rt, comm, out / "flight", adm["session"], cfg.heartbeat_timeout, cfg.preempt_budget)
     guard.start()
     train_data, val_data = TokenData(train_files, vocab), TokenData(val_files, vocab)
     loader = Loader(train_data, cfg.seq_len, lay.batch.seqs_per_step, cfg.seed)
