@@ -143,7 +143,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from braidtrain.io import paths
     from braidtrain.plan import command
+
+    if args.check is not None and args.data:  # (--check's folders, before the planner's work)
+        paths.in_dir(args.data, "--data")
+    if args.check is not None and args.out:
+        paths.out_dir(args.out, "--out")
 
     return command.run(args)
 

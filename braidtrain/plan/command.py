@@ -9,7 +9,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from braidtrain.errors import UserError
-from braidtrain.io import paths
 from braidtrain.layout import make_layout
 from braidtrain.model import registry
 from braidtrain.model.gpt2 import GPTConfig
@@ -56,10 +55,6 @@ def setup_from(args) -> Setup:
     for k in ("alpha_us", "top"):
         if getattr(args, k) < 0:
             raise UserError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k):g}")
-    if args.check is not None and args.data:  # (--check's folders, before the planner's work)
-        paths.in_dir(args.data, "--data")
-    if args.check is not None and args.out:
-        paths.out_dir(args.out, "--out")
     if args.params and args.model:
         raise UserError("give --model or --params, not both")
     meta = Path(args.data or "") / "tokenizer.json"  # the check's run trains with the data's vocabulary
