@@ -46,10 +46,10 @@ class Reached(Exception):
 def _readonly(tmp: Path) -> Path | None:
     """A folder this process cannot write in: a chmod 555 one, or for root (whom a mode does not
     stop) /sys; None where neither is."""
-    for d in ((tmp / "readonly",) if os.geteuid() else ()) + (Path("/sys"),):
-        d.mkdir(exist_ok=True) if d.parent == tmp else None
-        if d.parent == tmp:
-            d.chmod(0o555)
+    mine = tmp / "readonly"
+    mine.mkdir()
+    mine.chmod(0o555)
+    for d in (mine, Path("/sys")):
         try:
             fd, name = tempfile.mkstemp(dir=d)
         except OSError:
