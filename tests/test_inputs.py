@@ -102,6 +102,9 @@ def p(tmp_path_factory) -> SimpleNamespace:
     (p.gpt2_data / "tokenizer.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
     p.no_run = tmp / "no_run"
     p.no_run.mkdir()
+    for name, text in (("flight_cut", '{"flight": 1, "ses'), ("flight_list", "[1]\n")):
+        (tmp / name / "flight").mkdir(parents=True)
+        (tmp / name / "flight" / "rank_00000.jsonl").write_text(text)
     return p
 
 
@@ -249,6 +252,8 @@ CASES = [
     # doctor
     c("doctor RUN missing", lambda p: ["doctor", p.tmp / "nope"], "nope"),
     c("doctor a run without flight logs", lambda p: ["doctor", p.run], "flight"),
+    c("doctor a truncated flight log", lambda p: ["doctor", p.tmp / "flight_cut"], "rank_00000.jsonl", "unreadable"),
+    c("doctor a flight log of no records", lambda p: ["doctor", p.tmp / "flight_list"], "rank_00000.jsonl"),
     # plan
     *[c(f"plan {f} {v}", lambda p, f=f, v=v: ["plan", f, v], LONG.get(f, f), str(v)) for f, v in
       (("--n-layer", 0), ("--n-head", -1), ("--n-embd", 0), ("--block-size", 0), ("--n-kv-heads", 0), ("--vocab", 0),
