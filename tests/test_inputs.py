@@ -102,6 +102,9 @@ def p(tmp_path_factory) -> SimpleNamespace:
     (p.gpt2_data / "tokenizer.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
     p.no_run = tmp / "no_run"
     p.no_run.mkdir()
+    p.toml_nan, p.toml_big = tmp / "nan.toml", tmp / "big.toml"  # (TOML has nan; the parser's check is not met)
+    p.toml_nan.write_text("lr = nan\n")
+    p.toml_big.write_text("keep_ckpts = 4294967296\n")
     for name, text in (("flight_cut", '{"flight": 1, "ses'), ("flight_list", "[1]\n")):
         (tmp / name / "flight").mkdir(parents=True)
         (tmp / name / "flight" / "rank_00000.jsonl").write_text(text)
@@ -171,6 +174,8 @@ CASES = [
     c("train -i empty file", train(lambda p: ["-i", p.empty, "--tokenizer", "bytes"]), lambda p: str(p.empty)),
     c("train -i a file not data", train(lambda p: ["-i", p.jsonl, "--tokenizer", "bytes"]), lambda p: str(p.jsonl)),
     c("train --config a folder", train(lambda p: ["--config", p.tmp]), "is a folder"),
+    c("train --config with lr = nan", train(lambda p: ["--config", p.toml_nan]), "lr", "nan"),
+    c("train --config with a size past 2^31", train(lambda p: ["--config", p.toml_big]), "keep_ckpts", "out of range"),
     # data prepare
     c("data prepare --out a file", lambda p: ["data", "prepare", "--tokenizer", "bytes", "--out", p.file],
       "is a file"),
