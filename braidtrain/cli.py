@@ -13,13 +13,37 @@ from pathlib import Path
 
 from braidtrain.bench import flags as bench_flags
 from braidtrain.errors import Stopped, UserError
-from braidtrain.options import Parser, train_config, train_parser
+from braidtrain.config import INT_MAX
+from braidtrain.options import Parser, device, train_config, train_parser
 from braidtrain.plan import flags as plan_flags
 
 
 def cmd_train(args) -> int:
-    train(train_config(args))
+    cfg = train_config(args)
+    check_train_paths(cfg)
+    train(cfg)
     return 0
+
+
+def check_train_paths(cfg) -> None:
+    """What a run writes and reads, before any of its work: the run directory; the token files'
+    headers (build.py reads their tokens); the eval file (small: read whole, its tokens against the
+    data's vocabulary); --init-from's folder (config.json, the safetensors headers); a --resume
+    folder."""
+    from braidtrain import evaluate
+    from braidtrain.io import data, export, paths
+
+    paths.out_dir(cfg.out or "runs", "--out")
+    train_files = data.resolve_files(cfg.train_data, "train")
+    for f in train_files + data.resolve_files(cfg.val_data or cfg.train_data, "val"):
+        data.read_bin(f)
+    if cfg.eval_data:
+        examples = evaluate.read_evalfile(paths.in_file(cfg.eval_data, "--eval-data"))
+        evaluate.check_tokens(examples, data.data_tokenizer(train_files, cfg.tokenizer)[1])
+    if cfg.init_from:
+        export.check_folder(cfg.init_from)
+    if cfg.resume not in (None, "auto"):
+        paths.in_dir(cfg.resume, "--resume")
 
 
 def train(cfg) -> dict:
@@ -46,7 +70,10 @@ def cmd_data(args) -> int:
 
     if args.action == "prepare-eval":
         from braidtrain import evaluate
+        from braidtrain.io import paths
 
+        paths.in_file(args.jsonl, "--jsonl")
+        paths.out_file(args.out, "--out")
         print(json.dumps(evaluate.prepare(args.jsonl, args.out, args.tokenizer)))
         return 0
 
@@ -61,9 +88,22 @@ def cmd_data(args) -> int:
 def cmd_plot(args) -> int:
     from braidtrain.io.metrics import plot_experts, plot_runs, plot_schedule
 
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from braidtrain.io import paths
+
     if bool(args.runs) + bool(args.schedule) + bool(args.experts) != 1:
         raise UserError("plot needs runs to overlay their losses, --schedule RUN for a pipeline's timeline, or "
                         "--experts RUN for a mixture of experts' load (one of them)")
+    for run, flag in [(r, "RUN") for r in args.runs] + [(args.schedule, "--schedule"), (args.experts, "--experts")]:
+        if run:
+            paths.in_dir(run, flag)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(args.out).suffix
+    if suffix and suffix[1:].lower() not in kinds:
+        raise UserError(f"--out {args.out}: matplotlib cannot write {suffix} files: use one of "
+                        f"{', '.join('.' + k for k in sorted(kinds))}")
+    paths.out_file(args.out, "--out")
     if args.schedule:
         plot_schedule(args.schedule, args.out)
     elif args.experts:
@@ -106,20 +146,40 @@ def cmd_bench(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from braidtrain.io import paths
     from braidtrain.plan import command
+
+    if args.check is not None and args.data:  # (--check's folders, before the planner's work)
+        paths.in_dir(args.data, "--data")
+    if args.check is not None and args.out:
+        paths.out_dir(args.out, "--out")
 
     return command.run(args)
 
 
 def cmd_sample(args) -> int:
+    if not 0 <= args.tokens <= INT_MAX:
+        raise UserError(f"--tokens must be >= 0, got {args.tokens}" if args.tokens < 0 else
+                        f"--tokens {args.tokens} is out of range: at most {INT_MAX}")
+    if args.temperature <= 0:
+        raise UserError(f"--temperature must be positive (lower: closer to the likeliest token), got "
+                        f"{args.temperature:g}")
+    if args.top_k < 1:
+        raise UserError(f"--top-k must be at least 1 (1: always the likeliest token), got {args.top_k}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in 0..2^63-1, got {args.seed}")
     import torch
 
-    from braidtrain.io.checkpoint import latest, load_model
-    from braidtrain.io.data import get_tokenizer
     from braidtrain.generate import generate
+    from braidtrain.io.checkpoint import load_model
+    from braidtrain.io.data import get_tokenizer
+    from braidtrain.io.export import checkpoint_of
 
-    run = Path(args.run)
-    model, meta = load_model(run if (run / "meta.json").exists() else latest(run))
+    gpu = int(args.device.partition(":")[2] or 0) if args.device and args.device != "cpu" else None
+    if gpu is not None and gpu >= torch.cuda.device_count():
+        raise UserError(f"--device {args.device}: torch sees {torch.cuda.device_count()} GPU(s) here: use --device "
+                        f"cpu" + (" or cuda:0" if torch.cuda.device_count() else ""))
+    model, meta = load_model(checkpoint_of(args.run))
     tok = get_tokenizer(meta["tokenizer"])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
@@ -157,8 +217,9 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def main(argv=None) -> int:
-    global _ran_collectives
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    """The command line's parser, and each subcommand's by name ("data": data prepare's, "data
+    prepare-eval"), whose help an unknown flag names."""
     parser = Parser(prog="braidtrain", description="Train GPT-style models on 1 to N GPUs.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     parsers = {"train": train_parser(sub)}
@@ -180,7 +241,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=_cores(), help="tokenizing processes (default: every core, here "
                                                                  "%(default)s)")
     parsers["data"] = p
-    p = dsub.add_parser("prepare-eval", help="write an llm.c multiple-choice eval file from JSON lines")
+    p = parsers["data prepare-eval"] = dsub.add_parser("prepare-eval", help="write an llm.c multiple-choice eval "
+                                                                            "file from JSON lines")
     p.add_argument("--jsonl", required=True, help='lines of {"context": str, "endings": [str, ...], "label": int}')
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default="gpt2", help="gpt2, bytes, llama3, or a data folder (its tokenizer.json)")
@@ -198,13 +260,13 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device")
+    p.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: the GPU, else cpu)")
     p = parsers["eval"] = sub.add_parser("eval", help="multiple-choice accuracy of a run's newest checkpoint "
                                                       "(torchrun: over ranks)")
     p.add_argument("run", help="a run directory, or one checkpoint folder")
     p.add_argument("--eval-data", required=True, metavar="FILE", help="llm.c multiple-choice eval file")
     p.add_argument("--out", help="results JSON (default RUN/eval.json)")
-    p.add_argument("--device")
+    p.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: the local GPU, else cpu)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p = parsers["doctor"] = sub.add_parser("doctor", help="read a run's flight logs: which rank stopped where")
     p.add_argument("run")
@@ -216,9 +278,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the folder to write (transformers' from_pretrained reads it)")
     parsers["plan"] = plan_flags.add_parser(sub)
     parsers["bench"] = bench_flags.add_parser(sub)
+    return parser, parsers
+
+
+def main(argv=None) -> int:
+    global _ran_collectives
+    parser, parsers = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, not the top level's
-        parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+        name = "data prepare-eval" if getattr(args, "action", None) == "prepare-eval" else args.cmd
+        parsers[name].error(f"unrecognized arguments: {' '.join(extra)}")
     _ran_collectives = args.cmd in ("train", "bench", "eval")
     handler = {"train": cmd_train, "data": cmd_data, "plot": cmd_plot, "sample": cmd_sample, "doctor": cmd_doctor,
                "export": cmd_export, "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval}[args.cmd]

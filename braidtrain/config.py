@@ -168,7 +168,7 @@ def config_path(name: str) -> Path:
     p = Path(name)
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
-            raise UserError(f"config file '{name}' not found")
+            raise UserError(f"config file '{name}' {'is a folder' if p.is_dir() else 'not found'}")
         return p
     p = CONFIG_DIR / f"{name}.toml"
     if not p.is_file():
@@ -247,26 +247,42 @@ def _short(x: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
+# The smallest value of each integer field (unset, None, is allowed where the default is None);
+# max_steps also takes -1 (one epoch), zero its four stages
+AT_LEAST = {"n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "n_kv_heads": 1, "moe_experts": 0,
+            "moe_top_k": 1, "moe_every": 1, "moe_hidden": 0, "moe_shared": 0, "zero": 0, "batch_size": 1, "seq_len": 1,
+            "total_batch": 1, "warmup_steps": 0, "seed": 0, "val_every": 0, "val_steps": 1, "sample_tokens": 0,
+            "eval_every": 0, "ckpt_every": 0, "keep_ckpts": 1, "max_skipped": 1, "pp": 1, "pp_virtual": 1, "cp": 1,
+            "tp": 1, "ep": 1, "num_processes": 1, "process_rank": 0, "gpus_per_node": 1}
+# ... and each float field: finite, and > 0 (POSITIVE) or >= 0
+POSITIVE = ("lr", "eps", "bucket_mb", "timeout")
+FLOATS = POSITIVE + ("final_lr_frac", "weight_decay", "grad_clip", "beta1", "beta2", "moe_capacity", "moe_aux",
+                     "moe_bias_rate", "heartbeat_timeout")
+INT_MAX = 2**31 - 1  # (the seed: 2**63 - 1) larger counts and sizes are typos, and overflow tensors' sizes
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need neither the data nor the world size."""
+    """Checks that need neither the data nor the world size: each value on its own."""
+    for key, low in AT_LEAST.items():
+        v, top = getattr(cfg, key), 2**63 - 1 if key == "seed" else INT_MAX
+        if v is not None and not low <= v <= top:
+            raise UserError(f"{key} must be {_at_least(low)}, got {v}" if v < low else
+                            f"{key} {v} is out of range: at most {top}")
+    if cfg.max_steps > INT_MAX:
+        raise UserError(f"max_steps {cfg.max_steps} is out of range: at most {INT_MAX}")
     if cfg.max_steps <= 0 and cfg.max_steps != -1:
         raise UserError(f"max_steps must be positive (or -1 for one epoch), got {cfg.max_steps}")
-    positive = ["batch_size", "seq_len", "val_steps", "keep_ckpts", "max_skipped"]
-    positive += [k for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "total_batch")
-                 if getattr(cfg, k) is not None]
-    for key in positive:
-        if getattr(cfg, key) <= 0:
-            raise UserError(f"{key} must be positive, got {getattr(cfg, key)}")
-    for key in ("val_every", "ckpt_every", "warmup_steps", "sample_tokens", "weight_decay", "grad_clip"):
-        if getattr(cfg, key) < 0:
-            raise UserError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise UserError(f"lr must be a positive number, got {cfg.lr}")
-    if not 0 <= cfg.final_lr_frac <= 1:
+    for key in FLOATS:
+        v = getattr(cfg, key)
+        if v is not None and not (math.isfinite(v) and (v > 0 if key in POSITIVE else v >= 0)):
+            raise UserError(f"{key} must be {'a positive' if key in POSITIVE else 'a'} finite number"
+                            f"{'' if key in POSITIVE else ' >= 0'}, got {v}")
+    if cfg.final_lr_frac > 1:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
-    if cfg.eval_every is not None and (cfg.eval_every < 0 or not cfg.eval_data):
-        raise UserError(f"eval_every must be >= 0 (0: only at the end), got {cfg.eval_every}" if cfg.eval_data else
-                        "--eval-every needs --eval-data FILE (an llm.c multiple-choice eval file)")
+    if not (cfg.beta1 < 1 and cfg.beta2 < 1):
+        raise UserError(f"beta1 and beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}")
+    if cfg.eval_every is not None and not cfg.eval_data:
+        raise UserError("--eval-every needs --eval-data FILE (an llm.c multiple-choice eval file)")
     if cfg.start_over and cfg.resume:
         raise UserError("--start-over begins a new run and --resume continues one: give one of them")
     if cfg.on_save_error not in ("stop", "continue"):
@@ -277,18 +293,16 @@ def validate(cfg: Config) -> None:
         raise UserError(f"layout must be auto (or unset), got {cfg.layout!r}")
     if cfg.zero not in (0, 1, 2, 3):
         raise UserError(f"ZeRO stage {cfg.zero} does not exist: use -z 0, 1, 2 or 3")
-    if cfg.bucket_mb <= 0:
-        raise UserError(f"bucket_mb must be positive, got {cfg.bucket_mb}")
     if cfg.init_method not in ("env", "tcp", "fs", "mpi"):
         raise UserError(f"unknown init method '{cfg.init_method}': use env, tcp, fs or mpi")
     if cfg.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"unknown dtype '{cfg.dtype}': use auto, fp32 or bf16")
     if cfg.fp8 not in (None, "tensorwise", "rowwise"):
         raise UserError(f"unknown fp8 recipe {cfg.fp8!r}: use tensorwise or rowwise (or leave it unset: no float8)")
-    if cfg.timeout <= 0:
-        raise UserError(f"timeout must be positive, got {cfg.timeout}")
     if cfg.wandb is not None and not cfg.wandb.strip():
         raise UserError("--wandb needs a project name, e.g. --wandb my-project")
     check_installed(cfg.tensorboard, cfg.wandb)
-    if not cfg.heartbeat_timeout >= 0:
-        raise UserError(f"heartbeat_timeout must be >= 0 (0 turns the heartbeat off), got {cfg.heartbeat_timeout}")
+
+
+def _at_least(low: int) -> str:
+    return {0: ">= 0", 1: "positive"}.get(low, f">= {low}")

@@ -31,8 +31,10 @@ from braidtrain.collective.comm import Comm
 from braidtrain.collective.mesh import build_mesh
 from braidtrain.collective.runtime import init_runtime
 from braidtrain.errors import UserError
-from braidtrain.io.checkpoint import latest, load_model
+from braidtrain.io import paths
+from braidtrain.io.checkpoint import load_model
 from braidtrain.io.data import get_tokenizer, tokenizer_for
+from braidtrain.io.export import checkpoint_of
 
 MAGIC, VERSION, HEADER_INTS = 20240522, 1, 256
 DELIM = 65535
@@ -183,6 +185,14 @@ def _rows(ex: Example, limit: int, vocab: int) -> list[tuple[list[int], list[int
     return rows
 
 
+def check_tokens(examples: list[Example], vocab: int, block_size: int | None = None) -> None:
+    """Every example fits the model (a UserError naming the first that does not): its tokens in the
+    vocabulary -- an eval file of another tokenizer -- and, block_size given, each completion in the
+    context."""
+    for ex in examples:
+        _rows(ex, block_size or 2**31, vocab)
+
+
 @torch.no_grad()
 def score(logits_of, examples: list[Example], *, rank: int = 0, world: int = 1, block_size: int, vocab: int,
           device="cpu", mult: int = 1, keep: bool = True, progress: bool = False) -> list[int]:
@@ -252,11 +262,14 @@ def in_training(trainer) -> dict:
 
 def run(args) -> int:
     """`braidtrain eval RUN --eval-data FILE`: the run's newest checkpoint (or RUN, a checkpoint
-    folder), on one process or over torchrun's ranks; rank 0 prints and writes RUN/eval.json."""
-    examples = read_evalfile(args.eval_data)
+    folder), on one process or over torchrun's ranks; rank 0 prints and writes RUN/eval.json.
+    Every path and the examples against the model are checked before the model is scored."""
+    ckpt = checkpoint_of(args.run)
     run_dir = Path(args.run)
-    ckpt = run_dir if (run_dir / "meta.json").exists() else latest(run_dir)
+    out = paths.out_file(args.out or (run_dir if ckpt != run_dir else ckpt.parent.parent) / "eval.json", "--out")
+    examples = read_evalfile(paths.in_file(args.eval_data, "--eval-data"))
     model, meta = load_model(ckpt)
+    check_tokens(examples, model.cfg.vocab_size, model.cfg.block_size)
     rt = init_runtime("env", device=args.device)
     done = False
     try:
@@ -277,7 +290,6 @@ def run(args) -> int:
             print(f"eval_acc {res['eval_acc']:.4f} ({res['eval_correct']}/{len(examples)}, mean log-likelihood)")
             print(f"eval_acc_sum {res['eval_acc_sum']:.4f} ({res['eval_correct_sum']}/{len(examples)}, summed "
                   "log-likelihood)")
-            out = Path(args.out) if args.out else (run_dir if ckpt != run_dir else ckpt.parent.parent) / "eval.json"
             out.write_text(json.dumps(res, indent=1) + "\n")
             print(f"wrote {out}")
         done = True

@@ -5,15 +5,51 @@ parses its layouts with them too); and the Parser every command uses, whose erro
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from braidtrain.config import AUTO_CHOSEN, FIELD_TYPES, build_config
 from braidtrain.errors import UserError
 
 class Parser(argparse.ArgumentParser):
+    """Every flag of type=float takes finite numbers only (a NaN passes every `x <= 0` check after
+    it), every type=int flag 64-bit integers; each command checks its own ranges."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", float, _finite)  # (argument groups share the parser's registry)
+        self.register("type", int, _int64)
+
     def error(self, message):  # one line, exit 2 (argparse would add a usage block)
         print(f"braidtrain: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _finite(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+
+
+def _int64(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not -2**63 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{text} is out of range")
+    return v
+
+
+def device(text: str) -> str:
+    """A --device value: cpu, cuda or cuda:N (collective/runtime.py picks the GPU)."""
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda or cuda:N")
 
 
 def train_parser(sub):
@@ -139,7 +175,7 @@ def train_parser(sub):
     g.add_argument("--gpus-per-node", "-pg", type=int)
     g.add_argument("--server", "-ps", help="rendezvous address[:port] (tcp)")
     g.add_argument("--fs-path", "-pf", help="shared folder for the rendezvous (fs)")
-    g.add_argument("--device", help="cpu, cuda or cuda:N (default: the local GPU, else cpu)")
+    g.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: the local GPU, else cpu)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16"])
     g.add_argument("--fp8", choices=["tensorwise", "rowwise"],
                    help="the blocks' linear layers (attention, MLP) compute in float8 with dynamic scales, one per "
@@ -176,6 +212,8 @@ def train_config(args):
         if given:
             flags = " ".join("--" + k.replace("_", "-") for k in given)
             raise UserError(f"--layout auto chooses {flags} itself: drop {flags}, or --layout auto")
+    if args.llmc_recompute not in (None, 0, 1, 2):
+        raise UserError(f"-r {args.llmc_recompute}: llm.c's recompute level is 0, 1 or 2 (1 or 2: --recompute)")
     if args.llmc_recompute and args.recompute is None:
         overrides["recompute"] = True
     if args.llmc_resume == 1 and not args.resume:

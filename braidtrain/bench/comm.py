@@ -27,6 +27,7 @@ from braidtrain.collective.comm import Comm, bus_factor
 from braidtrain.collective.mesh import build_mesh
 from braidtrain.collective.runtime import init_runtime
 from braidtrain.errors import UserError
+from braidtrain.io import paths
 
 SLEEP_CYCLES = 2_000_000  # bench comm on CUDA: GPU sleep per queued launch (~1 ms, several launches' time)
 
@@ -108,8 +109,12 @@ def run_comm(args) -> int:
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise UserError(f"unknown operation {bad[0]!r}: use some of {', '.join(OPS)}")
-    if args.min_bytes > args.max_bytes or args.iters < 1 or args.warmup < 0:
-        raise UserError("need --min-bytes <= --max-bytes, --iters >= 1 and --warmup >= 0")
+    if args.min_bytes > args.max_bytes:
+        raise UserError(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}: swap them")
+    if args.iters < 1 or args.warmup < 0:
+        raise UserError(f"--iters must be >= 1 and --warmup >= 0, got --iters {args.iters} --warmup {args.warmup}")
+    if args.json_path:
+        paths.out_file(args.json_path, "--json")
     rt = init_runtime("env", device=args.device)
     done = False
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from braidtrain.options import device
+
 LAYOUTS = ("-z 0", "-z 0 --compile", "-z 1 --compile", "-z 3 --compile", "-z 0 --compile --exact")
 GRAPH_LAYOUTS = ("-z 0 --compile --cuda-graph", "-z 0 --compile --exact --cuda-graph")  # added on CUDA
 TORCH = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile")  # the yardsticks (torchref.py says what each compiles)
@@ -27,7 +29,7 @@ def add_parser(sub):
     c.add_argument("--warmup", type=int, default=5)
     c.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     c.add_argument("--json", dest="json_path", help="also write the rows to this file (rank 0)")
-    c.add_argument("--device", help="cpu or cuda (default: the local GPU, else cpu)")
+    c.add_argument("--device", type=device, help="cpu or cuda (default: the local GPU, else cpu)")
     t = bsub.add_parser("train", help="braidtrain layouts against torch DDP (eager, compiled), FSDP2 and "
                                       "transformers' model, one job each")
     t.add_argument("--model", default="gpt2")
@@ -52,7 +54,7 @@ def add_parser(sub):
     t.add_argument("--baseline", help="the torch variant the ratios are against (default: ddp-compile if run, else "
                                       "the first of --torch)")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")
-    t.add_argument("--device", help="cpu or cuda (default: the local GPUs, else cpu)")
+    t.add_argument("--device", type=device, help="cpu or cuda (default: the local GPUs, else cpu)")
     t.add_argument("--keep", metavar="DIR", help="keep the variants' run directories here (with --repeat, in "
                                                  "DIR/round1, DIR/round2, ...; default: a temporary folder)")
     t.add_argument("--loss-tol", type=float, help="final losses of the variants must agree within this, relative "
@@ -67,7 +69,10 @@ def _size(text: str) -> int:
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     t = text.strip().upper().rstrip("B")
     try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except (ValueError, IndexError):
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, IndexError, OverflowError):
+        n = 0
+    if not 1 <= n < 2**63:
         # argparse turns this into its one-line error (a UserError here would escape as a traceback)
-        raise argparse.ArgumentTypeError(f"'{text}' is not a size: use e.g. 4096, 64K, 16M or 1G") from None
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size: use e.g. 4096, 64K, 16M or 1G")
+    return n

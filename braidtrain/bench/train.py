@@ -46,6 +46,7 @@ import torch
 
 from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, PIPE, TORCH
 from braidtrain.errors import UserError
+from braidtrain.io import paths
 from braidtrain.model import registry
 from braidtrain.options import Parser, train_config, train_parser
 
@@ -125,6 +126,9 @@ def _check_train_args(args) -> None:
     """Every bad input a one-line UserError before any job starts (each layout parsed as `train` would)."""
     # the model and its shape flags, as every variant's job will build it
     shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_kv_heads")}
+    for k, v in shape.items():
+        if v is not None and v < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be positive, got {v}")
     mcfg = registry.model_config(args.model, **shape)
     if args.seq_len > mcfg.block_size:
         raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
@@ -142,8 +146,15 @@ def _check_train_args(args) -> None:
     for name in ("batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.nproc is not None and args.nproc < 1:
-        raise UserError(f"--nproc must be positive, got {args.nproc}")
+    for name in ("nproc", "total_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.loss_tol is not None and args.loss_tol < 0:
+        raise UserError(f"--loss-tol must be >= 0, got {args.loss_tol:g}")
+    if args.json_path:
+        paths.out_file(args.json_path, "--json")
+    if args.keep:
+        paths.out_dir(args.keep, "--keep")
     if args.repeat < 1:
         raise UserError(f"--repeat must be positive, got {args.repeat}")
     if args.steps <= args.warmup or args.warmup < 0:

@@ -26,13 +26,15 @@ def read_logs(flight_dir: Path) -> tuple[dict[int, dict], dict[int, list[dict]],
     for f in sorted(flight_dir.glob("rank_*.jsonl")):
         try:
             lines = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-            if not lines or lines[0].get("flight") != 1:
+            if not lines or not all(isinstance(r, dict) for r in lines) or lines[0].get("flight") != 1 or \
+                    not {"session", "rank"} <= set(lines[0]):
                 raise ValueError("no header line")
             logs[f] = lines
         except (ValueError, OSError) as e:
             problems.append(f"{f.name} is unreadable ({e}); its rank counts as silent")
     if not logs:
-        raise UserError(f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a "
+        raise UserError(f"no readable flight log in {flight_dir}: {problems[0]}" if problems else
+                        f"no flight logs in {flight_dir}: a rank writes one when it fails, is signalled, or loses a "
                         "peer")
     latest = max(lines[0]["session"] for lines in logs.values())
     headers, records = {}, {}

@@ -45,6 +45,7 @@ import numpy as np
 
 from braidtrain.io import data
 from braidtrain.errors import UserError
+from braidtrain.io import paths
 
 TEXT_SUFFIXES = (".txt", ".md")  # what a folder's plain-text documents are
 BATCH_CHARS = 1 << 20  # text a worker tokenizes per message: few messages, little memory
@@ -261,6 +262,9 @@ class _Shards:
             self.n = 0
 
 
+MAX_WORKERS = 1024  # tokenizing processes: more is a typo
+
+
 def prepare(corpus: str, tokenizer: str, out, *, val_fraction: float | None = None,
             shard_tokens: int = 100_000_000, name: str | None = None, progress: bool = True,
             split: str | None = None, text_field: str = "text", workers: int = 1) -> dict:
@@ -281,13 +285,16 @@ def prepare(corpus: str, tokenizer: str, out, *, val_fraction: float | None = No
 
     if not 1 <= shard_tokens < 2**31:
         raise UserError(f"shard_tokens must be between 1 and 2^31-1, not {shard_tokens}")
-    if workers < 1:
-        raise UserError(f"workers must be at least 1, not {workers}")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise UserError(f"workers must be between 1 and {MAX_WORKERS}, not {workers}")
+    if name is not None and (not name or "/" in name or name in (".", "..")):
+        raise UserError(f"--name {name!r} is not a file name prefix: give one without '/' (e.g. --name web)")
+    paths.out_dir(out, "--out")
     default_name, files = corpus_files(corpus)
     name = name or default_name
-    if not files:
+    if not files or all(f.stat().st_size == 0 for f in files):
         raise UserError(f"corpus '{corpus}' holds no documents (looked for *.txt, *.md, *.parquet, *.jsonl, "
-                        "*.jsonl.gz)")
+                        "*.jsonl.gz{', all empty' if files else ''})")
     split = split or ("doc" if all(kind_of(f) == "text" for f in files) else "shard")
     if split not in ("doc", "shard"):
         raise UserError(f"unknown split {split!r}: use doc or shard")

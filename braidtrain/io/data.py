@@ -216,12 +216,13 @@ def read_bin(path) -> np.ndarray:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(_HEADER_BYTES), dtype="<i4")
+            raw = f.read(_HEADER_BYTES)
     except OSError as e:
         raise UserError(f"cannot read token file {path}: {e.strerror or e}") from None
     if size < _HEADER_BYTES:
         raise UserError(f"{path} is truncated: {size} bytes, shorter than the "
                         f"{_HEADER_BYTES}-byte llm.c header")
+    header = np.frombuffer(raw, dtype="<i4")
     magic, version, count = (int(v) for v in header[:3])
     if magic not in LAYOUTS:
         known = " or ".join(f"{m} ({n}, {d.name})" for m, (n, _, d) in LAYOUTS.items())

@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from braidtrain.io import paths
 from braidtrain.io.checkpoint import latest, load_params, saved_config
 from braidtrain.io.data import LLAMA3_BOS, LLAMA3_IDS
 from braidtrain.errors import UserError
@@ -74,13 +76,20 @@ def export(run: str, out: str, fmt: str = "hf") -> tuple[Path, str]:
     LlamaForCausalLM)."""
     if fmt != "hf":
         raise UserError(f"unknown export format {fmt!r}: use --format hf")
-    run_path = Path(run)
-    if not run_path.is_dir():
-        raise UserError(f"{run}: no such run or checkpoint folder")
-    ckpt = run_path if (run_path / "meta.json").exists() else latest(run_path)
+    ckpt = checkpoint_of(run)
+    paths.out_dir(out, "--out")
     params, meta = load_params(ckpt)
     cfg = saved_config(meta)
     return ckpt, write_hf(params, cfg, meta["tokenizer"], Path(out))
+
+
+def checkpoint_of(run) -> Path:
+    """The checkpoint a command reads from RUN: RUN itself (a checkpoint folder), or the newest
+    valid one of the run directory RUN."""
+    run = Path(run)
+    if not run.is_dir():
+        raise UserError(f"{run}: no such run or checkpoint folder" + (" (a file)" if run.exists() else ""))
+    return run if (run / "meta.json").exists() else latest(run)
 
 
 def write_hf(params: dict[str, torch.Tensor], cfg, tokenizer: str, dest: Path) -> str:
@@ -114,18 +123,42 @@ def read_config(folder: str):
     return fam, fields
 
 
-def load_hf(folder: str, cfg) -> dict[str, torch.Tensor]:
-    """Our state dict from a HF folder (model.safetensors, or shards listed in its index)."""
+def weight_files(folder: str) -> list[Path]:
+    """A HF folder's safetensors files: model.safetensors, or the shards its index lists."""
     f = Path(folder)
     index = f / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (f / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise UserError(f"--init-from {folder}: no model.safetensors (braidtrain reads no pickled pytorch_model.bin: "
-                        f"convert it to safetensors first)")
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"--init-from {folder}: {index.name} is damaged ({e})") from None
+        return [f / name for name in names]
+    if (f / "model.safetensors").is_file():
+        return [f / "model.safetensors"]
+    raise UserError(f"--init-from {folder}: no model.safetensors (braidtrain reads no pickled pytorch_model.bin: "
+                    f"convert it to safetensors first)")
+
+
+def check_folder(folder: str) -> None:
+    """--init-from's folder before the run starts: its config.json, and each safetensors file whole
+    (its header read, its size what the header says), so that a damaged one stops the run before
+    it claims its directory, not after the model is built."""
+    paths.in_dir(folder, "--init-from")
+    read_config(folder)
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"--init-from {folder}: {path.name} is damaged or truncated ({e})") from None
+
+
+def load_hf(folder: str, cfg) -> dict[str, torch.Tensor]:
+    """Our state dict from a HF folder (model.safetensors, or shards listed in its index)."""
     tensors = {}
-    for name in files:
-        tensors.update(load_file(str(f / name)))
+    for path in weight_files(folder):
+        try:
+            tensors.update(load_file(str(path)))
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"--init-from {folder}: {path.name} is damaged or truncated ({e})") from None
     return from_hf(tensors, cfg, f"--init-from {folder}")

@@ -20,10 +20,11 @@ from braidtrain.plan.space import MICRO_BATCHES, Candidate, Setup, meshes, tp_de
 
 def parse_count(text: str) -> int:
     """124M, 1.5B, 7e9 -> an integer parameter count."""
-    m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)([kmbt]?)", text.strip().lower())
-    if not m:
-        raise UserError(f"--params {text!r} is not a count: use e.g. 124M, 1.5B or 7e9")
-    return int(float(m[1]) * 10 ** (3 * " kmbt".index(m[2] or " ")))
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmbt]?)", text.strip().lower())
+    n = int(float(m[1]) * 10 ** (3 * " kmbt".index(m[2] or " "))) if m else 0
+    if n < 1 or n > 10**15:
+        raise UserError(f"--params {text!r} is not a count of parameters: use e.g. 124M, 1.5B or 7e9")
+    return n
 
 
 def assumed_shape(n_params: int, vocab: int, block_size: int):
@@ -35,13 +36,25 @@ def assumed_shape(n_params: int, vocab: int, block_size: int):
     return GPTConfig(L, k, 64 * k, block_size, vocab)
 
 
+MAX_GPUS = 2**20  # (the planner walks every mesh of --gpus)
+
+
 def setup_from(args) -> Setup:
+    if args.gpus > MAX_GPUS:
+        raise UserError(f"--gpus {args.gpus} is out of range: at most {MAX_GPUS}")
+    for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_heads", "moe_top_k", "moe_every"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    for k in ("moe_experts", "moe_hidden", "moe_capacity"):
+        if getattr(args, k) is not None and getattr(args, k) < 0:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k):g}")
     for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp",
               "pp", "cp", "ep", "gpus_per_node", "node_busbw"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
-    if args.alpha_us < 0 or args.top < 0:
-        raise UserError("--alpha-us and --top must be >= 0")
+    for k in ("alpha_us", "top"):
+        if getattr(args, k) < 0:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k):g}")
     if args.params and args.model:
         raise UserError("give --model or --params, not both")
     meta = Path(args.data or "") / "tokenizer.json"  # the check's run trains with the data's vocabulary
