@@ -137,7 +137,8 @@ TRAIN_INTS = {"--n-layer": 1, "--n-head": 1, "--n-embd": 1, "--block-size": 1, "
               "--moe-shared": 0, "-z": 0, "--tp": 1, "--pp": 1, "--pp-virtual": 1, "--cp": 1, "--ep": 1, "-r": 0,
               "-pn": 1, "-pr": 0, "-pg": 1}
 TRAIN_FLOATS = {"--lr": "0", "-q": "-0.1", "-c": "-1", "--grad-clip": "-1", "--moe-capacity": "-1", "--moe-aux": "-1",
-                "--moe-bias-rate": "-1", "--bucket-mb": "0", "--timeout": "0", "--heartbeat-timeout": "-1"}
+                "--moe-bias-rate": "-1", "--bucket-mb": "0", "--timeout": "0", "--heartbeat-timeout": "-1",
+                "--preempt-budget": "0"}
 
 LONG = {"-t": "--seq-len", "-d": "--total-batch", "-b": "--batch-size"}  # what the messages call them
 CASES = [
