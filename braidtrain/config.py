@@ -96,6 +96,7 @@ class Config:
     recompute: bool = False
     compile: bool = False  # torch.compile each block (training only; tp = 1)
     cuda_graph: bool = False  # replay each step's GPU work, collectives too, from one CUDA graph (ZeRO 0/1)
+    offload: str | None = None  # "optimizer": fp32 master and AdamW moments in host memory (parallel/offload.py)
     bucket_mb: float = 50.0  # a bucket: whole blocks until it holds this (docs/design-notes.md, "Buckets")
     # runtime
     init_method: str = "env"

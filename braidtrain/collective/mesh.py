@@ -120,8 +120,8 @@ def build_mesh(rank: int, world: int, comm: Comm, *, pp: int = 1, cp: int = 1, t
         pairs = [(i, i + 1) for i in range(pp - 1)] + ([(pp - 1, 0)] if ring and pp > 1 else [])
         for i, j in dict.fromkeys(d for a, b in pairs for d in ((a, b), (b, a))):
             ranks = (line[i], line[j])
-            members = [pg[r] for r in ranks]
-            made_pg = new_group(members, "pp") if new_group else dist.new_group(sorted(members))
+            pair = [pg[r] for r in ranks]  # (not `members`: the mesh's own, read below)
+            made_pg = new_group(pair, "pp") if new_group else dist.new_group(sorted(pair))
             if rank in ranks:
                 p2p[(i, j)] = Group("pp", ranks, ranks.index(rank), made_pg, comm, f"pp[{ranks[0]}>{ranks[1]}]",
                                     pg_ranks=tuple(pg[r] for r in ranks) if renumbered else ())
