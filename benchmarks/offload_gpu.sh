@@ -11,6 +11,7 @@
 # The no-offload llama3.1-8b row (ZeRO-0 -b 4 --recompute --compile, 9,172 tokens/s) is issue #57's,
 # measured on the same machine; it is not run again here (device time).
 # Usage: bash benchmarks/offload_gpu.sh [0 a b c]   SMOKE=1: the same on the CPU at tiny sizes
+# Order: a, c, 0, b (each skipped, saying so, when too little of BUDGET is left)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 parts=" ${*:-0 a b c} "
@@ -22,7 +23,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   dev="--device cpu"; m3=llama3-tiny; m8=llama3-tiny; t=64; b8="-b 2"; d8a=512; d8b=1024; d3=128; c=""; fs="--steps 3 --warmup 1"
   WIDE=data/shakespeare_bytes
 else
-  dev=""; m3=llama3.2-3b; m8=llama3.1-8b; t=2048; b8="-b 1"; d8a=65536; d8b=262144; d3=4096; c="--compile"; fs="--steps 4 --warmup 2"
+  dev=""; m3=llama3.2-3b; m8=llama3.1-8b; t=2048; b8="-b 1"; d8a=65536; d8b=262144; d3=4096; c="--compile"; fs="--steps 3 --warmup 1"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   free -g | head -2
 fi
@@ -41,8 +42,16 @@ for split in ("train", "val"):
 PY
 fi
 fit() { local name=$1; shift; echo "== $name: $*"; timeout 420 python benchmarks/fit_gpu.py --json "$OUT/$name.json" "$@" || echo "($name failed: exit $?)"; }
+# a part runs when the time left of BUDGET (seconds, default 480) covers what it needs (estimates for an H200)
+BUDGET=${BUDGET:-480}
+fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
 
-if [[ $parts == *" 0 "* ]]; then
+[[ $parts == *" a "* ]] && fits 150 && fit a --model $m8 -i $WIDE $b8 -t $t -d $d8a --offload optimizer $c $dev $fs
+if [[ $parts == *" c "* ]] && fits 120; then
+  fit c-offload --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $fs
+  fit c-device --model $m3 -i $WIDE -b 2 -t $t -d $d3 $c $dev $fs
+fi
+if [[ $parts == *" 0 "* ]] && fits 60; then
   echo "== 0. exact mode, with and without --offload optimizer (llama3-tiny widened, 8 steps)"
   for off in "" "--offload optimizer"; do
     o=$(mktemp -d); python -m braidtrain train --model llama3-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-heads 2 \
@@ -52,9 +61,5 @@ if [[ $parts == *" 0 "* ]]; then
     rm -rf "$o" "$o.log"
   done
 fi
-[[ $parts == *" a "* ]] && fit a --model $m8 -i $WIDE $b8 -t $t -d $d8a --offload optimizer $c $dev $fs
-[[ $parts == *" b "* ]] && fit b --model $m8 -i $WIDE $b8 -t $t -d $d8b --offload optimizer $c $dev --steps 3 --warmup 1
-if [[ $parts == *" c "* ]]; then
-  fit c-offload --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $fs
-  fit c-device --model $m3 -i $WIDE -b 2 -t $t -d $d3 $c $dev $fs
-fi
+[[ $parts == *" b "* ]] && fits 160 && fit b --model $m8 -i $WIDE $b8 -t $t -d $d8b --offload optimizer $c $dev --steps 2 --warmup 1
+echo "done in $SECONDS s"

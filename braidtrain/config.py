@@ -177,7 +177,7 @@ def load_toml(path: Path) -> dict:
 
 # What --layout auto chooses (replacing a config file's values for them)
 AUTO_CHOSEN = ("pp", "pp_schedule", "pp_virtual", "pp_split", "cp", "cp_impl", "tp", "sp", "ep", "zero", "batch_size",
-               "recompute")
+               "recompute", "offload")
 
 
 def build_config(config: str | None, overrides: dict) -> Config:

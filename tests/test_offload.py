@@ -69,3 +69,26 @@ def test_live_recovery_with_offload_is_one_line(tmp_path, shakespeare):
     p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, "--offload", "optimizer", "--live-recovery",
                    "--out", tmp_path / "r", check=False)
     assert_one_line_error(p, "--offload optimizer", "--live-recovery")
+
+
+def test_the_planner_offloads_only_where_nothing_fits_and_counts_the_host():
+    """llama3.1-8b at -t 2048 -d 65536 on one GPU: on 150 GB a layout fits without offload (the
+    table has no offload rows); on 80 GB none does, so the recommendation offloads, with the host's
+    12 bytes an element (+ staging) and the copies' time; a host too small is one line."""
+    from braidtrain.model import registry
+    from braidtrain.plan.search import plan
+    from braidtrain.plan.space import Setup
+
+    cfg = registry.model_config("llama3.1-8b", None)
+    big = plan(Setup(cfg, 1, 150.1, 2048, 65536), zeros=(0,), bs=(1, 4), variants=False)
+    assert big["rows"][0]["fits"] and not any(e["layout"].offload for e in big["rows"])
+    small = plan(Setup(cfg, 1, 80, 2048, 65536), zeros=(0,), bs=(1, 4), variants=False)
+    best = small["rows"][0]
+    assert best["fits"] and best["layout"].offload and "--offload" in small["recommendation"]
+    P = cfg.num_params()
+    assert 12 * P <= best["host"] <= 12.6 * P and best["mem"]["optimizer"] == 0 and best["offload_s"] > 0
+    tight = plan(Setup(cfg, 1, 80, 2048, 65536, host_gb=64), zeros=(0,), bs=(1, 4), variants=False)
+    assert not tight["rows"][0]["fits"]
+    p = braidtrain("plan", "--model", "llama3.1-8b", "--gpu-mem", "80", "-t", "2048", "-d", "65536", "--offload",
+                   "--host-mem", "64", check=False)
+    assert_one_line_error(p, "--offload: the host cannot hold", "--host-mem 64")
