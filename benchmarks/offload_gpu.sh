@@ -27,7 +27,7 @@ else
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   free -g | head -2
 fi
-git log -1 --format='commit %h %s' 2>/dev/null; date -u
+{ cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'; } 2>/dev/null; date -u  # (a carried copy: its COMMIT file)
 if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then  # Llama-3's 128,256 ids (as llama_gpu.sh builds them)
   python - <<'PY'
 import numpy as np
