@@ -150,7 +150,8 @@ def build(cfg: Config) -> Run:
     for part in parts:
         part.use_expert_biases(balance)
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
-    opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                offload=lay.offload == "optimizer")
 
     guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout, cfg.preempt_budget)
     guard.start()
@@ -316,6 +317,7 @@ def resume(run: Run) -> None:
                         f"train on from it (-x {saved_step} only writes its summary)")
     t0 = time.time()
     meta = checkpoint.load(path, run.engine, run.opt)
+    run.opt.loaded()  # (an offloaded optimizer's master follows the weights read)
     if "moe_bias" in meta:  # --moe-balance bias: the experts' biases as they were
         run.balance.copy_(torch.tensor(meta["moe_bias"], device=run.balance.device))
     run.start_step, run.load_s = meta["step"], time.time() - t0

@@ -55,6 +55,7 @@ class Layout:
     cp_impl: str = "ring"  # context parallelism's (parallel/context.py)
     cp_order: str = "zigzag"
     fp8: str | None = None  # the blocks' linear layers in float8: tensorwise | rowwise (model/fp8.py)
+    offload: str | None = None  # "optimizer": master weights and moments in host memory (parallel/offload.py)
 
     @property
     def world(self) -> int:
@@ -78,6 +79,7 @@ class Layout:
                     ("cuda-graph", self.cuda_graph))
         features = [f"ZeRO-{self.zero}"] + [n for n, on in switches if on]
         features += [f"fp8 {self.fp8}"] if self.fp8 else []
+        features += [f"offload {self.offload}"] if self.offload else []
         return axes + (" (sp)" if self.sp else "") + ", " + ", ".join(features)
 
 
@@ -109,7 +111,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                 exact: bool = False, compile: bool = False, cuda_graph: bool = False, recompute: bool = False,
                 schedule: str = "1f1b", virtual: int | None = None, split: list[int] | None = None,
                 cp_impl: str = "ring", cp_order: str = "zigzag", fp8: str | None = None, device: str = "cpu",
-                world_name: str | None = None) -> Layout:
+                world_name: str | None = None, offload: str | None = None) -> Layout:
     """The validated layout, or the UserError of the first thing that cannot run. `model` is a
     model config (model/protocol.py); `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
     `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
@@ -120,6 +122,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         if size < 1:
             raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
     moe = getattr(model, "moe_experts", 0)
+    _check_offload(offload, cuda_graph)
     if ep > 1 and not moe:
         raise UserError(f"--ep {ep} shards a mixture of experts: give --moe-experts (and --moe-top-k), or use --ep 1")
     if moe and (compile or cuda_graph) and (ep > 1 or exact):
@@ -179,7 +182,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         if ep > 1 and not _pow2(batch.micro_steps):  # (the ep sources' subtrees: parallel/expert.Sourced)
             raise UserError(f"--exact with ep={ep} needs a power-of-two number of micro-steps per rank, got "
                             f"d/(b*t*dp) = {batch.micro_steps}: change -d")
-    ctx = dict(cp_impl=cp_impl, cp_order=cp_order, fp8=fp8)
+    ctx = dict(cp_impl=cp_impl, cp_order=cp_order, fp8=fp8, offload=offload)
     if pp == 1:
         return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch, **ctx)
     pipeline.check_split(model.n_layer, pp * v, split)
@@ -196,6 +199,18 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         chunks = pipeline.cost_split(model, seq_len, pp * v)
     return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, schedule, batch, v,
                   tuple(chunks), **ctx)
+
+
+def _check_offload(offload: str | None, cuda_graph: bool) -> None:
+    if offload in (None, "optimizer"):
+        if offload and cuda_graph:
+            raise UserError("--offload optimizer updates on the host inside each step, which a CUDA graph cannot "
+                            "replay: drop --cuda-graph (or --offload)")
+        return
+    if offload == "params":
+        raise UserError("--offload params (ZeRO-3's parameter shards in host memory) is not built yet: use "
+                        "--offload optimizer, with -z 3 for sharded parameters")
+    raise UserError(f"unknown --offload {offload!r}: use optimizer (or leave it unset)")
 
 
 def _check_cp(cp: int, tp: int, sp: bool, t: int, compile: bool, cuda_graph: bool, exact: bool) -> None:
@@ -264,6 +279,9 @@ def from_config(cfg, world: int, model, device: str) -> Layout:
                       pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
                       compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, schedule=cfg.pp_schedule,
                       virtual=cfg.pp_virtual, split=split, cp_impl=cfg.cp_impl, cp_order=cfg.cp_order, fp8=cfg.fp8,
-                      device=device)
+                      device=device, offload=cfg.offload)
+    if cfg.offload and cfg.live_recovery:
+        raise UserError("--offload optimizer with --live-recovery is not supported: a survivor re-shards the "
+                        "optimizer state on the device (parallel/mirror.py); drop one of them")
     check_fp8(lay.fp8, device)
     return lay

@@ -15,6 +15,13 @@ multiple of 16). Gradient clipping divides the gradient inside the same kernel (
 The learning rate, the decay factor and the step count are device scalars too, written by
 `prepare` before the step's GPU work: `update` launches the same kernels with the same arguments
 every step, so --cuda-graph can capture it once and replay it.
+
+Exact mode writes the update as single elementwise operations instead (exact_adamw): each one
+IEEE-rounded, in its own kernel, so no multiply-add is contracted into one rounding -- the CPU's
+and the GPU's fused kernels differ there -- and the bias corrections computed once on the host in
+float64. The same operations then give the same bits on the GPU and on the host, which is what
+--offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
+promise. Default mode keeps the fused kernel on either side.
 """
 
 from __future__ import annotations
@@ -35,16 +42,28 @@ def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, final_frac: floa
 
 
 class AdamW:
-    def __init__(self, engine, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        self.engine = engine
+    """`offload`: m and v (and an fp32 master of the owned shards) in host memory, updated there
+    (--offload optimizer: parallel/offload.py)."""
+
+    def __init__(self, engine, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, offload=False):
+        self.engine, self.exact = engine, engine.exact
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
+        home = torch.device("cpu") if offload else engine.device
         self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
         for b, p, _ in engine.owned():
-            self.groups.append((torch.zeros_like(p), torch.zeros_like(p), engine.decay_segments(b)))
-        scalar = lambda: torch.zeros((), dtype=torch.float32, device=engine.device)
-        self._step, self._lr, self._keep = scalar(), scalar(), scalar()  # _keep: 1 - lr * weight_decay
+            self.groups.append((torch.zeros(p.numel(), device=home), torch.zeros(p.numel(), device=home),
+                                engine.decay_segments(b)))
+        # the step's scalars (step, lr, 1 - lr * weight_decay, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t)),
+        # on the device, and on the host for an offloaded update
+        self.scalars = {place.type: tuple(torch.zeros((), dtype=torch.float32, device=place) for _ in range(5))
+                        for place in (engine.device, home)}
+        self.offload = None
+        if offload:
+            from braidtrain.parallel.offload import Offload
+
+            self.offload = Offload(engine, self)
 
     def state_numel(self) -> int:
         """Elements of m (equally of v) held by this rank."""
@@ -58,15 +77,25 @@ class AdamW:
     def prepare(self, lr: float) -> None:
         """The host's part of a step: count it and set its learning rate (outside any graph)."""
         self.step_count += 1
-        self._step.fill_(self.step_count)
-        self._lr.fill_(lr)
-        self._keep.fill_(1 - lr * self.weight_decay)
+        t = self.step_count
+        values = (t, lr, 1 - lr * self.weight_decay, lr / (1 - self.beta1**t), 1 / math.sqrt(1 - self.beta2**t))
+        for scalars in self.scalars.values():
+            for s, x in zip(scalars, values):
+                s.fill_(x)
+
+    def loaded(self) -> None:
+        """The owned weights were written from a checkpoint: an offloaded master follows them."""
+        if self.offload is not None:
+            self.offload.refresh()
 
     @torch.no_grad()
     def update(self, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
         """The GPU's part: decay, then AdamW, on what this rank owns -- none of it where `skip` (a
         float device tensor, 1 for a step whose gradient norm is not finite: the same on every
         rank, the norm being global) says so, without the host waiting to know."""
+        if self.offload is not None:  # streamed to the host, updated there, streamed back
+            self.offload.step(grad_scale, skip)
+            return
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
         owned = list(self.engine.owned())
         self.apply([p for _, p, _ in owned], [g for _, _, g in owned], self.groups, grad_scale, skip)
@@ -74,16 +103,40 @@ class AdamW:
     @torch.no_grad()
     def apply(self, params, grads, groups, grad_scale=None, skip=None) -> None:
         """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
-        scalars -- also how live recovery's buddy copy follows its neighbour's shard
-        (parallel/mirror.py): the same kernels, arguments and shard lengths give the same bits."""
+        scalars, on the device where the shards are (the host's under --offload) -- also how live
+        recovery's buddy copy follows its neighbour's shard (parallel/mirror.py): the same kernels,
+        arguments and shard lengths give the same bits."""
+        step, lr, keep, c1, c2 = self.scalars[params[0].device.type]
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
             decayed = [p[a:e] for p, (_, _, decay) in zip(params, groups) for a, e in decay]
             if decayed:
-                torch._foreach_mul_(decayed, self._keep if skip is None else torch.where(skip > 0, 1.0, self._keep))
+                torch._foreach_mul_(decayed, keep if skip is None else torch.where(skip > 0, 1.0, keep))
+        if self.exact:
+            for p, g, (m, v, _) in zip(params, grads, groups):
+                exact_adamw(p, g, m, v, self.beta1, self.beta2, self.eps, c1, c2, grad_scale, skip)
+            return
         torch._fused_adamw_(params, grads, [m for m, _, _ in groups], [v for _, v, _ in groups], [],
-                            [self._step] * len(params), lr=self._lr, beta1=self.beta1, beta2=self.beta2,
+                            [step] * len(params), lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=skip)
+
+
+def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=None) -> None:
+    """AdamW's update of p (its moments m, v) by gradient g, one IEEE operation a kernel: the same
+    bits on any device (module docstring). c1 = lr / (1 - beta1^t), c2 = 1 / sqrt(1 - beta2^t),
+    0-dim tensors on p's device; the gradient is multiplied by 1 / grad_scale (a reciprocal, then
+    products: a division by a scalar may be turned into a product by one kernel and not another)."""
+    if grad_scale is not None:
+        g = g * torch.reciprocal(grad_scale)
+    m_new = m * beta1 + g * (1 - beta1)
+    v_new = v * beta2 + (g * g) * (1 - beta2)
+    p_new = p - (m_new * c1) / (torch.sqrt(v_new) * c2 + eps)
+    if skip is not None:  # a non-finite step changes nothing (decided on the device: no host wait)
+        keep = skip > 0
+        m_new, v_new, p_new = torch.where(keep, m, m_new), torch.where(keep, v, v_new), torch.where(keep, p, p_new)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    p.copy_(p_new)
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

@@ -167,6 +167,9 @@ def train_parser(sub):
     g.add_argument("--cuda-graph", action="store_true", default=None,
                    help="capture a step's GPU work (its NCCL collectives too) once, after two warm-up steps, and "
                         "replay it (ZeRO 0/1, tp = 1)")
+    g.add_argument("--offload", choices=["optimizer", "params"],
+                   help="optimizer: the fp32 master weights and AdamW moments (this rank's ZeRO shard) in host "
+                        "memory, updated there, overlapped with the copies (params: not built yet)")
     g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])

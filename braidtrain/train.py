@@ -171,6 +171,8 @@ class Trainer:
             rec["skipped"] = True
             bad_loss = not math.isfinite(loss)
             rec["skip_reason"] = f"{'loss' if bad_loss else 'gradient norm'} is {loss if bad_loss else norm}"
+        if self.opt.offload is not None:  # the host update's seconds (parallel/offload.py)
+            rec["offload_s"] = self.opt.offload.seconds
         if self.layout.pp > 1:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:

@@ -110,6 +110,21 @@ def layouts(suite: str):
         return ([("ref", dict(), STEPS), ("ref-tied", dict(cfg="tied"), STEPS), ("ref-exact", dict(exact=True), 4),
                  ("ref-tied-exact", dict(exact=True, cfg="tied"), 4)]
                 + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
+    if suite == "offload":  # --offload optimizer against none (test_offload.py): dp 1, 2, 4 at ZeRO 0-3
+        off = dict(offload="optimizer")
+        default = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 3)]
+        exact = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
+        return ([(f"dp{dp}-z{z}", dict(dp=dp, zero=z, cfg="shallow"), 4) for dp, z in default]
+                + [(f"dp{dp}-z{z}-offload", dict(dp=dp, zero=z, cfg="shallow", **off), 4) for dp, z in default]
+                + [("ref-exact", dict(exact=True, cfg="shallow"), 4)]
+                + [(f"dp{dp}-z{z}-offload-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", **off), 4)
+                   for dp, z in exact]
+                # with the other axes: tp (bitwise at its own tp), pp, experts over ep ranks
+                + [("tp2-dp2-z1-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow"), 4),
+                   ("tp2-dp2-z1-offload-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow", **off), 4),
+                   ("pp2-dp2-z1-offload-exact", dict(pp=2, dp=2, zero=1, exact=True, cfg="shallow", **off), 4),
+                   ("moe-ref-exact", dict(exact=True), 4),
+                   ("moe-dp4-ep2-z3-offload-exact", dict(dp=4, ep=2, zero=3, exact=True, **off), 4)])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -190,6 +205,25 @@ def matrix(rank, out):
     return results
 
 
+def offload_resumes(rank, out):
+    """Exact runs that stop midway and resume with offload switched (test_offload.py): each, at
+    its end, against the straight run without offload ("ref-exact")."""
+    from pathlib import Path
+
+    results = {}
+    off = dict(offload="optimizer")
+    for name, first, second in (("into-offload", dict(dp=2, zero=1), dict(dp=2, zero=3, **off)),
+                                ("out-of-offload", dict(dp=2, zero=2, **off), dict(zero=0))):
+        ckpt = Path(out) / "ckpt" / "offload" / name
+        run(rank, name + "-first", dict(first, exact=True), 4, SHALLOW, save=(2, ckpt), until=2)
+        dist.barrier()
+        r = run(rank, name, dict(second, exact=True), 4, SHALLOW, resume=ckpt)
+        if rank == 0:
+            results[name] = r
+        dist.barrier()
+    return results
+
+
 _made = {}  # (its ranks, axis, which such call of the mesh) -> process group
 
 
@@ -238,7 +272,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         if lay.recompute:
             part.use_recompute()
     engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
-    opt = AdamW(engine)
+    opt = AdamW(engine, offload=lay.offload == "optimizer")
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
     built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=b, seq_len=T), parts=parts,
@@ -251,6 +285,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         part.use_expert_biases(balance)
     if resume is not None:
         first = checkpoint.load(checkpoint.list_checkpoints(resume)[-1], engine, opt)["step"]
+        opt.loaded()  # (as build.py)
     for step in range(first, until or steps):
         tokens.copy_(batch(step, mesh.coord("dp") * rows, rows))
         opt.prepare(lr_at(step, lr=3e-3, warmup=2, max_steps=steps, final_frac=0.1))
@@ -411,11 +446,13 @@ def run_suite(rank, out, suite):
                 dist.barrier()
     if suite == "matrix":
         results = matrix(rank, out)
+    if suite == "offload":
+        results = offload_resumes(rank, out)
     for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
         cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0), "tied": LLAMA_TIED, "mix": MIXTRAL,
-               "mix-bias": MIXTRAL_BIAS,
-               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA}.get(suite, CFG)}[kw.pop("cfg", None)]
+               "mix-bias": MIXTRAL_BIAS, "shallow": SHALLOW,
+               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA, "offload": MOE}.get(suite, CFG)}[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:
             results[name] = r

@@ -255,7 +255,7 @@ class _Shards:
     """The optimizer's view of an engine: flat shards and where their 2-D weights lie."""
 
     def __init__(self, p, g, cuts, decay):
-        self.device = p.device
+        self.device, self.exact = p.device, False
         self.parts = [(p[a:e], g[a:e], [(max(s, a) - a, min(t, e) - a) for s, t in decay if max(s, a) < min(t, e)])
                       for a, e in zip(cuts, cuts[1:])]
 

@@ -62,6 +62,9 @@ REFUSED = [  # (id, world, keyword arguments, words the message must hold)
     ("pp-zb-recompute", 2, dict(pp=2, schedule="zb", recompute=True, total_batch=256), ["zb", "--recompute", "1f1b"]),
     ("pp-zb-compile", 2, dict(pp=2, schedule="zb", compile=True, total_batch=256), ["zb", "--compile"]),
     ("pp-world", 3, dict(pp=2), ["pp*cp*tp = 2*1*1 = 2 does not divide the world size 3"]),
+    ("offload-params", 1, dict(offload="params"), ["--offload params", "not built", "--offload optimizer"]),
+    ("offload-cuda-graph", 1, dict(offload="optimizer", cuda_graph=True, device="cuda"), ["--cuda-graph", "host"]),
+    ("offload-unknown", 1, dict(offload="gpu"), ["unknown --offload 'gpu'", "optimizer"]),
 ]
 DEEP = model_config("tiny", 256, n_layer=4, n_embd=64, n_head=2, block_size=64)
 

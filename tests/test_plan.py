@@ -132,11 +132,15 @@ def test_gpt2_on_8_gpus_prints_a_ranked_table_and_a_recommendation(capsys):
 
 
 def test_gpt2_xl_on_one_24gb_gpu_names_the_smallest_change(capsys):
-    out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute", capsys=capsys)
+    out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute", "--no-offload",
+                   capsys=capsys)
     fix = next(line for line in out.splitlines() if line.startswith("ZeRO-0 b=1 needs"))
     # 16P of model state alone is 25 GB: no setting fits one GPU, so the fix is hardware
     assert "> 24 GB: use GPUs with >= " in fix and "GPUs with ZeRO-3" in fix
     assert out.splitlines()[-1].startswith("nothing fits on 1 x 24 GB")
+    # with the optimizer's state in host memory (--offload optimizer, 12 bytes a parameter there), it fits
+    out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute", capsys=capsys)
+    assert out.splitlines()[-1].startswith("recommended: ZeRO-0 b=1 --offload on 1 GPU(s)")
 
 
 def test_a_layout_that_does_not_fit_gets_single_setting_fixes(capsys):

@@ -13,6 +13,7 @@ from braidtrain.layout import make_layout
 from braidtrain.model import registry
 from braidtrain.model.gpt2 import GPTConfig
 from braidtrain.plan import check
+from braidtrain.plan.memory import GB
 from braidtrain.plan.report import row_json, table
 from braidtrain.plan.search import plan
 from braidtrain.plan.space import MICRO_BATCHES, Candidate, Setup, meshes, tp_degrees
@@ -49,7 +50,7 @@ def setup_from(args) -> Setup:
         if getattr(args, k) is not None and getattr(args, k) < 0:
             raise UserError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k):g}")
     for k in ("gpus", "gpu_mem", "seq_len", "total_batch", "tflops", "busbw", "bucket_mb", "vocab", "tp_busbw", "tp",
-              "pp", "cp", "ep", "gpus_per_node", "node_busbw"):
+              "pp", "cp", "ep", "gpus_per_node", "node_busbw", "host_mem"):
         if getattr(args, k) is not None and getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k):g}")
     for k in ("alpha_us", "top"):
@@ -70,7 +71,8 @@ def setup_from(args) -> Setup:
             cfg = replace(cfg, block_size=args.seq_len)
     s = Setup(cfg, args.gpus, args.gpu_mem, args.seq_len, args.total_batch, args.tflops, args.busbw,
               args.alpha_us, args.bucket_mb, tp_busbw=args.tp_busbw, gpus_per_node=args.gpus_per_node,
-              node_busbw=args.node_busbw, fp8=args.fp8, compile=args.compile, live=args.live_recovery)
+              node_busbw=args.node_busbw, fp8=args.fp8, compile=args.compile, live=args.live_recovery,
+              host_gb=args.host_mem)
     if args.live_recovery and (args.ep or 1) != 1:
         raise UserError(f"--live-recovery does not recover expert parallelism, got --ep {args.ep} (its groups span "
                         f"replicas: live/trainer.py check_config)")
@@ -111,7 +113,11 @@ def run(args) -> int:
                   pick(args.sp, (False, True)),
                   None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
                   None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,),
-                  variants=args.variants or args.json)
+                  variants=args.variants or args.json, offloads=None if args.offload is None else (args.offload,))
+    if args.offload and not any(e["host"] <= s.host_gb * GB for e in result["rows"]):
+        need = min(e["host"] for e in result["rows"]) / GB
+        raise UserError(f"--offload: the host cannot hold the optimizer's state: the leanest layout needs {need:.1f} "
+                        f"GB of host memory a node > --host-mem {s.host_gb:g}; use more nodes, or ZeRO over more GPUs")
     c = s.cfg
     if args.json:
         print(json.dumps({"model": {**asdict(c), "params": c.num_params()}, "setup": {**asdict(s), "cfg": None},

@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 
 from braidtrain.parallel import pipeline, placement
-from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, NCCL_BYTES, activation_bytes, bf16_kept,
+from braidtrain.parallel.offload import SLOTS
+from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, HOST_STATE, NCCL_BYTES, activation_bytes,
+                                    bf16_kept,
                                     bucket_numels, fp8_params, moe_bytes, moe_layer_bytes, param_counts, rank_state,
                                     ring_bytes, stage_counts)
 from braidtrain.plan.space import Candidate, Setup, layout_of
-from braidtrain.plan.timing import (busbw_of, collective_s, cp_comm_s, dp_comm_s, ep_comm_s, flops_per_token,
-                                    tp_comm_s)
+from braidtrain.plan.timing import (HOST_ADAM_PPS, PCIE_GBPS, busbw_of, collective_s, cp_comm_s, dp_comm_s,
+                                    ep_comm_s, flops_per_token, tp_comm_s)
 
 
 def estimate(s: Setup, lay: Candidate) -> dict:
@@ -60,11 +62,34 @@ def estimate(s: Setup, lay: Candidate) -> dict:
 def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, tp_comm, pp_comm=0.0, cp_comm=0.0,
            ep_comm=0.0, **more) -> dict:
     comm = dp_comm + tp_comm + pp_comm + cp_comm + ep_comm
-    step = compute + comm
+    host = offload_s = 0.0
+    if lay.offload:  # the optimizer's state leaves the GPU for the host, and its update costs host time
+        mem, host, offload_s = offloaded(s, lay, mem, state)
+        allocated -= state["optimizer"]
+    step = compute + comm + offload_s
     return {"layout": lay, "micro_steps": micro, "mem": mem, "allocated": allocated, "state": state,
             "activations": act, "compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
             "cp_comm_s": cp_comm, "ep_comm_s": ep_comm, "comm_s": comm, "step_s": step, "tokens_per_s": s.d / step,
-            "fits": mem["total"] <= s.mem_gb * GB, **more}
+            "host": host, "offload_s": offload_s,
+            "fits": mem["total"] <= s.mem_gb * GB and host <= s.host_gb * GB, **more}
+
+
+def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float]:
+    """--offload optimizer: the GPU's memory less the optimizer's state; the host's bytes a node
+    (HOST_STATE a owned element, and SLOTS staging buffers of about a block each, per rank of the
+    node); the step's added seconds: the copies (gradient down, weights up, 8 bytes an element at
+    PCIE_GBPS) and the host update (HOST_ADAM_PPS a node, shared by its ranks) pipelined bucket by
+    bucket, so the slower of the two -- all exposed: the update waits for the norm, and the next
+    forward for the update (parallel/offload.py)."""
+    owned = state["optimizer"] / 8  # elements whose m and v this rank holds
+    ranks = min(s.gpus, s.gpus_per_node or s.gpus)
+    staging = 4 * SLOTS * param_counts(s.cfg, lay.tp)["block"]
+    host = ranks * (HOST_STATE * owned + staging)
+    mem = {**mem, "optimizer": 0}
+    held = mem["params"] + mem["grads"] + mem["activations"]
+    mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * held
+    mem["total"] = sum(v for k, v in mem.items() if k != "total")
+    return mem, host, max(8 * owned / (PCIE_GBPS * GB), owned * ranks / HOST_ADAM_PPS)
 
 
 SIM_MICRO = 2  # pipeline cycles simulated before the step is extrapolated (estimate_pipeline)

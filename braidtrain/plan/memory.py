@@ -21,6 +21,7 @@ CONTEXT_BYTES = 1e9  # CUDA context, cuBLAS/cuDNN workspaces: outside torch's al
 ALLOCATOR_SLACK = 0.05  # fragmentation of the caching allocator, a fraction of what it holds
 NCCL_BYTES = 0.5e9  # NCCL's channel buffers per communicator (n > 1), outside torch's allocator
 GB = 1e9  # what metrics.jsonl's mem_gb uses
+HOST_STATE = 12  # --offload, per element a rank owns: fp32 master + Adam m, v in host memory (parallel/offload.py)
 
 
 def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int, live: bool = False) -> dict:

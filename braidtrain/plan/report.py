@@ -16,6 +16,7 @@ def row_json(e: dict) -> dict:
             "compute_s": e["compute_s"], "exposed_comm_s": e["comm_s"], "dp_exposed_comm_s": e["dp_comm_s"],
             "tp_comm_s": e["tp_comm_s"], "pp_comm_s": e["pp_comm_s"], "cp_comm_s": e["cp_comm_s"],
             "step_s": e["step_s"], "tokens_per_s": e["tokens_per_s"], "fix": e.get("fix"),
+            "host_gb": e["host"] / GB, "offload_s": e["offload_s"],
             **({"bubble": e["bubble"], "stages_gb": e["stages_gb"]} if "bubble" in e else {})}
 
 
@@ -26,10 +27,12 @@ def table(result: dict, top: int) -> str:
     shown = result["rows"][:top] if top > 0 else result["rows"]
     tp, pp = any(e["layout"].tp > 1 for e in shown), any(e["layout"].pp > 1 for e in shown)
     cp, ep = any(e["layout"].cp > 1 for e in shown), any(e["layout"].ep > 1 for e in shown)
+    off = any(e["layout"].offload for e in shown)  # the host's column: a node's GB under --offload
     head = ["dp", *(["tp", "sp"] if tp else []), *(["pp", "sched", "bubble"] if pp else []), *(["cp"] if cp else []),
             *(["ep"] if ep else []),
             "zero", "b", "micro",
-            "recomp", "mem GB", "params", "grads", "optim", "activ", "comm", "ovhd", "step s", "tokens/s", "fits"]
+            "recomp", *(["offload", "host GB"] if off else []), "mem GB", "params", "grads", "optim", "activ", "comm",
+            "ovhd", "step s", "tokens/s", "fits"]
     lines = [head]
     for e in shown:
         lay, m = e["layout"], e["mem"]
@@ -40,7 +43,8 @@ def table(result: dict, top: int) -> str:
             mesh += [lay.pp, pipe, bubble]
         mesh += [f"{lay.cp}" + ("ag" if lay.cp_impl == "allgather" else "") if lay.cp > 1 else 1] if cp else []
         mesh += [lay.ep] if ep else []
-        lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off",
+        host = ["on" if lay.offload else "off", f"{e['host'] / GB:.1f}" if lay.offload else "-"] if off else []
+        lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off", *host,
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]

@@ -134,13 +134,21 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
 
 
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-         pps=None, schedules=None, cps=None, eps=None, variants: bool = True) -> dict:
+         pps=None, schedules=None, cps=None, eps=None, variants: bool = True, offloads=None) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
-    recommendation look at every layout. variants=False: only each mesh's best layout."""
+    recommendation look at every layout. variants=False: only each mesh's best layout. offloads:
+    (False,), (True,) or both; None: each layout with --offload optimizer too where no layout fits
+    on the GPUs alone (offloading costs host time a step: where one fits, it is never faster)."""
     seen = {}
     weigh = lambda lay: seen[lay] if lay in seen else seen.setdefault(lay, estimate(s, lay))
     grid = rank([weigh(lay) for lay in layouts(s)])
-    rows = rank([weigh(lay) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)])
+    if offloads is None:
+        offloads = (False,) if any(e["fits"] for e in grid) else (False, True)
+    if True in offloads:
+        grid = rank(grid + [weigh(replace(e["layout"], offload=True)) for e in grid])
+    asked = [replace(lay, offload=o) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)
+             for o in offloads]
+    rows = rank([weigh(lay) for lay in asked])
     rows = rows if variants else best_per_mesh(rows)
     if not rows or not grid:
         unit = s.t * s.gpus
@@ -174,8 +182,9 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
     if mem_gb is None:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world if cpu else torch.cuda.mem_get_info()[1]
         mem_gb = mem / GB
+    host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu, fp8=cfg.fp8,
-              gpus_per_node=gpus_per_node, compile=cfg.compile, live=cfg.live_recovery)
+              gpus_per_node=gpus_per_node, compile=cfg.compile, live=cfg.live_recovery, host_gb=host_gb)
     rows = plan(s)["rows"]
     for e in (e for e in rows if e["fits"]):
         lay = e["layout"]
@@ -183,12 +192,14 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
             make_layout(world, model, seq_len=s.t, batch_size=lay.b, total_batch=s.d, exact=cfg.exact,
                         compile=cfg.compile, cuda_graph=cfg.cuda_graph, cp_order=cfg.cp_order, device=device,
                         **lay.layout_kw())
+            if lay.offload and cfg.live_recovery:
+                continue
         except UserError:
             continue
         chosen = dict(pp=lay.pp, pp_schedule=lay.schedule if lay.pp > 1 else "1f1b", pp_split=None,
                       pp_virtual=lay.virtual if lay.pp > 1 and lay.virtual > 1 else None, cp=lay.cp,
                       cp_impl=lay.cp_impl, tp=lay.tp, sp=lay.sp, ep=lay.ep, zero=lay.zero, batch_size=lay.b,
-                      recompute=lay.recompute)
+                      recompute=lay.recompute, offload="optimizer" if lay.offload else None)
         speed = "" if cpu else f", {e['tokens_per_s']:,.0f} tokens/s at {s.tflops:g} TFLOP/s"
         return chosen, (f"--layout auto: {lay.name()}, dp {lay.dp} (planned {e['mem']['total'] / GB:.1f} of "
                         f"{s.mem_gb:.1f} GB{speed})")

@@ -33,6 +33,7 @@ class Setup:
     fp8: str | None = None  # --fp8's recipe: the blocks' linears in float8
     compile: bool = False  # --compile: its partition keeps fewer activations (model/counts.py traces it)
     live: bool = False  # --live-recovery: no expert parallelism; at ZeRO 1-3 the buddy copies (parallel/mirror.py)
+    host_gb: float = 128.0  # host memory of a node (--offload's master weights and moments live there)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Candidate:
     cp: int = 1  # context parallelism
     cp_impl: str = "ring"  # or "allgather" (parallel/context.py)
     ep: int = 1  # expert parallelism (a mixture of experts)
+    offload: bool = False  # --offload optimizer (parallel/offload.py)
 
     @property
     def gpus(self) -> int:
@@ -63,13 +65,13 @@ class Candidate:
         return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
                 + (f" cp={self.cp}" + (" allgather" if self.cp_impl == "allgather" else "") if self.cp > 1 else "")
                 + (f" ep={self.ep}" if self.ep > 1 else "") + (" --sp" if self.sp else "")
-                + (" --recompute" if self.recompute else ""))
+                + (" --recompute" if self.recompute else "") + (" --offload" if self.offload else ""))
 
     def layout_kw(self) -> dict:
         """make_layout's arguments for this candidate's degrees and features."""
         pipe = dict(schedule=self.schedule, virtual=self.virtual) if self.pp > 1 else {}
         return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, zero=self.zero,
-                    recompute=self.recompute, **pipe)
+                    recompute=self.recompute, offload="optimizer" if self.offload else None, **pipe)
 
 
 def layout_of(s: Setup, lay: Candidate, d: int | None = None, gpus: int | None = None):
@@ -151,4 +153,4 @@ def candidate_of(lay) -> Candidate:
     """The planner's Candidate of a run's layout.Layout."""
     pipe = dict(schedule=lay.schedule, virtual=lay.virtual) if lay.pp > 1 else {}
     return Candidate(lay.dp, lay.zero, lay.batch.seqs_per_rank // lay.batch.micro_steps, lay.recompute, lay.tp, lay.sp,
-                     lay.pp, cp=lay.cp, cp_impl=lay.cp_impl, ep=lay.ep, **pipe)
+                     lay.pp, cp=lay.cp, cp_impl=lay.cp_impl, ep=lay.ep, offload=lay.offload == "optimizer", **pipe)

@@ -10,6 +10,10 @@ from braidtrain.model.counts import counts
 from braidtrain.plan.memory import moe_rows
 from braidtrain.plan.space import Candidate, Setup
 
+# --offload optimizer (assumed until measured, docs/planner.md): pinned copies between a GPU and the host,
+# GB/s each way (PCIe Gen5 x16: 64 GB/s raw); the host's fused AdamW, parameters a second on a node
+PCIE_GBPS = 25.0
+HOST_ADAM_PPS = 1.0e9
 TP_LOW, TP_HIGH = 2, 4  # tp message bytes per element: bf16 matmul outputs; fp32 LayerNorm outputs, embeddings
 # --fp8: torch._scaled_mm (e4m3) over bf16's matmul, the forward product of M = 16384 tokens on an
 # H200, at the smallest and the largest shape measured: ((K * N, speed-up), ...) (docs/performance.md)
