@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # --offload optimizer on one H200 (issue #57 item 7), one call, from the repo root with
-# data/shakespeare_bytes carried (no network). Every run goes through benchmarks/fit_gpu.py, which
+# data/shakespeare_bytes carried (no network). Every run goes through benchmarks/speed/fit_gpu.py, which
 # drives braidtrain's Trainer for a few steps and saves no checkpoint (an 8B checkpoint is 96 GB, the
 # machine's disk 64 GB); it prints tokens/s, MFU, the GPU peak (torch's), the host peak (the
 # process's max RSS) and the host update's seconds a step (offload_s: exposed -- the GPU waits for it).
@@ -10,7 +10,7 @@
 #   c. llama3.2-3b -b 2 -t 2048 -d 4096 (one micro-step) --compile, with and without offload
 # The no-offload llama3.1-8b row (ZeRO-0 -b 4 --recompute --compile, 9,172 tokens/s) is issue #57's,
 # measured on the same machine; it is not run again here (device time).
-# Usage: bash benchmarks/offload_gpu.sh [0 a b c]   SMOKE=1: the same on the CPU at tiny sizes
+# Usage: bash benchmarks/memory-plan/offload_gpu.sh [0 a b c]   SMOKE=1: the same on the CPU at tiny sizes
 # Order: a, c, 0, b (each skipped, saying so, when too little of BUDGET is left)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -41,7 +41,7 @@ for split in ("train", "val"):
     write_bin(dst / f"shakespeare_{split}_000000.bin", (pairs * (LLAMA3_VOCAB - 1) // 65535).astype(np.uint32), LLAMA3_VOCAB)
 PY
 fi
-fit() { local name=$1; shift; echo "== $name: $*"; timeout 420 python benchmarks/fit_gpu.py --json "$OUT/$name.json" "$@" || echo "($name failed: exit $?)"; }
+fit() { local name=$1; shift; echo "== $name: $*"; timeout 420 python benchmarks/speed/fit_gpu.py --json "$OUT/$name.json" "$@" || echo "($name failed: exit $?)"; }
 # a part runs when the time left of BUDGET (seconds, default 480) covers what it needs (estimates for an H200)
 BUDGET=${BUDGET:-480}
 fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
