@@ -267,7 +267,7 @@ def validate(cfg: Config) -> None:
     for key, low in AT_LEAST.items():
         v, top = getattr(cfg, key), 2**63 - 1 if key == "seed" else INT_MAX
         if v is not None and not low <= v <= top:
-            raise UserError(f"{key} must be {_at_least(low)}, got {v}" if v < low else
+            raise UserError(f"{_flag(key, v)}: {key} must be {_at_least(low)}, got {v}" if v < low else
                             f"{key} {v} is out of range: at most {top}")
     if cfg.max_steps > INT_MAX:
         raise UserError(f"max_steps {cfg.max_steps} is out of range: at most {INT_MAX}")
@@ -276,8 +276,8 @@ def validate(cfg: Config) -> None:
     for key in FLOATS:
         v = getattr(cfg, key)
         if v is not None and not (math.isfinite(v) and (v > 0 if key in POSITIVE else v >= 0)):
-            raise UserError(f"{key} must be {'a positive' if key in POSITIVE else 'a'} finite number"
-                            f"{'' if key in POSITIVE else ' >= 0'}, got {v}")
+            raise UserError(f"{_flag(key, v)}: {key} must be {'a positive' if key in POSITIVE else 'a'} finite number"
+                            f"{'' if key in POSITIVE else ' >= 0'}{HINTS.get(key, '')}, got {v}")
     if cfg.final_lr_frac > 1:
         raise UserError(f"final_lr_frac must be in [0, 1], got {cfg.final_lr_frac}")
     if not (cfg.beta1 < 1 and cfg.beta2 < 1):
@@ -303,6 +303,14 @@ def validate(cfg: Config) -> None:
     if cfg.wandb is not None and not cfg.wandb.strip():
         raise UserError("--wandb needs a project name, e.g. --wandb my-project")
     check_installed(cfg.tensorboard, cfg.wandb)
+
+
+HINTS = {"moe_capacity": " (0 for dropless)"}
+
+
+def _flag(key: str, v) -> str:
+    """The flag that sets `key`, with the value given: '--moe-top-k 0'."""
+    return f"--{key.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{key.replace('_', '-')} {v}"
 
 
 def _at_least(low: int) -> str:

@@ -212,15 +212,17 @@ def test_resume_tells_the_truth(tmp_path, shakespeare, ref):
 
 
 def test_a_failed_start_leaves_nothing_that_blocks_the_corrected_command(tmp_path, shakespeare):
-    """A run that fails after it claimed --out (a truncated .bin): the corrected command, into the
-    same --out and without --resume, is not refused as another run's."""
+    """A run that fails at its start (a truncated .bin: found before --out is claimed since the
+    input sweep, tests/test_inputs.py; a run that claimed it leaves only run.json): the corrected
+    command, into the same --out and without --resume, is not refused as another run's."""
     bad = tmp_path / "bad"
     shutil.copytree(shakespeare, bad)
     train = next(bad.glob("*train*.bin"))
     train.write_bytes(train.read_bytes()[:4096])
     run = tmp_path / "run"
     p = braidtrain("train", *SMALL, "-d", 512, "-x", 1, "-i", bad, "--out", run, check=False)
-    assert p.returncode == 2 and (run / "run.json").is_file(), p.stderr
+    assert p.returncode == 2 and "truncated" in p.stderr, p.stderr
+    assert not run.exists() or {f.name for f in run.iterdir()} <= {"run.json", "config.toml", "flight"}, list(run.iterdir())
     braidtrain("train", *SMALL, "-d", 512, "-x", 1, "-i", shakespeare, "--out", run, "--no-save")
 
 

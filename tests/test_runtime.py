@@ -203,6 +203,9 @@ def test_trainer_asks_nccl_protocol_by_layout(tmp_path, monkeypatch, shakespeare
     class Launched:  # two ranks found, the group not formed yet
         rank, world_size, attempt, device = 0, 2, 0, torch.device("cpu")
 
+        def log(self, line):  # (rank 0's lines: the recipe's)
+            pass
+
         def join(self, nccl_protocol=None):
             asked["nccl_protocol"] = nccl_protocol
             raise KeyboardInterrupt  # stop the trainer right there

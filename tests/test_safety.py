@@ -157,7 +157,7 @@ def test_checkpoint_folders_that_are_not_shared_are_named_at_the_first_save(tmp_
 
 def test_resume_from_a_path_that_does_not_exist(tmp_path, shakespeare):
     assert_one_line_error(braidtrain("train", *BASE, "-i", shakespeare, "-x", 1, "--resume", tmp_path / "nope", check=False),
-                          f"no checkpoint at {tmp_path / 'nope'}")
+                          f"--resume {tmp_path / 'nope'}: no such folder")
 
 
 def test_max_skipped_must_be_positive(shakespeare):
