@@ -92,7 +92,7 @@ class Config:
     preempt_budget: float = 25.0  # after SIGTERM/SIGINT: seconds to finish the step and save it (train.py)
     resume: str | None = None  # "auto" or a checkpoint folder; a torchrun restart defaults to "auto"
     start_over: bool = False  # a new run into --out that holds another run: move that run's files aside (rundir.py)
-    init_from: str | None = None  # a HuggingFace GPT-2 folder to start from (braidtrain export writes one)
+    init_from: str | None = None  # a HuggingFace folder of a family's architecture to start from (export writes one)
     progress: bool = True
     tensorboard: bool = False  # TensorBoard event files in RUN/tb (trackers.py)
     wandb: str | None = None  # a Weights & Biases project: the run logged there, its files in RUN/wandb
