@@ -271,6 +271,8 @@ CASES = [
     c("plan -z 4", lambda p: ["plan", "-z", 4], "-z", "4"),
     c("plan -b 3", lambda p: ["plan", "-b", 3], "-b", "3"),
     c("plan --gpu-mem nan", lambda p: ["plan", "--gpu-mem", "nan"], "--gpu-mem", "finite"),
+    c("plan --host-mem nan", lambda p: ["plan", "--host-mem", "nan"], "--host-mem", "finite"),
+    c("plan --host-mem 0", lambda p: ["plan", "--host-mem", "0"], "--host-mem"),
     c("plan --tflops inf", lambda p: ["plan", "--tflops", "inf"], "--tflops", "finite"),
     c("plan --params 0", lambda p: ["plan", "--params", "0"], "--params"),
     c("plan --params nonsense", lambda p: ["plan", "--params", "1.2.3B"], "--params"),

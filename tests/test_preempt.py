@@ -157,11 +157,16 @@ def test_slurm_sigterm_then_sigkill_inside_the_grace_loses_no_step(tmp_path, sha
 
 def test_a_save_that_cannot_fit_the_budget_is_not_begun(tmp_path, shakespeare):
     """The step-2 save sleeps 4 s (the test hook); signalled later with --preempt-budget 3, the run
-    does not begin a save it cannot finish: it says so, and step 2's stays the newest."""
+    does not begin a save it cannot finish: it says so, and step 2's stays the newest. (Signalled
+    as soon as step 2's checkpoint is in place, so during step 3: a signal that came while step 4's
+    own --ckpt-every save was already under way would see that save finish, rightly.)"""
     run = tmp_path / "run"
     ranks = Ranks(1, *COMMON, "-i", shakespeare, "--out", run, "--ckpt-every", 2, "--preempt-budget", 3,
                   environ=dict(env(), BRAIDTRAIN_FAULT="slow-save:step=2:seconds=4"))
-    wait_for_steps(run, 3)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step_00000002").is_dir():
+        assert time.monotonic() < deadline, "no step-2 checkpoint within 120 s"
+        time.sleep(0.01)
     ranks.signal(signal.SIGTERM)
     codes, _, err = ranks.wait()
     assert codes == [128 + signal.SIGTERM], err[-3000:]

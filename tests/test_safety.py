@@ -4,6 +4,7 @@ is one line with the planner's view; checkpoint folders that are not shared are 
 first save; a --resume path that does not exist says so. Faults come from the BRAIDTRAIN_FAULT
 test hook (collective/inject.py): "nan", "nan-on", "oom", "local-disk"."""
 
+import pytest
 import torch
 
 from helpers import SMALL, braidtrain, env, metrics, summary
@@ -79,15 +80,17 @@ def test_one_nan_on_one_rank_is_skipped_on_every_rank(tmp_path, shakespeare):
     assert [m["loss"] for m in metrics(two)] == [m["loss"] for m in metrics(one)]
 
 
-def test_a_skipped_update_changes_no_weight_or_moment():
-    """AdamW with skip = 1: parameters (decay too), m and v bitwise as they were; skip = 0 moves them."""
+@pytest.mark.parametrize("exact", [False, True], ids=["fused", "exact"])
+def test_a_skipped_update_changes_no_weight_or_moment(exact):
+    """AdamW with skip = 1: parameters (decay too), m and v bitwise as they were; skip = 0 moves them
+    -- the fused kernel's update and exact mode's (optim.exact_adamw) alike."""
     from types import SimpleNamespace
 
     from braidtrain.optim import AdamW
 
     p, g = torch.randn(256), torch.randn(256)
     bucket = SimpleNamespace(data=p, grad=g, padded=256, params=[("w", p.view(16, 16))], offsets=[0])
-    engine = SimpleNamespace(owned=lambda: iter([(bucket, p, g)]), buckets=[bucket], zero=0,
+    engine = SimpleNamespace(owned=lambda: iter([(bucket, p, g)]), buckets=[bucket], zero=0, exact=exact,
                              decay_segments=lambda b: [(0, 256)], owned_range=lambda b: (0, 256), device=torch.device("cpu"))
     opt = AdamW(engine, weight_decay=0.1)
     opt.prepare(1e-2)
