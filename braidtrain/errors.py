@@ -23,7 +23,7 @@ class Diverged(UserError):
 
 
 class Stopped(Exception):
-    """The run stopped on SIGTERM or SIGINT at a step boundary (train.py Trainer.stop), having said what
+    """The run stopped on SIGTERM or SIGINT at a step boundary (outcome.stop), having said what
     it saved: the command exits 128 + the signal's number, printing nothing more."""
 
     def __init__(self, signum: int):

@@ -1,15 +1,19 @@
-"""How a run ends: the summary and the sample after its last step, and the one-line errors of a
-run that ran out of device memory or whose loss diverged. (The Trainer's loop is train.py.)"""
+"""How a run ends: the summary and the sample after its last step, the one-line errors of a
+run that ran out of device memory or whose loss diverged, and the stop a signal asked for
+(preemption: a checkpoint of the last step within the budget). (The Trainer's loop is train.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 
 import torch
+import torch.distributed as dist
 
 from braidtrain import evaluate
-from braidtrain.errors import Diverged
+from braidtrain.errors import Diverged, Stopped
 from braidtrain.generate import generate, sample_prompt
 from braidtrain.io import checkpoint
 from braidtrain.io.data import get_tokenizer, unigram_entropy
@@ -26,7 +30,7 @@ def finish(tr, rec: dict | None, val, ev: dict | None, skipped: int, bubbles: li
     save_s = tr.save(cfg.max_steps, final=True)  # first: a stop by signal from here on loses no step
     sig = tr.stop_asked()
     if sig:  # (--resume auto then validates and writes the summary)
-        tr.stop(sig, cfg.max_steps, saved=save_s is not None)
+        stop(tr, sig, cfg.max_steps, saved=save_s is not None)
     if val is None or rec is None:
         val = tr.passes.validate(tr.device)
     if tr.mc and ev is None:  # (a run resumed at its last step)
@@ -86,3 +90,36 @@ def diverged(tr, streak: list[dict]) -> Diverged:
                     f"({streak[-1]['skip_reason']}; none was applied): stopped at step {streak[-1]['step']}; "
                     f"{where}; try a lower --lr (now {tr.cfg.lr:g}) or --grad-clip 1.0 (now "
                     f"{tr.cfg.grad_clip:g})")
+
+
+def stop(tr, signum: int, done: int, saved: bool) -> None:
+    """Trainer `tr`, every rank, at the step boundary where the group read a stop request: a
+    checkpoint of step `done`, the last completed one -- unless that step's is `saved` already, or the last
+    save took longer than the budget the group has left -- then the flight log, one line (rank
+    0) and Stopped: exit 128 + signal."""
+    name = signal.Signals(signum).name
+    t = torch.tensor([tr.save_est, -tr.guard.left()], dtype=torch.float64, device=tr.device)
+    tr.comm.all_reduce(t, tr.mesh.groups["world"], op=dist.ReduceOp.MAX).wait()  # (the same on every rank)
+    est, left = t[0].item(), -t[1].item()
+    tr.guard.stop_within(left, signum)
+    newest = checkpoint.list_checkpoints(tr.out / "checkpoints")
+    newest = f"the newest checkpoint is {newest[-1]}" if newest else "there is no checkpoint"
+    if saved:
+        what = f"its checkpoint was saved at that step; {newest}"
+    elif done == tr.start_step:
+        what = f"no step was completed, nothing to save; {newest}"
+    elif not tr.cfg.save:
+        what = "nothing saved (--no-save)"
+    elif est > left:
+        what = (f"not saved: the last save took {est:.1f} s and {left:.1f} s of --preempt-budget "
+                f"{tr.cfg.preempt_budget:g} s were left; {newest}")
+    else:
+        secs = tr.save(done, final=True)
+        what = (f"saved {tr.out / 'checkpoints' / f'step_{done:08d}'} in {secs:.1f} s" if secs is not None
+                else f"not saved (weights not finite); {newest}")
+    where = tr.guard.dump(f"signal {name}")
+    if tr.rt.is_main:
+        print(f"braidtrain: rank 0: signal {name}; flight log {where}; stopped after step {done} of "
+              f"{tr.cfg.max_steps}: {what}; continue with --resume auto (exit {128 + signum})",
+              file=sys.stderr, flush=True)
+    raise Stopped(signum)

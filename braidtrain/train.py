@@ -26,7 +26,7 @@ second, and one that struck a single rank inside a step would hold its peers in 
 Around the loop, fault.Guard watches the peers (heartbeat) and writes this rank's flight log when
 the rank crashes, is signalled, or loses a peer; a group that torchrun restarts resumes by itself
 from the newest checkpoint (docs/fault-tolerance.md). SIGTERM or SIGINT stops the run at the next
-step boundary, which every rank reads alike (stop_asked), with a checkpoint of that step (stop).
+step boundary, which every rank reads alike (stop_asked), with a checkpoint of that step (outcome.stop).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import signal
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -188,38 +186,6 @@ class Trainer:
         self.comm.all_reduce(self.stop_flag, self.mesh.groups["world"], op=dist.ReduceOp.MAX).wait()
         return int(self.stop_flag.item())
 
-    def stop(self, signum: int, done: int, saved: bool) -> None:
-        """Every rank, at the step boundary where the group read a stop request: a checkpoint of
-        step `done`, the last completed one -- unless that step's is `saved` already, or the last
-        save took longer than the budget the group has left -- then the flight log, one line (rank
-        0) and Stopped: exit 128 + signal."""
-        name = signal.Signals(signum).name
-        t = torch.tensor([self.save_est, -self.guard.left()], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(t, self.mesh.groups["world"], op=dist.ReduceOp.MAX).wait()  # (the same on every rank)
-        est, left = t[0].item(), -t[1].item()
-        self.guard.stop_within(left, signum)
-        newest = checkpoint.list_checkpoints(self.out / "checkpoints")
-        newest = f"the newest checkpoint is {newest[-1]}" if newest else "there is no checkpoint"
-        if saved:
-            what = f"its checkpoint was saved at that step; {newest}"
-        elif done == self.start_step:
-            what = f"no step was completed, nothing to save; {newest}"
-        elif not self.cfg.save:
-            what = "nothing saved (--no-save)"
-        elif est > left:
-            what = (f"not saved: the last save took {est:.1f} s and {left:.1f} s of --preempt-budget "
-                    f"{self.cfg.preempt_budget:g} s were left; {newest}")
-        else:
-            secs = self.save(done, final=True)
-            what = (f"saved {self.out / 'checkpoints' / f'step_{done:08d}'} in {secs:.1f} s" if secs is not None
-                    else f"not saved (weights not finite); {newest}")
-        where = self.guard.dump(f"signal {name}")
-        if self.rt.is_main:
-            print(f"braidtrain: rank 0: signal {name}; flight log {where}; stopped after step {done} of "
-                  f"{self.cfg.max_steps}: {what}; continue with --resume auto (exit {128 + signum})",
-                  file=sys.stderr, flush=True)
-        raise Stopped(signum)
-
     def reduce_loss(self, losses: list[torch.Tensor]) -> float:
         """The step's loss sum over every rank (passes.reduce_loss)."""
         return reduce_loss(self.comm, self.mesh, losses)
@@ -351,7 +317,7 @@ class Trainer:
     def run(self) -> dict:
         try:
             summary = self._run()
-        except Stopped:  # (stop: every rank stops here, its flight log written; as below, then)
+        except Stopped:  # (outcome.stop: every rank stops here, its flight log written; as below, then)
             self.comm.barrier(self.mesh.groups["world"])
             self.guard.close(clean=True)
             raise
@@ -415,7 +381,7 @@ class Trainer:
                 self.trackers.close(failed)
         self.drop_graph()
         if self.stop_sig:
-            self.stop(self.stop_sig, done, saved=rec.get("save_s") is not None)
+            outcome.stop(self, self.stop_sig, done, saved=rec.get("save_s") is not None)
         return outcome.finish(self, rec, val, ev, skipped, bubbles)
 
 
