@@ -479,7 +479,8 @@ def test_a_replayed_graph_is_one_flight_record_per_step(tmp_path):
     timing events count for the step, beside any collective launched eagerly between steps."""
     import torch
 
-    from braidtrain.collective.comm import Comm, Group
+    from braidtrain.collective.comm import Comm
+    from braidtrain.collective.group import Group
     from braidtrain.collective.flight import Handle
     from braidtrain.collective.doctor import diagnose
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import ROOT, launch
-from braidtrain.collective.comm import Comm, Group
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.group import Group
 from braidtrain.errors import UserError
 from braidtrain.layout import check_tp
 from braidtrain.collective.mesh import Mesh

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from braidtrain.collective.comm import Comm, Group, group_name
+from braidtrain.collective.comm import Comm
+from braidtrain.collective.group import Group, group_name
 
 AXES = ("pp", "dp", "cp", "tp")
 

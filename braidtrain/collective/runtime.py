@@ -118,7 +118,7 @@ class Runtime:
         """The end of this rank's part in the run, in order, so that the interpreter's own teardown
         finds no thread that could still run Python (which aborts the process: "terminate called
         without an active exception", issue #55): the process groups destroyed -- and so freed, gloo's
-        worker threads joined (braidtrain's Groups only refer to them: comm.Group) -- then the store:
+        worker threads joined (braidtrain's Groups only refer to them: group.Group) -- then the store:
         each client goes before the server (rank 0's, unless torchrun's agent serves it), which waits
         for them after a clean run (`clean`: every rank is past its last collective). Idempotent."""
         others = self.world_size - 1

@@ -35,7 +35,8 @@ def build_joiner(cfg):
     buffers; ZeRO 1-3: over the members now, as they re-lay theirs), the guard. The state comes
     afterwards, from the members (LiveTrainer.arrive)."""
     from braidtrain import build as b
-    from braidtrain.collective.comm import Comm, Group
+    from braidtrain.collective.comm import Comm
+    from braidtrain.collective.group import Group
     from braidtrain.io.data import Loader, TokenData, data_tokenizer, resolve_files
     from braidtrain.collective.fault import Guard
     from braidtrain.layout import from_config

@@ -2,7 +2,7 @@
 (Korthikanti et al. 2022, arXiv:2205.05198): the collectives autograd must see, the parallel linear
 and embedding layers, the vocab-parallel cross-entropy, and the slicing of full tensors into shards.
 
-Everything takes the mesh's tp group (`mesh.groups["tp"]`, a comm.Group); None -- a one-rank tp
+Everything takes the mesh's tp group (`mesh.groups["tp"]`, a group.Group); None -- a one-rank tp
 axis -- makes every collective the identity, so a tp=1 model runs the plain dense code.
 Activations are batch-first, (B, T, C): the sequence is tensor dim 1. Every collective goes
 through the group's Comm, inline (on the issuing stream, waited for at once: the layer needs its
