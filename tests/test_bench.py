@@ -5,6 +5,7 @@ on one, braidtrain's Llama (and Mixtral) against transformers' LlamaForCausalLM 
 `--torch hf`) holding its weights."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import braidtrain, forked
+from helpers import ROOT, braidtrain, forked
 from braidtrain import cli
 from braidtrain.bench import torchref
 from braidtrain.bench import train as bench
 from braidtrain.bench.comm import OPS, sizes
-from braidtrain.bench.train import BUSY, _median_row, gpu_load, slowest
+from braidtrain.bench.train import BUSY, _median_row, gpu_load, run_job as bench_run_job, slowest
 from braidtrain.collective.comm import bus_factor
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
@@ -25,8 +26,9 @@ from braidtrain.parallel.placement import init_weights
 
 def bench_train(*args, monkeypatch, capsys) -> SimpleNamespace:
     """`braidtrain bench train ARGS` in this process, each variant's torchrun job forked
-    (helpers.forked): returncode, stdout, stderr."""
-    monkeypatch.setattr(bench, "run_job", forked)
+    (helpers.forked, unless the test set run_job already): returncode, stdout, stderr."""
+    if bench.run_job is bench_run_job:
+        monkeypatch.setattr(bench, "run_job", forked)
     code = cli.main(["bench", "train", *map(str, args)])
     out = capsys.readouterr()
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
@@ -126,6 +128,49 @@ def test_hf_yardstick_without_transformers_is_one_line(monkeypatch, capsys):
     code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "ddp,hf-compile"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "install the transformers package" in err and "LlamaForCausalLM" in err
+
+
+def test_titan_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypatch, capsys):
+    """--torch titan: torchtitan's own llama3 Transformer, apply_fsdp (one rank) and loss, holding
+    braidtrain's initial weights through its own HuggingFace adapter: in fp32 its final loss is
+    braidtrain's; titan-fp8 (its float8 converter, torchao's emulation on the CPU) near it.
+    (torchtitan is not a dependency: skipped where it is not installed; its MoE runs on CUDA only,
+    its router's histc has no CPU kernel for integers.)"""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed (bench/titan.py: not a dependency)")
+    pytest.importorskip("torchao", reason="torchao is not installed (titan-fp8's converter)")
+    import subprocess
+
+    import torchtitan
+
+    # real processes (not helpers.forked, whose server fixes sys.path at the repo): torchtitan is
+    # often installed in a --target folder, which they find through PYTHONPATH
+    found = os.pathsep.join([str(ROOT), str(Path(torchtitan.__file__).parent.parent)])
+    monkeypatch.setattr(bench, "run_job", lambda cmd, env: subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(env, PYTHONPATH=found, OMP_NUM_THREADS="1")))
+    out = tmp_path / "train.json"
+    p = bench_train("--model", "llama3-tiny", "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",
+                    "--steps", "3", "--warmup", "1", "--nproc", "1", "--layout", "-z 0", "--torch", "titan,titan-fp8",
+                    "--json", out, monkeypatch=monkeypatch, capsys=capsys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["braidtrain -z 0", "torch titan", "torch titan-fp8"] and "x titan" in p.stdout
+    ours, theirs, fp8 = rows["braidtrain -z 0"], rows["torch titan"], rows["torch titan-fp8"]
+    assert theirs["ratio"] == 1.0 and theirs["tokens_per_s"] > 0 and fp8["tokens_per_s"] > 0
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (ours, theirs)
+    assert fp8["loss"] == pytest.approx(theirs["loss"], rel=1e-2) and fp8["loss"] != theirs["loss"]
+
+
+def test_titan_yardstick_refuses_what_it_cannot_build(monkeypatch, capsys):
+    """Without torchtitan, and for a model it has no class of (GPT-2): one line each, exit 2."""
+    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "titan"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "torchtitan==0.2.2" in err
+    monkeypatch.undo()
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed")
+    code = cli.main(["bench", "train", "--model", "gpt2", "-t", "64", "--torch", "titan"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Llama" in err
 
 
 def test_median_row_over_rounds():

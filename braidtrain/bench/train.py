@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, PIPE, TORCH
+from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, PIPE, TITAN, TORCH
 from braidtrain.errors import UserError
 from braidtrain.io import paths
 from braidtrain.model import registry
@@ -134,11 +134,16 @@ def _check_train_args(args) -> None:
         raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
                         f"use -t {mcfg.block_size} or less")
     torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
-    bad = [m for m in torch_modes if m not in TORCH + HF + PIPE + FLOAT8]
+    known = TORCH + HF + PIPE + FLOAT8 + TITAN
+    bad = [m for m in torch_modes if m not in known]
     if bad:
-        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + HF + PIPE + FLOAT8)}")
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(known)}")
     if any(m in HF for m in torch_modes):
         _check_hf(mcfg, args.model)
+    if any(m in TITAN for m in torch_modes):  # torchtitan importable, the model one it builds
+        from braidtrain.bench import titan
+
+        titan.model_args(titan.load(), mcfg, args.seq_len, torch.device("cpu"))
     if args.baseline is None:
         args.baseline = "ddp-compile" if "ddp-compile" in torch_modes or not torch_modes else torch_modes[0]
     if torch_modes and args.baseline not in torch_modes:
