@@ -160,6 +160,32 @@ def test_titan_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkey
     assert fp8["loss"] == pytest.approx(theirs["loss"], rel=1e-2) and fp8["loss"] != theirs["loss"]
 
 
+def test_titan_model_holds_braidtrain_weights():
+    """bench/titan.build: torchtitan's llama3 Transformer (its q/k rows permuted back by its own
+    adapter; Llama-3.2's tied head as a head of its own) computes braidtrain's logits from the same
+    seed; compiled (each block in torch.compile's wrapper, not run here), it holds the same weights."""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed (bench/titan.py: not a dependency)")
+    import torch.distributed as dist
+
+    from braidtrain.bench import titan
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
+    for shape in ({}, {"tie_embeddings": True}):
+        mcfg = registry.model_config("llama3-tiny", 300, n_layer=2, **shape)
+        ours = registry.build(mcfg)
+        init_weights(ours, 7)
+        theirs = titan.build("titan", mcfg, 96, torch.device("cpu"), 7, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(theirs.model(x), ours(x), atol=1e-5, rtol=0)
+            compiled = titan.build("titan", mcfg, 96, torch.device("cpu"), 7, 1, compile=True)
+            assert type(compiled.model.layers["0"]).__name__ != type(theirs.model.layers["0"]).__name__
+            full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # (FSDP's, sharded or not)
+            for (n, a), b in zip(theirs.model.named_parameters(), compiled.model.parameters()):
+                assert torch.equal(full(a), full(b)), n
+
+
 def test_titan_yardstick_refuses_what_it_cannot_build(monkeypatch, capsys):
     """Without torchtitan, and for a model it has no class of (GPT-2): one line each, exit 2."""
     monkeypatch.setitem(sys.modules, "torchtitan", None)

@@ -26,7 +26,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
 python -c "import torch, torchtitan; print('torch', torch.__version__, 'torchtitan', torchtitan.__version__)"
-git log -1 --format='commit %h %s' 2>/dev/null || cat COMMIT 2>/dev/null
+cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'  # (a carried copy: COMMIT, written beside it)
 WIDE=data/shakespeare_128k
 if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then
   python - <<'EOF'

@@ -109,16 +109,16 @@ class TitanLoss(torch.nn.Module):
         return self.loss_fn(self.model(x), y)
 
 
-def build(mode: str, mcfg, seq_len: int, device, seed: int, world: int) -> TitanLoss:
-    """torchtitan's model at mcfg's shape on `device`, converted, compiled (CUDA) and sharded over
-    the `world` ranks the way its trainer does it (the module docstring)."""
+def build(mode: str, mcfg, seq_len: int, device, seed: int, world: int, compile: bool | None = None) -> TitanLoss:
+    """torchtitan's model at mcfg's shape on `device`, converted, compiled (by default on CUDA
+    only) and sharded over the `world` ranks the way its trainer does it (the module docstring)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     tt = load()
     args = model_args(tt, mcfg, seq_len, device)
     moe = bool(mcfg.moe_experts)
     job = tt.JobConfig()
-    job.compile.enable = device.type == "cuda"
+    job.compile.enable = device.type == "cuda" if compile is None else compile
     job.training.seq_len = seq_len
     dims = tt.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
     with torch.device("meta"):
@@ -169,7 +169,8 @@ def _load_ours(tt, model, args, mcfg, seed: int) -> None:
     state = tt.adapter(args, None).from_hf(hf)
     if mcfg.tied:  # its head is a tensor of its own (untied, as in all its llama3 models): ours to start from
         state["output.weight"] = state["tok_embeddings.weight"].clone()
-    params = dict(model.named_parameters())
+    # (a compiled block is torch.compile's wrapper: its parameters' names hold `_orig_mod.`)
+    params = {n.replace("._orig_mod", ""): p for n, p in model.named_parameters()}
     if set(state) != set(params):
         raise RuntimeError(f"torchtitan's model and braidtrain's weights differ: "
                            f"{sorted(set(state) ^ set(params))[:4]}")
