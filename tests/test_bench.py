@@ -199,6 +199,21 @@ def test_titan_yardstick_refuses_what_it_cannot_build(monkeypatch, capsys):
     assert code == 2 and err.count("\n") == 1 and "Llama" in err
 
 
+def test_rows_give_the_median_step_beside_the_mean(tmp_path):
+    """A row's "median_tokens_per_s" is a step's tokens over the median timed step (#58's targets are
+    stated so); tokens_per_s stays the timed tokens over the timed seconds, which a slow step pulls down."""
+    steps = [9.0, 1.0, 2.0, 1.0, 4.0]  # the first untimed
+    (tmp_path / "t.json").write_text(json.dumps({"step_s": steps, "tokens_per_step": 100, "loss": [1.0] * 5,
+                                                 "mem_gb": None, "flops_per_token": 1, "peak_flops": None}))
+    theirs = bench._torch_row(tmp_path / "t.json", 1)
+    assert theirs["median_tokens_per_s"] == pytest.approx(100 / 1.5) and theirs["tokens_per_s"] == pytest.approx(50)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step_s": s, "tokens_per_s": 100 / s, "mfu": None, "mem_gb": 1.0, "comm_busbw_GBps": None, "comm_s": 0,
+         "exposed_comm_s": 0, "host_s": 0, "loss": 1.0}) + "\n" for s in steps))
+    ours = bench._braidtrain_row(tmp_path, 1)
+    assert ours["median_tokens_per_s"] == pytest.approx(100 / 1.5) and ours["tokens_per_s"] == pytest.approx(50)
+
+
 def test_median_row_over_rounds():
     """--repeat: the run of median tokens/s and the median of the rounds' own ratios (the lower middle
     for an even count); a failed run fails the row, a round without a baseline run leaves no ratio."""
