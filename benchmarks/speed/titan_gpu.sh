@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # braidtrain against torchtitan on one H200, issue #58 (from the repo root; data/shakespeare_bytes
-# carried, data/shakespeare_gpt2 for part h, and .whl/ holding torchtitan 0.2.2, tyro, docstring_parser,
+# carried (or data/shakespeare_128k already built from it), data/shakespeare_gpt2 for part h, and .whl/ holding torchtitan 0.2.2, tyro, docstring_parser,
 # typeguard and torchao 0.17.0: `bench train --torch titan` needs them, the machine has no network).
 # Every Llama trains on Llama-3's 128,256-id vocabulary (data/shakespeare_128k, built here as
 # llama_gpu.sh builds it). Each part is one `bench train` of the pair (braidtrain's layout, torchtitan's
@@ -9,7 +9,8 @@
 #   f  the same in FP8 tensorwise: --fp8 tensorwise against titan-fp8
 #   g  a at four micro-steps (-d 32768)
 #   b  llama3.2-3b -b 2 -t 2048: --compile and --compile --fp8 tensorwise against titan (bf16)
-#   x  mixtral-small -b 8 -t 1024: --compile --cuda-graph against titan (its llama4 MoE)
+#   x  mixtral-small -b 8 -t 1024: --compile --cuda-graph and --compile against titan (its llama4 MoE)
+#   q  finemoe-small (64 experts, top 8: a fine-grained Qwen3-MoE shape) as x
 #   p  profile_step.py of a's braidtrain step and of titan's
 #   h  gpt2's exact bits: --config gpt2 -b 16 -t 1024 -d 131072 -x 3 --exact --compile (weights_sha256)
 # LEVER="FLAGS": every braidtrain layout is also run with FLAGS added (the lever measured beside).
@@ -59,7 +60,8 @@ for part in ${*:-a f b x}; do
     f) pair f llama3.2-1b "-b 4 -t 2048 -d 8192" titan-fp8 "-z 0 --compile --cuda-graph --fp8 tensorwise" ;;
     g) pair g llama3.2-1b "-b 4 -t 2048 -d 32768" titan "-z 0 --compile --cuda-graph" ;;
     b) pair b llama3.2-3b "-b 2 -t 2048 -d 4096" titan "-z 0 --compile" "-z 0 --compile --fp8 tensorwise" ;;
-    x) pair x mixtral-small "-b 8 -t 1024 -d 8192" titan "-z 0 --compile --cuda-graph" ;;
+    x) pair x mixtral-small "-b 8 -t 1024 -d 8192" titan "-z 0 --compile --cuda-graph" "-z 0 --compile" ;;
+    q) pair q finemoe-small "-b 8 -t 1024 -d 8192" titan "-z 0 --compile --cuda-graph" "-z 0 --compile" ;;
     p) echo "== p. profile of one step, llama3.2-1b -b 4 -t 2048 -d 8192 ($SECONDS s)"
        python benchmarks/profile/profile_step.py --model llama3.2-1b -i $WIDE -b 4 -t 2048 -d 8192 -z 0 --compile \
          --cuda-graph --out /tmp/titan_prof 2>&1 | tee "$OUT/p_braidtrain.txt" | head -70
