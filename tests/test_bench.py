@@ -5,6 +5,7 @@ on one, braidtrain's Llama (and Mixtral) against transformers' LlamaForCausalLM 
 `--torch hf`) holding its weights."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import braidtrain, forked
+from helpers import ROOT, braidtrain, forked
 from braidtrain import cli
 from braidtrain.bench import torchref
 from braidtrain.bench import train as bench
 from braidtrain.bench.comm import OPS, sizes
-from braidtrain.bench.train import BUSY, _median_row, gpu_load, slowest
+from braidtrain.bench.train import BUSY, _median_row, gpu_load, run_job as bench_run_job, slowest
 from braidtrain.collective.comm import bus_factor
 from braidtrain.model import registry
 from braidtrain.parallel.placement import init_weights
@@ -25,8 +26,9 @@ from braidtrain.parallel.placement import init_weights
 
 def bench_train(*args, monkeypatch, capsys) -> SimpleNamespace:
     """`braidtrain bench train ARGS` in this process, each variant's torchrun job forked
-    (helpers.forked): returncode, stdout, stderr."""
-    monkeypatch.setattr(bench, "run_job", forked)
+    (helpers.forked, unless the test set run_job already): returncode, stdout, stderr."""
+    if bench.run_job is bench_run_job:
+        monkeypatch.setattr(bench, "run_job", forked)
     code = cli.main(["bench", "train", *map(str, args)])
     out = capsys.readouterr()
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
@@ -126,6 +128,90 @@ def test_hf_yardstick_without_transformers_is_one_line(monkeypatch, capsys):
     code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "ddp,hf-compile"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "install the transformers package" in err and "LlamaForCausalLM" in err
+
+
+def test_titan_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypatch, capsys):
+    """--torch titan: torchtitan's own llama3 Transformer, apply_fsdp (one rank) and loss, holding
+    braidtrain's initial weights through its own HuggingFace adapter: in fp32 its final loss is
+    braidtrain's; titan-fp8 (its float8 converter, torchao's emulation on the CPU) near it.
+    (torchtitan is not a dependency: skipped where it is not installed; its MoE runs on CUDA only,
+    its router's histc has no CPU kernel for integers.)"""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed (bench/titan.py: not a dependency)")
+    pytest.importorskip("torchao", reason="torchao is not installed (titan-fp8's converter)")
+    import subprocess
+
+    import torchtitan
+
+    # real processes (not helpers.forked, whose server fixes sys.path at the repo): torchtitan is
+    # often installed in a --target folder, which they find through PYTHONPATH
+    found = os.pathsep.join([str(ROOT), str(Path(torchtitan.__file__).parent.parent)])
+    monkeypatch.setattr(bench, "run_job", lambda cmd, env: subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(env, PYTHONPATH=found, OMP_NUM_THREADS="1")))
+    out = tmp_path / "train.json"
+    p = bench_train("--model", "llama3-tiny", "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",
+                    "--steps", "3", "--warmup", "1", "--nproc", "1", "--layout", "-z 0", "--torch", "titan,titan-fp8",
+                    "--json", out, monkeypatch=monkeypatch, capsys=capsys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["braidtrain -z 0", "torch titan", "torch titan-fp8"] and "x titan" in p.stdout
+    ours, theirs, fp8 = rows["braidtrain -z 0"], rows["torch titan"], rows["torch titan-fp8"]
+    assert theirs["ratio"] == 1.0 and theirs["tokens_per_s"] > 0 and fp8["tokens_per_s"] > 0
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (ours, theirs)
+    assert fp8["loss"] == pytest.approx(theirs["loss"], rel=1e-2) and fp8["loss"] != theirs["loss"]
+
+
+def test_titan_model_holds_braidtrain_weights():
+    """bench/titan.build: torchtitan's llama3 Transformer (its q/k rows permuted back by its own
+    adapter; Llama-3.2's tied head as a head of its own) computes braidtrain's logits from the same
+    seed; compiled (each block in torch.compile's wrapper, not run here), it holds the same weights."""
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed (bench/titan.py: not a dependency)")
+    import torch.distributed as dist
+
+    from braidtrain.bench import titan
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
+    for shape in ({}, {"tie_embeddings": True}):
+        mcfg = registry.model_config("llama3-tiny", 300, n_layer=2, **shape)
+        ours = registry.build(mcfg)
+        init_weights(ours, 7)
+        theirs = titan.build("titan", mcfg, 96, torch.device("cpu"), 7, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(theirs.model(x), ours(x), atol=1e-5, rtol=0)
+            compiled = titan.build("titan", mcfg, 96, torch.device("cpu"), 7, 1, compile=True)
+            assert type(compiled.model.layers["0"]).__name__ != type(theirs.model.layers["0"]).__name__
+            full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # (FSDP's, sharded or not)
+            for (n, a), b in zip(theirs.model.named_parameters(), compiled.model.parameters()):
+                assert torch.equal(full(a), full(b)), n
+
+
+def test_titan_yardstick_refuses_what_it_cannot_build(monkeypatch, capsys):
+    """Without torchtitan, and for a model it has no class of (GPT-2): one line each, exit 2."""
+    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "titan"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "torchtitan==0.2.2" in err
+    monkeypatch.undo()
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed")
+    code = cli.main(["bench", "train", "--model", "gpt2", "-t", "64", "--torch", "titan"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Llama" in err
+
+
+def test_rows_give_the_median_step_beside_the_mean(tmp_path):
+    """A row's "median_tokens_per_s" is a step's tokens over the median timed step (#58's targets are
+    stated so); tokens_per_s stays the timed tokens over the timed seconds, which a slow step pulls down."""
+    steps = [9.0, 1.0, 2.0, 1.0, 4.0]  # the first untimed
+    (tmp_path / "t.json").write_text(json.dumps({"step_s": steps, "tokens_per_step": 100, "loss": [1.0] * 5,
+                                                 "mem_gb": None, "flops_per_token": 1, "peak_flops": None}))
+    theirs = bench._torch_row(tmp_path / "t.json", 1)
+    assert theirs["median_tokens_per_s"] == pytest.approx(100 / 1.5) and theirs["tokens_per_s"] == pytest.approx(50)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step_s": s, "tokens_per_s": 100 / s, "mfu": None, "mem_gb": 1.0, "comm_busbw_GBps": None, "comm_s": 0,
+         "exposed_comm_s": 0, "host_s": 0, "loss": 1.0}) + "\n" for s in steps))
+    ours = bench._braidtrain_row(tmp_path, 1)
+    assert ours["median_tokens_per_s"] == pytest.approx(100 / 1.5) and ours["tokens_per_s"] == pytest.approx(50)
 
 
 def test_median_row_over_rounds():

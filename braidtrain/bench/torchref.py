@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from braidtrain.bench import titan
 from braidtrain.io import export
 from braidtrain.config import batch_scaled, build_config
 from braidtrain.layout import batch_plan, make_layout
@@ -69,7 +70,7 @@ from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
 MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "hf", "hf-compile", "pipe-1f1b", "pipe-interleaved",
-         "ao-tensorwise", "ao-rowwise")
+         "ao-tensorwise", "ao-rowwise", *titan.MODES)
 
 
 class TorchLoss(torch.nn.Module):
@@ -129,6 +130,8 @@ def build(mode, model, device, bf16):
     """The wrapped model and what its micro-steps need: (model, sync_context(last), autocast)."""
     rank = dist.get_rank()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+    if mode in titan.MODES:  # FSDP2 as torchtitan applies it: bf16 parameters, no autocast; a sync every micro-step
+        return model, (lambda last: nullcontext()), nullcontext
     if mode.startswith("hf") and dist.get_world_size() == 1:  # one GPU: no DDP, as a user would run it
         return (torch.compile(model) if mode == "hf-compile" else model), (lambda last: nullcontext()), autocast
     if mode.startswith("fsdp2"):
@@ -226,6 +229,8 @@ def dense(a, mcfg, loader, plan, cfg, device, bf16):
     rank, world = dist.get_rank(), dist.get_world_size()
     if a.mode.startswith("hf"):
         model = HFLoss(hf_model(mcfg, cfg.seed, device))
+    elif a.mode in titan.MODES:
+        model = titan.build(a.mode, mcfg, a.t, device, cfg.seed, world)
     else:
         model = registry.build(mcfg)
         init_weights(model, cfg.seed)

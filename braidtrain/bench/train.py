@@ -6,7 +6,8 @@ braidtrain layout through the real `braidtrain train` command, each torch varian
 braidtrain/bench/torchref.py -- with the same model, batch, data and optimizer settings, and reads what
 they wrote. Separate jobs: one variant's compile caches, memory pool or deterministic-algorithm
 switch cannot colour another's figures. The first --warmup steps (compilation, allocator warm-up)
-are not timed; tokens/s is the timed tokens over the timed seconds; MFU is the model's FLOPs
+are not timed; tokens/s is the timed tokens over the timed seconds ("median": a step's tokens over
+the median timed step, the figure issue #58's targets are stated in); MFU is the model's FLOPs
 (GPTConfig.flops_per_token: 6 per weight per token plus attention's 12·L·T·C) at that rate over
 the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation on rank 0;
 exposed communication is the time the step waited for the gradient reduction after its backward
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, PIPE, TORCH
+from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, PIPE, TITAN, TORCH
 from braidtrain.errors import UserError
 from braidtrain.io import paths
 from braidtrain.model import registry
@@ -84,7 +85,9 @@ def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
     mfu = timed[0]["mfu"] / timed[0]["tokens_per_s"] * tps if timed[0]["mfu"] else None
     comm = [(r["comm_busbw_GBps"], r["comm_s"]) for r in timed if r["comm_busbw_GBps"]]
     busbw = sum(b * s for b, s in comm) / sum(s for _, s in comm) if comm else None  # total bus bytes / total time
-    return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
+    per_step = statistics.median(r["tokens_per_s"] * r["step_s"] for r in timed)  # (the same every step)
+    return {"tokens_per_s": tps, "median_tokens_per_s": per_step / statistics.median(r["step_s"] for r in timed),
+            "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
             "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "comm_busbw_GBps": busbw,
             "host_frac": sum(r["host_s"] for r in timed) / secs,
             "slowest": slowest([r["step_s"] for r in timed]), "loss": recs[-1]["loss"]}
@@ -95,7 +98,9 @@ def _torch_row(path: Path, warmup: int) -> dict:
     secs = sum(r["step_s"][warmup:])
     tps = r["tokens_per_step"] * len(r["step_s"][warmup:]) / secs
     mfu = tps * r["flops_per_token"] / r["peak_flops"] if r["peak_flops"] else None
-    return {"tokens_per_s": tps, "mfu": mfu, "mem_gb": r["mem_gb"], "exposed_comm_frac": None, "comm_busbw_GBps": None,
+    median = r["tokens_per_step"] / statistics.median(r["step_s"][warmup:])
+    return {"tokens_per_s": tps, "median_tokens_per_s": median, "mfu": mfu, "mem_gb": r["mem_gb"],
+            "exposed_comm_frac": None, "comm_busbw_GBps": None,
             "host_frac": None,
             "slowest": slowest(r["step_s"][warmup:]), "loss": r["loss"][-1]}
 
@@ -134,11 +139,16 @@ def _check_train_args(args) -> None:
         raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
                         f"use -t {mcfg.block_size} or less")
     torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
-    bad = [m for m in torch_modes if m not in TORCH + HF + PIPE + FLOAT8]
+    known = TORCH + HF + PIPE + FLOAT8 + TITAN
+    bad = [m for m in torch_modes if m not in known]
     if bad:
-        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(TORCH + HF + PIPE + FLOAT8)}")
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(known)}")
     if any(m in HF for m in torch_modes):
         _check_hf(mcfg, args.model)
+    if any(m in TITAN for m in torch_modes):  # torchtitan importable, the model one it builds
+        from braidtrain.bench import titan
+
+        titan.model_args(titan.load(), mcfg, args.seq_len, torch.device("cpu"))
     if args.baseline is None:
         args.baseline = "ddp-compile" if "ddp-compile" in torch_modes or not torch_modes else torch_modes[0]
     if torch_modes and args.baseline not in torch_modes:
@@ -299,15 +309,16 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}{'host':>7}{'slowest':>9}"
-          f"{'SM MHz':>8}"
+    print(f"{'variant':<40}{'tokens/s':>12}{'median':>10}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}"
+          f"{'host':>7}{'slowest':>9}{'SM MHz':>8}"
           f"{'W':>6}{'loss':>9}{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<40}  FAILED: {r['error']}")
             continue
         pct = lambda v: None if v is None else 100 * v
-        print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(pct(r['mfu']), '.1f', '%'):>8}"
+        print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(r.get('median_tokens_per_s'), ',.0f'):>10}"
+              f"{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
               f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{cell(pct(r.get('host_frac')), '.0f', '%'):>7}"
               f"{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
