@@ -23,6 +23,8 @@ install-test: install
 	@$(PY) -c "import transformers" 2>/dev/null || $(PY) -m pip install -q transformers==5.24.0  # the export test; pulls no torch
 	@$(PY) -c "import tensorboard" 2>/dev/null || $(PY) -m pip install -q tensorboard==2.21.0  # --tensorboard's test; pulls no torch
 	@$(PY) -c "import wandb" 2>/dev/null || $(PY) -m pip install -q wandb==0.31.0  # --wandb's test (offline); pulls no torch
+	@$(PY) -c "import torchtitan, tyro, torchao" 2>/dev/null || $(PY) -m pip install -q --no-deps torchtitan==0.2.2 \
+		tyro docstring_parser typeguard shtab torchao==0.17.0  # bench's --torch titan yardstick (its model, not its trainer)
 	@$(PY) -c "import pyarrow" 2>/dev/null || $(PY) -m pip install -q pyarrow==26.0.1  # parquet corpora's test
 	@command -v mpirun >/dev/null || (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) \
 		|| echo "note: could not install OpenMPI (not root?); the mpi test will say so"
