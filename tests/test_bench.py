@@ -100,6 +100,22 @@ def test_hf_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypat
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=tol), (ours, theirs)  # well inside --loss-tol
 
 
+def test_fsdp2_offload_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypatch, capsys):
+    """--torch fsdp2-offload: transformers' LlamaForCausalLM under FSDP2 with CPUOffloadPolicy, sharded
+    over 2 gloo ranks (on the CPU unpinned: torch pins only beside an accelerator), trains what
+    braidtrain trains -- its final loss is braidtrain's in fp32 -- and reports its host peak (max RSS)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    out = tmp_path / "train.json"
+    p = bench_train("--model", "llama3-tiny", "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",
+                    "--steps", "3", "--warmup", "1", "--nproc", "2", "--layout", "-z 1", "--torch", "fsdp2-offload",
+                    "--json", out, monkeypatch=monkeypatch, capsys=capsys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    ours, theirs = rows["braidtrain -z 1"], rows["torch fsdp2-offload"]
+    assert theirs["tokens_per_s"] > 0 and ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (ours, theirs)
+    assert theirs["host_gb"] > 0.05 and ours["host_gb"] is None and "host GB" in p.stdout  # (python + torch alone)
+
+
 @pytest.mark.parametrize("preset, shape", [("llama3-tiny", {}), ("llama3-tiny", {"tie_embeddings": True}),
                                            ("llama3-tiny", {"qk_norm": True}), ("tiny", {"n_layer": 2}),
                                            ("mixtral-tiny", {"qk_norm": True, "n_layer": 2})])
