@@ -144,6 +144,13 @@ def test_hf_yardstick_without_transformers_is_one_line(monkeypatch, capsys):
     assert code == 2 and err.count("\n") == 1 and "install the transformers package" in err and "LlamaForCausalLM" in err
 
 
+def test_deepspeed_yardstick_without_deepspeed_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # find_spec("deepspeed") is None: not installed
+    code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "fsdp2-offload,deepspeed-offload"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "install the deepspeed package" in err
+
+
 def test_median_row_over_rounds():
     """--repeat: the run of median tokens/s and the median of the rounds' own ratios (the lower middle
     for an even count); a failed run fails the row, a round without a baseline run leaves no ratio."""

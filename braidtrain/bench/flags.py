@@ -14,8 +14,9 @@ HF = ("hf", "hf-compile")  # transformers' model of the family, eager and compil
 LOSS_TOL = {"cpu": 1e-3, "cuda": 2e-2}  # final losses of variants within this (relative): fp32; bf16
 PIPE = ("pipe-1f1b", "pipe-interleaved")  # torch.distributed.pipelining's (pp = ranks), beside --layout '--pp N'
 FLOAT8 = ("ao-tensorwise", "ao-rowwise")  # torchao's float8 training, beside --layout '--compile --fp8 ...'
-# transformers' model under FSDP2 with CPUOffloadPolicy (eager, each layer compiled), beside --offload optimizer
-OFFLOAD = ("fsdp2-offload", "fsdp2-offload-compile")
+# transformers' model under FSDP2 with CPUOffloadPolicy (eager, each layer compiled), and under DeepSpeed's
+# ZeRO-Offload (where deepspeed is installed), beside --offload optimizer
+OFFLOAD = ("fsdp2-offload", "fsdp2-offload-compile", "deepspeed-offload")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
 

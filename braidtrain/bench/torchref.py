@@ -46,7 +46,9 @@ its CPUOffloadPolicy (each decoder layer a unit, compiled first under -compile):
 parameters, their fp32 gradients and so AdamW's moments live in host memory, and torch's fused
 AdamW updates them there; each unit's bf16 parameters are copied to the GPU for its forward and
 backward (MixedPrecisionPolicy as fsdp2's). It is what a torch user picks for a model whose state
-does not fit the GPU, the yardstick of `train --offload optimizer`.
+does not fit the GPU, the yardstick of `train --offload optimizer`. deepspeed-offload is DeepSpeed's
+ZeRO-Offload (zero_offload) over the same model, where the deepspeed package is installed (it is
+no dependency; docs/performance.md says how it travels to the GPU machine).
 
 Writes {"mode", "world_size", "step_s": [...], "loss": [...], "mem_gb", "tokens_per_step",
 "flops_per_token", "peak_flops", "host_gb"} from rank 0 (host_gb: its process's peak resident
@@ -78,7 +80,7 @@ from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
 MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "hf", "hf-compile", "pipe-1f1b", "pipe-interleaved",
-         "ao-tensorwise", "ao-rowwise", "fsdp2-offload", "fsdp2-offload-compile")
+         "ao-tensorwise", "ao-rowwise", "fsdp2-offload", "fsdp2-offload-compile", "deepspeed-offload")
 
 
 class TorchLoss(torch.nn.Module):
@@ -238,8 +240,46 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
     return step_s, losses
 
 
+def zero_offload(a, mcfg, loader, plan, cfg, device, bf16):
+    """deepspeed-offload: DeepSpeed's ZeRO-Offload over the transformers model -- ZeRO-2, bf16
+    weights on the GPU, the fp32 master and AdamW's moments on the host, updated there by its CPU
+    Adam (a C++ extension it compiles on first use); returns step(i) -> the loss."""
+    import deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = HFLoss(hf_model(mcfg, cfg.seed, device))
+    groups = [{"params": [q for q in model.parameters() if q.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}]
+    conf = {"train_micro_batch_size_per_gpu": a.b, "gradient_accumulation_steps": plan.micro_steps,
+            "gradient_clipping": cfg.grad_clip, "bf16": {"enabled": bf16}, "steps_per_print": 1 << 30,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": bf16}},
+            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [cfg.beta1, cfg.beta2], "eps": cfg.eps,
+                                                      "weight_decay": cfg.weight_decay}}}
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=conf)
+    first = rank * plan.seqs_per_rank
+
+    def step(i):
+        total = torch.zeros((), device=device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
+        for micro in range(plan.micro_steps):
+            x, y = (t.to(device, non_blocking=True) for t in loader.batch(i, first + micro * a.b, a.b))
+            loss = engine(x, y)
+            # the token sum over the rank's tokens, as dense()'s (DeepSpeed's own division by the
+            # accumulation steps off); it averages the ranks' gradients, then clips and steps at the last
+            engine.backward(loss / (plan.total_tokens // world), scale_wrt_gas=False)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        return total.item() / plan.total_tokens
+
+    return step
+
+
 def dense(a, mcfg, loader, plan, cfg, device, bf16):
     """ddp*, fsdp2*, hf*: the model built, wrapped and given its optimizer; returns step(i) -> the loss."""
+    if a.mode == "deepspeed-offload":
+        return zero_offload(a, mcfg, loader, plan, cfg, device, bf16)
     rank, world = dist.get_rank(), dist.get_world_size()
     if a.mode.startswith("hf") or "offload" in a.mode:
         model = HFLoss(hf_model(mcfg, cfg.seed, device))

@@ -31,6 +31,7 @@ middle two; no ratio where a round's baseline failed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -138,6 +139,9 @@ def _check_train_args(args) -> None:
     bad = [m for m in torch_modes if m not in every]
     if bad:
         raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(every)}")
+    if "deepspeed-offload" in torch_modes and importlib.util.find_spec("deepspeed") is None:
+        raise UserError("--torch deepspeed-offload trains under DeepSpeed's ZeRO-Offload: install the deepspeed "
+                        "package (pip install deepspeed), or drop deepspeed-offload from --torch")
     if any(m in HF + OFFLOAD for m in torch_modes):
         _check_hf(mcfg, args.model, [m for m in torch_modes if m in HF + OFFLOAD])
     if args.baseline is None:
