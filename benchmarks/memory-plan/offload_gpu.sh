@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # --offload optimizer on one H200 (issue #57 item 7), ONE call, from the repo root with data/shakespeare_bytes
-# carried (no network; Llama-3's 128,256 ids are built from it below). braidtrain's runs go through
+# (no network; prepared below if not carried; Llama-3's 128,256 ids are built from it). braidtrain's runs go through
 # benchmarks/speed/fit_gpu.py, which drives the Trainer a few steps and saves no checkpoint (an 8B
 # checkpoint is 96 GB, the disk 64 GB): tokens/s, MFU, GPU peak (torch's), host peak (max RSS), the host
 # update's seconds a step (offload_s: the GPU waits for it), each beside the planner's figure.
@@ -14,6 +14,7 @@
 #   b. llama3.1-8b -d 262144, as a
 #   x. extras, if time is left: fsdp2-offload-compile; DeepSpeed ZeRO-Offload (only where its wheels
 #      are carried in .whl: docs/performance.md says how; its CPU Adam is compiled on the spot)
+# Data: data/shakespeare_bytes, carried or else prepared here (the corpus ships with braidtrain).
 # The no-offload llama3.1-8b row (ZeRO-0 -b 4 --recompute --compile: 9,172 tokens/s, 44.7% MFU, 139.4 GB) is
 # issue #57's, measured on the same machine; it is not run again here (device time).
 # Usage: bash benchmarks/memory-plan/offload_gpu.sh [p a c 0 b x]   SMOKE=1: the same on the CPU at tiny sizes
@@ -38,6 +39,9 @@ else
   free -g | head -2
 fi
 { cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'; } 2>/dev/null; date -u  # (a carried copy: its COMMIT file)
+if [ ! -f data/shakespeare_bytes/shakespeare_val_000000.bin ]; then  # (the corpus ships with braidtrain: offline)
+  python -m braidtrain data prepare --corpus shakespeare --tokenizer bytes --out data/shakespeare_bytes > /dev/null
+fi
 if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then  # Llama-3's 128,256 ids (as llama_gpu.sh builds them)
   python - <<'PY'
 import numpy as np
@@ -57,8 +61,9 @@ fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; ech
 bounded() { timeout $((BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10)) "$@"; }
 fit() { local name=$1; shift; echo "== $name: $*"; bounded python benchmarks/speed/fit_gpu.py --json "$W/$name.json" "$@" \
   || echo "($name failed: exit $?)"; }
-yard() { local name=$1 mode=$2; echo "== $name: torch $mode, $m3 -b 2 -t $t -d $d3"; bounded python -m braidtrain.bench.torchref \
-  --mode "$mode" --model $m3 -i $WIDE -b 2 -t $t -d $d3 --steps 3 --json "$W/$name.json" $dev || echo "($name failed: exit $?)"; }
+yard() { local name=$1 mode=$2; echo "== $name: torch $mode, $m3 -b 2 -t $t -d $d3"; bounded python -m torch.distributed.run \
+  --standalone --nproc-per-node=1 -m braidtrain.bench.torchref --mode "$mode" --model $m3 -i $WIDE -b 2 -t $t -d $d3 --steps 3 \
+  --json "$W/$name.json" $dev || echo "($name failed: exit $?)"; }
 steps="--steps 3 --warmup 1"
 
 [[ $parts == *" p "* ]] && fits 20 && { echo "== probe"; bounded python benchmarks/memory-plan/offload_probe.py $probe --json "$W/probe.json" \
@@ -83,7 +88,8 @@ fi
 [[ $parts == *" b "* ]] && fits 160 && fit b-8b-262144 --model $m8 -i $WIDE $b8 -t $t -d $d8b --offload optimizer $c $dev --steps 2 --warmup 1
 if [[ $parts == *" x "* ]]; then
   fits 60 && yard x-3b-fsdp2-offload-compile fsdp2-offload-compile
-  if [ -d .whl ] && ls .whl/deepspeed-*.whl > /dev/null 2>&1 && fits 120; then  # DeepSpeed ZeRO-Offload (ZeRO-2, CPU Adam)
+  # DeepSpeed ZeRO-Offload (ZeRO-2, CPU Adam), GPU only (on the CPU DeepSpeed compiles its shared-memory comm too)
+  if [ "${SMOKE:-0}" != 1 ] && ls .whl/deepspeed-*.whl > /dev/null 2>&1 && fits 120; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl/*.whl \
       && PYTHONPATH=/tmp/ds-site:${PYTHONPATH:-} yard x-3b-deepspeed-offload deepspeed-offload
   fi
