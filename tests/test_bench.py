@@ -144,6 +144,28 @@ def test_hf_yardstick_without_transformers_is_one_line(monkeypatch, capsys):
     assert code == 2 and err.count("\n") == 1 and "install the transformers package" in err and "LlamaForCausalLM" in err
 
 
+@pytest.mark.parametrize("mode", ["fsdp2-offload", "fsdp2-offload-compile"])
+def test_fsdp2_offload_puts_every_unit_on_the_host(mode):
+    """On the CPU the host is the device, so the run above cannot tell offload from none: here every
+    FSDP2 unit of the yardstick (each decoder layer, and the root) holds its shards under
+    CPUOffloadPolicy (FSDP's own flag on each of its parameters)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torchref.HFLoss(torchref.hf_model(registry.model_config("llama3-tiny", 256, n_layer=2), 0,
+                                                  torch.device("cpu")))
+        net, _, _ = torchref.build(mode, model, torch.device("cpu"), False)
+        units = [m for m in net.modules() if hasattr(m, "_get_fsdp_state")]
+        flags = [q.offload_to_cpu for u in units for q in u._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        assert len(units) == 3 and len(flags) == len(list(net.parameters())) and all(flags)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_deepspeed_yardstick_without_deepspeed_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # find_spec("deepspeed") is None: not installed
     code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "fsdp2-offload,deepspeed-offload"])
