@@ -74,7 +74,7 @@ if [[ $parts == *" c "* ]] && fits 120; then
   fit c-3b-device --model $m3 -i $WIDE -b 2 -t $t -d $d3 $c $dev $steps
   fits 40 && yard c-3b-fsdp2-offload fsdp2-offload
 fi
-if [[ $parts == *" 0 "* ]] && fits 50; then
+if [[ $parts == *" 0 "* ]] && fits 40; then
   echo "== 0. exact mode, with and without --offload optimizer (llama3-tiny widened, 8 steps)"
   for off in "" "--offload optimizer"; do
     o=$(mktemp -d); bounded python -m braidtrain train --model llama3-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-heads 2 \
