@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import resource
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -171,6 +172,9 @@ class Trainer:
             rec["skip_reason"] = f"{'loss' if bad_loss else 'gradient norm'} is {loss if bad_loss else norm}"
         if self.opt.offload is not None:  # the host update's seconds (parallel/offload.py)
             rec["offload_s"] = self.opt.offload.seconds
+            # as mem_gb: on a GPU the peak resident (KiB), on the CPU the offloaded state (plan --check's)
+            rec["host_gb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if self.device.type == "cuda"
+                              else self.opt.offload.host_bytes()) / 1e9
         if self.layout.pp > 1:
             rec["bubble"] = self.passes.bubbles()
         if self.mcfg.moe_experts:

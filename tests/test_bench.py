@@ -102,6 +102,22 @@ def test_hf_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypat
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=tol), (ours, theirs)  # well inside --loss-tol
 
 
+def test_fsdp2_offload_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkeypatch, capsys):
+    """--torch fsdp2-offload: transformers' LlamaForCausalLM under FSDP2 with CPUOffloadPolicy, sharded
+    over 2 gloo ranks (on the CPU unpinned: torch pins only beside an accelerator), trains what
+    braidtrain trains -- its final loss is braidtrain's in fp32 -- and reports its host peak (max RSS)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    out = tmp_path / "train.json"
+    p = bench_train("--model", "llama3-tiny", "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",
+                    "--steps", "3", "--warmup", "1", "--nproc", "2", "--layout", "-z 1", "--torch", "fsdp2-offload",
+                    "--json", out, monkeypatch=monkeypatch, capsys=capsys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    ours, theirs = rows["braidtrain -z 1"], rows["torch fsdp2-offload"]
+    assert theirs["tokens_per_s"] > 0 and ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (ours, theirs)
+    assert theirs["host_gb"] > 0.05 and ours["host_gb"] is None and "host GB" in p.stdout  # (python + torch alone)
+
+
 @pytest.mark.parametrize("preset, shape", [("llama3-tiny", {}), ("llama3-tiny", {"tie_embeddings": True}),
                                            ("llama3-tiny", {"qk_norm": True}), ("tiny", {"n_layer": 2}),
                                            ("mixtral-tiny", {"qk_norm": True, "n_layer": 2})])
@@ -169,8 +185,14 @@ def test_titan_model_holds_braidtrain_weights():
 
     from braidtrain.bench import titan
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _titan_holds_weights(titan)
+    finally:
+        dist.destroy_process_group()
+
+
+def _titan_holds_weights(titan):
     x = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
     for shape in ({}, {"tie_embeddings": True}):
         mcfg = registry.model_config("llama3-tiny", 300, n_layer=2, **shape)
@@ -212,6 +234,33 @@ def test_rows_give_the_median_step_beside_the_mean(tmp_path):
          "exposed_comm_s": 0, "host_s": 0, "loss": 1.0}) + "\n" for s in steps))
     ours = bench._braidtrain_row(tmp_path, 1)
     assert ours["median_tokens_per_s"] == pytest.approx(100 / 1.5) and ours["tokens_per_s"] == pytest.approx(50)
+
+
+@pytest.mark.parametrize("mode", ["fsdp2-offload", "fsdp2-offload-compile"])
+def test_fsdp2_offload_puts_every_unit_on_the_host(mode):
+    """On the CPU the host is the device, so the run above cannot tell offload from none: here every
+    FSDP2 unit of the yardstick (each decoder layer, and the root) holds its shards under
+    CPUOffloadPolicy (FSDP's own flag on each of its parameters)."""
+    pytest.importorskip("transformers", reason="transformers is not installed: `make test` installs it")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torchref.HFLoss(torchref.hf_model(registry.model_config("llama3-tiny", 256, n_layer=2), 0,
+                                                  torch.device("cpu")))
+        net, _, _ = torchref.build(mode, model, torch.device("cpu"), False)
+        units = [m for m in net.modules() if hasattr(m, "_get_fsdp_state")]
+        flags = [q.offload_to_cpu for u in units for q in u._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        assert len(units) == 3 and len(flags) == len(list(net.parameters())) and all(flags)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepspeed_yardstick_without_deepspeed_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # find_spec("deepspeed") is None: not installed
+    code = cli.main(["bench", "train", "--model", "llama3-tiny", "-t", "64", "--torch", "fsdp2-offload,deepspeed-offload"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "install the deepspeed package" in err
 
 
 def test_median_row_over_rounds():

@@ -33,7 +33,8 @@ from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, NCCL_BYT
 from braidtrain.plan.report import COLUMNS, table
 from braidtrain.plan.search import auto_layout, plan
 from braidtrain.plan.space import Candidate, Setup, layout_of
-from braidtrain.plan.timing import busbw_of, tp_comm_s
+from braidtrain.plan import timing
+from braidtrain.plan.timing import busbw_of, offload_s, tp_comm_s
 from helpers import braidtrain, forked, prepare_bytes
 
 
@@ -466,6 +467,58 @@ def test_check_model_state_matches_a_real_cpu_run(checks, case):
     assert r["device"] == "cpu" and r["layout"]["zero"] == case[1] and r["layout"]["tp"] == case[2]
     assert r["layout"]["pp"] == case[3] and r["layout"]["cp"] == case[4] and r["layout"]["ep"] == (case[5:] or (1,))[0]
     assert abs(r["rel_error"]) < 0.05, r
+
+
+def test_check_compares_the_offloaded_host_state_with_a_real_cpu_run(tmp_path, monkeypatch_module):
+    """plan --check --offload on 1 process at ZeRO-0 and 2 gloo ranks at ZeRO-1: the run's host state
+    (metrics' host_gb, on the CPU the offloaded master, m, v and staging of a rank's shards: as many
+    slots as buckets, up to offload.SLOTS, each the widest shard) is the planned host bytes a rank;
+    the model state as without offload."""
+    data = prepare_bytes(tmp_path / "shakespeare")
+    for n, zero in ((1, 0), (2, 1)):
+        args = parse("--model", "tiny", "--vocab", 256, "--gpus", n, "-t", 64, "-d", 256, "--check", f"{zero},2",
+                     "--offload", "--data", data)
+        lay = check.check_layout(args)
+        assert lay == Candidate(n, zero, 2, False, offload=True)
+        r = check.check(setup_from(args), lay, str(data), None)
+        assert abs(r["rel_error"]) < 0.05 and abs(r["host_rel_error"]) < 0.05, r
+        assert r["host_estimated_gb"] == pytest.approx(r["estimate"]["host_gb"] / n)  # the node's, over its ranks
+
+
+def test_offload_time_is_the_slower_of_the_copies_and_the_host_update(monkeypatch):
+    """The copies (4 bytes an owned element down, 4 up, one stream: summed) against the host's
+    AdamW (the node's rate over its ranks): the step waits for the slower."""
+    monkeypatch.setattr(timing, "PCIE_D2H_GBPS", 40.0)
+    monkeypatch.setattr(timing, "PCIE_H2D_GBPS", 50.0)
+    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 4e9)
+    t = offload_s(1e9, 2)
+    assert (t["down"], t["up"], t["update"]) == pytest.approx((0.1, 0.08, 0.5)) and t["exposed"] == t["update"]
+    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 4e11)
+    assert offload_s(1e9, 2)["exposed"] == pytest.approx(0.18)
+
+
+def test_layout_auto_offloads_when_faster_or_when_nothing_fits(monkeypatch):
+    """llama3.1-8b at -t 2048 -d 65536 on one GPU: on 150 GB it fits without offload only with
+    --recompute; a host that updates and copies fast makes offload without recompute faster, and
+    --layout auto takes it, saying why; a slow one leaves it out. On 80 GB nothing fits without, so
+    auto offloads whatever the host's speed, saying so; a host too small to hold the state fits nothing."""
+    from braidtrain.config import Config
+
+    model, cfg = model_config("llama3.1-8b", None), Config(seq_len=2048, total_batch=65536)
+    auto = lambda gb, host=128: auto_layout(cfg, model, 1, "cuda", mem_gb=gb, host_gb=host)
+    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 1e9)  # the copies and the update: 8 s a step
+    chosen, said = auto(150.1)
+    assert chosen["offload"] is None and chosen["recompute"] and "--offload" not in said
+    chosen, said = auto(80)
+    assert chosen["offload"] == "optimizer" and said.endswith("since nothing fits on the GPU alone"), said
+    with pytest.raises(UserError, match="nothing fits"):
+        auto(80, host=64)
+    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 1e11)
+    monkeypatch.setattr(timing, "PCIE_D2H_GBPS", 1e4)
+    monkeypatch.setattr(timing, "PCIE_H2D_GBPS", 1e4)
+    chosen, said = auto(150.1)
+    assert chosen["offload"] == "optimizer" and not chosen["recompute"], said
+    assert "faster than the best layout without it (ZeRO-0 b=4 --recompute, " in said and "GB of host memory" in said
 
 
 def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():

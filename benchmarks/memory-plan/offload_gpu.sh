@@ -1,33 +1,47 @@
 #!/usr/bin/env bash
-# --offload optimizer on one H200 (issue #57 item 7), one call, from the repo root with
-# data/shakespeare_bytes carried (no network). Every run goes through benchmarks/speed/fit_gpu.py, which
-# drives braidtrain's Trainer for a few steps and saves no checkpoint (an 8B checkpoint is 96 GB, the
-# machine's disk 64 GB); it prints tokens/s, MFU, the GPU peak (torch's), the host peak (the
-# process's max RSS) and the host update's seconds a step (offload_s: exposed -- the GPU waits for it).
+# --offload optimizer on one H200 (issue #57 item 7), ONE call, from the repo root with data/shakespeare_bytes
+# (no network; prepared below if not carried; Llama-3's 128,256 ids are built from it). braidtrain's runs go through
+# benchmarks/speed/fit_gpu.py, which drives the Trainer a few steps and saves no checkpoint (an 8B
+# checkpoint is 96 GB, the disk 64 GB): tokens/s, MFU, GPU peak (torch's), host peak (max RSS), the host
+# update's seconds a step (offload_s: the GPU waits for it), each beside the planner's figure.
+#   p. the probe: fused CPU AdamW elements/s on every core, pinned D2H/H2D GB/s, the host's copy GB/s
+#      (offload_probe.py: the figures plan/timing.py's HOST_ADAM_PPS, PCIE_*_GBPS are to be set from)
+#   a. llama3.1-8b -b 1 -t 2048 -d 65536 --offload optimizer --compile, no --recompute
+#   c. llama3.2-3b -b 2 -t 2048 -d 4096 (one micro-step) --compile, with and without offload; beside it
+#      torch FSDP2 + CPUOffloadPolicy on transformers' LlamaForCausalLM of that shape (bench.torchref
+#      fsdp2-offload, eager)
 #   0. exact mode: a small llama with and without --offload optimizer, the same weights_sha256?
-#   a. llama3.1-8b -t 2048 -d 65536 --offload optimizer --compile, -b 1, no --recompute
-#   b. llama3.1-8b -t 2048 -d 262144, the same
-#   c. llama3.2-3b -b 2 -t 2048 -d 4096 (one micro-step) --compile, with and without offload
-# The no-offload llama3.1-8b row (ZeRO-0 -b 4 --recompute --compile, 9,172 tokens/s) is issue #57's,
-# measured on the same machine; it is not run again here (device time).
-# Usage: bash benchmarks/memory-plan/offload_gpu.sh [0 a b c]   SMOKE=1: the same on the CPU at tiny sizes
-# Order: a, c, 0, b (each skipped, saying so, when too little of BUDGET is left)
+#   b. llama3.1-8b -d 262144, as a
+#   x. extras, if time is left: fsdp2-offload-compile; DeepSpeed ZeRO-Offload (only where its wheels
+#      are carried in .whl: docs/performance.md says how; its CPU Adam is compiled on the spot)
+# Data: data/shakespeare_bytes, carried or else prepared here (the corpus ships with braidtrain).
+# The no-offload llama3.1-8b row (ZeRO-0 -b 4 --recompute --compile: 9,172 tokens/s, 44.7% MFU, 139.4 GB) is
+# issue #57's, measured on the same machine; it is not run again here (device time).
+# Usage: bash benchmarks/memory-plan/offload_gpu.sh [p a c 0 b x]   SMOKE=1: the same on the CPU at tiny sizes
+# Parts run in the order above, each skipped (saying so) when too little of BUDGET (seconds, default 390:
+# an 8-minute call with the machine's start) is left, and each stopped when it would overrun BUDGET.
+# Prints one table at the end; writes $OUT/offload_gpu.json (every row) and $OUT/offload_gpu.log.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-parts=" ${*:-0 a b c} "
+parts=" ${*:-p a c 0 b x} "
 OUT=${OUT:-/tmp/offload_gpu}
 mkdir -p "$OUT"
+W=$(mktemp -d)  # each run's JSON (only two files go to $OUT: a call brings back at most 8)
 exec > >(tee -a "$OUT/offload_gpu.log") 2>&1
+BUDGET=${BUDGET:-390}
 WIDE=data/shakespeare_128k
 if [ "${SMOKE:-0}" = 1 ]; then
-  dev="--device cpu"; m3=llama3-tiny; m8=llama3-tiny; t=64; b8="-b 2"; d8a=512; d8b=1024; d3=128; c=""; fs="--steps 3 --warmup 1"
-  WIDE=data/shakespeare_bytes
+  dev="--device cpu"; m3=llama3-tiny; m8=llama3-tiny; t=64; b8="-b 2"; d8a=512; d8b=1024; d3=128; c=""
+  probe="--elements 1000000"; WIDE=data/shakespeare_bytes
 else
-  dev=""; m3=llama3.2-3b; m8=llama3.1-8b; t=2048; b8="-b 1"; d8a=65536; d8b=262144; d3=4096; c="--compile"; fs="--steps 3 --warmup 1"
+  dev=""; m3=llama3.2-3b; m8=llama3.1-8b; t=2048; b8="-b 1"; d8a=65536; d8b=262144; d3=4096; c="--compile"; probe=""
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   free -g | head -2
 fi
 { cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'; } 2>/dev/null; date -u  # (a carried copy: its COMMIT file)
+if [ ! -f data/shakespeare_bytes/shakespeare_val_000000.bin ]; then  # (the corpus ships with braidtrain: offline)
+  python -m braidtrain data prepare --corpus shakespeare --tokenizer bytes --out data/shakespeare_bytes > /dev/null
+fi
 if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then  # Llama-3's 128,256 ids (as llama_gpu.sh builds them)
   python - <<'PY'
 import numpy as np
@@ -41,25 +55,72 @@ for split in ("train", "val"):
     write_bin(dst / f"shakespeare_{split}_000000.bin", (pairs * (LLAMA3_VOCAB - 1) // 65535).astype(np.uint32), LLAMA3_VOCAB)
 PY
 fi
-fit() { local name=$1; shift; echo "== $name: $*"; timeout 420 python benchmarks/speed/fit_gpu.py --json "$OUT/$name.json" "$@" || echo "($name failed: exit $?)"; }
-# a part runs when the time left of BUDGET (seconds, default 480) covers what it needs (estimates for an H200)
-BUDGET=${BUDGET:-480}
+# fits N: the time left of BUDGET covers N seconds (what the part needs on an H200, estimated)
 fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
+# bounded CMD...: CMD, stopped once BUDGET is spent (exit 124)
+bounded() { timeout $((BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10)) "$@"; }
+fit() { local name=$1; shift; echo "== $name: $*"; bounded python benchmarks/speed/fit_gpu.py --json "$W/$name.json" "$@" \
+  || echo "($name failed: exit $?)"; }
+yard() { local name=$1 mode=$2; echo "== $name: torch $mode, $m3 -b 2 -t $t -d $d3"; bounded python -m torch.distributed.run \
+  --standalone --nproc-per-node=1 -m braidtrain.bench.torchref --mode "$mode" --model $m3 -i $WIDE -b 2 -t $t -d $d3 --steps 3 \
+  --json "$W/$name.json" $dev || echo "($name failed: exit $?)"; }
+steps="--steps 3 --warmup 1"
 
-[[ $parts == *" a "* ]] && fits 150 && fit a --model $m8 -i $WIDE $b8 -t $t -d $d8a --offload optimizer $c $dev $fs
+[[ $parts == *" p "* ]] && fits 20 && { echo "== probe"; bounded python benchmarks/memory-plan/offload_probe.py $probe --json "$W/probe.json" \
+  || echo "(probe failed: exit $?)"; }
+[[ $parts == *" a "* ]] && fits 150 && fit a-8b-65536 --model $m8 -i $WIDE $b8 -t $t -d $d8a --offload optimizer $c $dev $steps
 if [[ $parts == *" c "* ]] && fits 120; then
-  fit c-offload --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $fs
-  fit c-device --model $m3 -i $WIDE -b 2 -t $t -d $d3 $c $dev $fs
+  fit c-3b-offload --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $steps
+  fit c-3b-device --model $m3 -i $WIDE -b 2 -t $t -d $d3 $c $dev $steps
+  fits 40 && yard c-3b-fsdp2-offload fsdp2-offload
 fi
-if [[ $parts == *" 0 "* ]] && fits 60; then
+if [[ $parts == *" 0 "* ]] && fits 40; then
   echo "== 0. exact mode, with and without --offload optimizer (llama3-tiny widened, 8 steps)"
   for off in "" "--offload optimizer"; do
-    o=$(mktemp -d); python -m braidtrain train --model llama3-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-heads 2 \
+    o=$(mktemp -d); bounded python -m braidtrain train --model llama3-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-heads 2 \
       -i data/shakespeare_bytes -b 4 -t 256 -d 4096 -x 8 --exact --val-every 0 --sample-tokens 0 --no-progress $dev $off \
       --out "$o" > "$o.log" 2>&1 || tail -3 "$o.log"
-    python -c "import json; s = json.load(open('$o/summary.json')); print('exact ${off:-(device)}:', s['weights_sha256'])"
+    python -c "import json; s = json.load(open('$o/summary.json')); print('exact ${off:-(device)}:', s['weights_sha256']); \
+json.dump({'weights_sha256': s['weights_sha256']}, open('$W/exact${off:+-offload}.json', 'w'))" || echo "(exact ${off:-device}: no summary)"
     rm -rf "$o" "$o.log"
   done
 fi
-[[ $parts == *" b "* ]] && fits 160 && fit b --model $m8 -i $WIDE $b8 -t $t -d $d8b --offload optimizer $c $dev --steps 2 --warmup 1
+[[ $parts == *" b "* ]] && fits 160 && fit b-8b-262144 --model $m8 -i $WIDE $b8 -t $t -d $d8b --offload optimizer $c $dev --steps 2 --warmup 1
+if [[ $parts == *" x "* ]]; then
+  fits 60 && yard x-3b-fsdp2-offload-compile fsdp2-offload-compile
+  # DeepSpeed ZeRO-Offload (ZeRO-2, CPU Adam), GPU only (on the CPU DeepSpeed compiles its shared-memory comm too)
+  if [ "${SMOKE:-0}" != 1 ] && ls .whl/deepspeed-*.whl > /dev/null 2>&1 && fits 120; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl/*.whl \
+      && PYTHONPATH=/tmp/ds-site:${PYTHONPATH:-} yard x-3b-deepspeed-offload deepspeed-offload
+  fi
+fi
 echo "done in $SECONDS s"
+python - "$W" "$OUT/offload_gpu.json" <<'PY'
+import json, sys
+from pathlib import Path
+rows = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))}
+Path(sys.argv[2]).write_text(json.dumps(rows, indent=1) + "\n")
+cell = lambda v, f: "-" if v is None else format(v, f)
+print(f"{'run':<28}{'tokens/s':>10}{'MFU':>7}{'GPU GB':>8}{'planned':>8}{'host GB':>9}{'planned':>8}{'step s':>8}"
+      f"{'offload s':>10}{'planned':>8}")
+for name, r in rows.items():
+    if name == "probe" or name.startswith("exact"):
+        continue
+    if "step_s" in r and isinstance(r["step_s"], list):  # a torch yardstick (bench.torchref): step 0 is warm-up
+        steps = r["step_s"][1:]
+        tps = r["tokens_per_step"] * len(steps) / sum(steps)
+        r = {"tokens_per_s": tps, "mfu": r["peak_flops"] and tps * r["flops_per_token"] / r["peak_flops"],
+             "mem_gb": r["mem_gb"], "host_peak_gb": r["host_gb"], "step_s": sum(steps) / len(steps)}
+    pct = lambda v: None if v is None else 100 * v
+    print(f"{name:<28}{r['tokens_per_s']:>10,.0f}{cell(pct(r.get('mfu')), '.1f'):>7}{cell(r.get('mem_gb'), '.1f'):>8}"
+          f"{cell(r.get('estimated_gb'), '.1f'):>8}{cell(r.get('host_peak_gb'), '.1f'):>9}"
+          f"{cell(r.get('planned_host_gb'), '.1f'):>8}{cell(r.get('step_s'), '.2f'):>8}{cell(r.get('offload_s'), '.2f'):>10}"
+          f"{cell(r.get('planned_offload_s'), '.2f'):>8}")
+if "probe" in rows:
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows["probe"].items()))
+hashes = [rows[k]["weights_sha256"] for k in ("exact", "exact-offload") if k in rows]
+if hashes:
+    print("exact weights_sha256:", " / ".join(h[:16] for h in hashes),
+          "(the same)" if len(hashes) == 2 and hashes[0] == hashes[1] else "(DIFFERENT)" if len(hashes) == 2 else "")
+PY
+rm -rf "$W"

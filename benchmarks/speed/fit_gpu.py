@@ -4,7 +4,8 @@ final checkpoint of llama3.1-8b (96 GB of weights and Adam moments) would not fi
 machine's disk. Prints tokens/s and MFU over the steps after --warmup, the host's share of the
 step, and the measured peak memory (metrics' mem_gb, torch's peak allocation) against the
 planner's estimate of the same layout (plan/estimate.py's `allocated`; on the CPU the model state:
-what `plan --check` compares).
+what `plan --check` compares); under --offload optimizer also the host peak (max RSS) and the host
+update's seconds a step against the planner's host bytes and offload seconds.
 
     python benchmarks/speed/fit_gpu.py [--steps 6] [--warmup 3] [--json FILE] TRAIN_FLAGS ...
     e.g. python benchmarks/speed/fit_gpu.py --model llama3.1-8b -i DATA -b 2 -t 2048 -d 8192 --recompute --compile
@@ -62,7 +63,8 @@ def main(argv):
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 0.0
     setup = Setup(trainer.mcfg, 1, gpu_gb, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
                   cpu=trainer.device.type == "cpu", fp8=cfg.fp8, compile=cfg.compile)
-    candidate = Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute)
+    candidate = Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute,
+                          offload=cfg.offload == "optimizer")
     e = estimate(setup, candidate)
     st = e["state"]  # on the CPU mem_gb is the model state between steps (plan/check.py compares the same)
     est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if setup.cpu else e["allocated"]) / GB
@@ -71,12 +73,15 @@ def main(argv):
            + (" --cuda-graph" if cfg.cuda_graph else ""), "tokens_per_s": tps, "mfu": mfu, "mem_gb": peak,
            "estimated_gb": est, "rel_error": (est - peak) / peak, "host_frac": sum(r["host_s"] for r in timed) / secs,
            "loss": recs[-1]["loss"], "steps": a.steps, "warmup": a.warmup, "host_peak_gb": host_gb,
-           "step_s": secs / len(timed), "offload_s": sum(offload_s) / len(offload_s) if offload_s else None}
+           "step_s": secs / len(timed), "offload_s": sum(offload_s) / len(offload_s) if offload_s else None,
+           "planned_host_gb": e["host"] / GB, "planned_offload_s": e["offload_s"], "planned_step_s": e["step_s"]}
     mfu_text = "-" if mfu is None else f"{100 * mfu:.1f}%"
     print(f"{out['model']} {out['layout']} -t {cfg.seq_len} -d {lay.batch.total_tokens}: {tps:,.0f} tokens/s, MFU "
           f"{mfu_text}, host {100 * out['host_frac']:.0f}% of the step; peak {peak:.2f} GB measured, {est:.2f} GB "
           f"estimated by plan ({100 * out['rel_error']:+.1f}%); loss {out['loss']:.4f}; host peak {host_gb:.1f} GB; "
-          f"step {out['step_s']:.2f} s" + (f", host update {out['offload_s']:.2f} s of it" if offload_s else ""),
+          f"step {out['step_s']:.2f} s" + (f", host update {out['offload_s']:.2f} s of it (planned: host "
+                                           f"{out['planned_host_gb']:.1f} GB, {e['offload_s']:.2f} s)" if offload_s
+                                           else ""),
           flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out) + "\n")

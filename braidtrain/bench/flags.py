@@ -15,6 +15,9 @@ LOSS_TOL = {"cpu": 1e-3, "cuda": 2e-2}  # final losses of variants within this (
 PIPE = ("pipe-1f1b", "pipe-interleaved")  # torch.distributed.pipelining's (pp = ranks), beside --layout '--pp N'
 FLOAT8 = ("ao-tensorwise", "ao-rowwise")  # torchao's float8 training, beside --layout '--compile --fp8 ...'
 TITAN = ("titan", "titan-fp8")  # torchtitan's own Llama (and Llama 4 MoE), its compile and FSDP2 (bench/titan.py)
+# transformers' model under FSDP2 with CPUOffloadPolicy (eager, each layer compiled), and under DeepSpeed's
+# ZeRO-Offload (where deepspeed is installed), beside --offload optimizer
+OFFLOAD = ("fsdp2-offload", "fsdp2-offload-compile", "deepspeed-offload")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "exact_reduce_scatter")
 
 
@@ -49,9 +52,10 @@ def add_parser(sub):
                         + "; ".join(LAYOUTS) + "; on CUDA also " + "; ".join(GRAPH_LAYOUTS) + ")")
     t.add_argument("--torch", default=",".join(TORCH),
                    help="torch variants, a subset "
-                        "of " + ",".join(TORCH + HF + PIPE + FLOAT8 + TITAN) + " ('' for none; default "
+                        "of " + ",".join(TORCH + HF + PIPE + FLOAT8 + TITAN + OFFLOAD) + " ('' for none; default "
                         + ",".join(TORCH) + "); hf, hf-compile: transformers' model of the family (e.g. "
-                                            "LlamaForCausalLM); titan, titan-fp8: torchtitan's Llama")
+                                            "LlamaForCausalLM); fsdp2-offload*: that model under FSDP2 with its "
+                                            "state on the host (CPUOffloadPolicy); titan*: torchtitan's Llama")
     t.add_argument("--baseline", help="the torch variant the ratios are against (default: ddp-compile if run, else "
                                       "the first of --torch)")
     t.add_argument("--json", dest="json_path", help="also write the rows to this file")

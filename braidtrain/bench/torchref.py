@@ -41,8 +41,18 @@ the same token sum over the global count (torch's microbatch scaling off); the t
 two copies get their summed gradient (an all-reduce over the first and last ranks), the
 gradient norm counts it once, and each copy takes the same AdamW step.
 
+fsdp2-offload and fsdp2-offload-compile are the same transformers model under torch FSDP2 with
+its CPUOffloadPolicy (each decoder layer a unit, compiled first under -compile): the sharded fp32
+parameters, their fp32 gradients and so AdamW's moments live in host memory, and torch's fused
+AdamW updates them there; each unit's bf16 parameters are copied to the GPU for its forward and
+backward (MixedPrecisionPolicy as fsdp2's). It is what a torch user picks for a model whose state
+does not fit the GPU, the yardstick of `train --offload optimizer`. deepspeed-offload is DeepSpeed's
+ZeRO-Offload (zero_offload) over the same model, where the deepspeed package is installed (it is
+no dependency; docs/performance.md says how it travels to the GPU machine).
+
 Writes {"mode", "world_size", "step_s": [...], "loss": [...], "mem_gb", "tokens_per_step",
-"flops_per_token", "peak_flops"} from rank 0.
+"flops_per_token", "peak_flops", "host_gb"} from rank 0 (host_gb: its process's peak resident
+memory, max RSS).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from contextlib import nullcontext
@@ -70,7 +81,7 @@ from braidtrain.parallel.placement import init_weights
 from braidtrain.optim import lr_at
 
 MODES = ("ddp", "ddp-compile", "fsdp2", "fsdp2-compile", "hf", "hf-compile", "pipe-1f1b", "pipe-interleaved",
-         "ao-tensorwise", "ao-rowwise", *titan.MODES)
+         "ao-tensorwise", "ao-rowwise", "fsdp2-offload", "fsdp2-offload-compile", "deepspeed-offload", *titan.MODES)
 
 
 class TorchLoss(torch.nn.Module):
@@ -126,6 +137,11 @@ def hf_model(mcfg, seed: int, device):
     return model
 
 
+def hf_blocks(hf):
+    """A transformers model's decoder layers (Llama, Qwen3, Mixtral: model.layers; GPT-2: transformer.h)."""
+    return hf.model.layers if hasattr(hf, "model") else hf.transformer.h
+
+
 def build(mode, model, device, bf16):
     """The wrapped model and what its micro-steps need: (model, sync_context(last), autocast)."""
     rank = dist.get_rank()
@@ -135,15 +151,18 @@ def build(mode, model, device, bf16):
     if mode.startswith("hf") and dist.get_world_size() == 1:  # one GPU: no DDP, as a user would run it
         return (torch.compile(model) if mode == "hf-compile" else model), (lambda last: nullcontext()), autocast
     if mode.startswith("fsdp2"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
-        for block in model.gpt.blocks():
-            if mode == "fsdp2-compile":  # each block compiled, then sharded (torchtitan's order)
+        # fsdp2-offload*: the sharded fp32 parameters, their gradients and so AdamW's state on the host
+        # (pinned on a GPU; torch refuses pinned memory without an accelerator, so not on the CPU)
+        off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if "offload" in mode else OffloadPolicy()
+        for block in hf_blocks(model.gpt) if "offload" in mode else model.gpt.blocks():
+            if mode.endswith("-compile"):  # each block compiled, then sharded (torchtitan's order)
                 block.compile()
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mp_policy=mp, offload_policy=off)
+        fully_shard(model, mp_policy=mp, offload_policy=off)
 
         def sync(last):
             model.set_requires_gradient_sync(last)
@@ -224,10 +243,48 @@ def run_pipe(a, mcfg, loader, plan, cfg, device, bf16):
     return step_s, losses
 
 
+def zero_offload(a, mcfg, loader, plan, cfg, device, bf16):
+    """deepspeed-offload: DeepSpeed's ZeRO-Offload over the transformers model -- ZeRO-2, bf16
+    weights on the GPU, the fp32 master and AdamW's moments on the host, updated there by its CPU
+    Adam (a C++ extension it compiles on first use); returns step(i) -> the loss."""
+    import deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = HFLoss(hf_model(mcfg, cfg.seed, device))
+    groups = [{"params": [q for q in model.parameters() if q.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}]
+    conf = {"train_micro_batch_size_per_gpu": a.b, "gradient_accumulation_steps": plan.micro_steps,
+            "gradient_clipping": cfg.grad_clip, "bf16": {"enabled": bf16}, "steps_per_print": 1 << 30,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": bf16}},
+            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [cfg.beta1, cfg.beta2], "eps": cfg.eps,
+                                                      "weight_decay": cfg.weight_decay}}}
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=conf)
+    first = rank * plan.seqs_per_rank
+
+    def step(i):
+        total = torch.zeros((), device=device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=a.steps, final_frac=cfg.final_lr_frac)
+        for micro in range(plan.micro_steps):
+            x, y = (t.to(device, non_blocking=True) for t in loader.batch(i, first + micro * a.b, a.b))
+            loss = engine(x, y)
+            # the token sum over the rank's tokens, as dense()'s (DeepSpeed's own division by the
+            # accumulation steps off); it averages the ranks' gradients, then clips and steps at the last
+            engine.backward(loss / (plan.total_tokens // world), scale_wrt_gas=False)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        return total.item() / plan.total_tokens
+
+    return step
+
+
 def dense(a, mcfg, loader, plan, cfg, device, bf16):
     """ddp*, fsdp2*, hf*: the model built, wrapped and given its optimizer; returns step(i) -> the loss."""
+    if a.mode == "deepspeed-offload":
+        return zero_offload(a, mcfg, loader, plan, cfg, device, bf16)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if a.mode.startswith("hf"):
+    if a.mode.startswith("hf") or "offload" in a.mode:
         model = HFLoss(hf_model(mcfg, cfg.seed, device))
     elif a.mode in titan.MODES:
         model = titan.build(a.mode, mcfg, a.t, device, cfg.seed, world)
@@ -332,7 +389,8 @@ def write(a, rank, world, device, bf16, step_s, losses, plan, mcfg) -> None:
         with open(a.json, "w") as f:
             json.dump({"mode": a.mode, "world_size": world, "step_s": step_s, "loss": losses, "mem_gb": mem,
                        "tokens_per_step": plan.total_tokens, "flops_per_token": mcfg.flops_per_token(a.t),
-                       "peak_flops": peak and peak * world}, f)
+                       "peak_flops": peak and peak * world,
+                       "host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}, f)  # (KiB)
 
 
 if __name__ == "__main__":

@@ -3,35 +3,36 @@ transformers' own model of the family (LlamaForCausalLM, GPT2LMHeadModel), side 
 
 bench train runs each variant as its own torchrun job on the same --nproc processes -- each
 braidtrain layout through the real `braidtrain train` command, each torch variant through
-braidtrain/bench/torchref.py -- with the same model, batch, data and optimizer settings, and reads what
-they wrote. Separate jobs: one variant's compile caches, memory pool or deterministic-algorithm
+braidtrain/bench/torchref.py -- with the same model, batch, data and optimizer settings, and reads
+what they wrote. Separate jobs: one variant's compile caches, memory pool or deterministic-algorithm
 switch cannot colour another's figures. The first --warmup steps (compilation, allocator warm-up)
 are not timed; tokens/s is the timed tokens over the timed seconds ("median": a step's tokens over
 the median timed step, the figure issue #58's targets are stated in); MFU is the model's FLOPs
 (GPTConfig.flops_per_token: 6 per weight per token plus attention's 12·L·T·C) at that rate over
-the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation on rank 0;
+the devices' dense peak (metrics.PEAK_FLOPS); memory is torch's peak allocation on rank 0; "host GB" is
+a torch variant's peak resident host memory (rank 0's max RSS: what fsdp2-offload keeps on the host;
+"-" for braidtrain's, whose `train` does not record it -- benchmarks/speed/fit_gpu.py measures it);
 exposed communication is the time the step waited for the gradient reduction after its backward
 pass, and busbw (GB/s) the step's collectives' bus bytes over their summed duration -- the
 reduction's effective bandwidth while it overlaps the backward pass, to hold against bench comm's
-figure at the bucket size (braidtrain only; the step's few tiny collectives are included);
-"host" is the share of the step the host took to issue its work (metrics' host_s): near 100%, the
-GPU waited for the host -- or a full launch queue held the host back, which a profile tells apart
-(on CPUs always near 100%: the work is done as it is issued);
-"slowest" is the slowest timed step over the median one, which shows a stall the mean hides. On
-GPUs, nvidia-smi samples every GPU five times a second beside each job, and "SM MHz" and "W" are
-the mean SM clock and power draw over the samples of GPUs that were busy (utilization >= BUSY):
-an H200 held at its 700 W cap runs below its top clock, and a variant that keeps it busier can be
-slowed by that (docs/performance.md). The final loss of every variant is shown: they train the
-same model on the same sequences, so the losses must agree to bf16 rounding -- a variant that
-does less work shows it there. Figures on one host move 5-10% between runs of the same command:
---repeat N runs all the variants N times in turn (every other round in reverse order), and each
-row is then a variant's median run, its ratio the median of its rounds' ratios, each against the
-baseline run of the same round (for an even N the lower of the middle two; no ratio where a
-round's baseline failed).
-"""
+figure at the bucket size (braidtrain only; the step's few tiny collectives are included); "host" is
+the share of the step the host took to issue its work (metrics' host_s): near 100%, the GPU waited
+for the host -- or a full launch queue held the host back, which a profile tells apart (on CPUs
+always near 100%: the work is done as it is issued); "slowest" is the slowest timed step over the
+median one, which shows a stall the mean hides. On GPUs, nvidia-smi samples every GPU five times a
+second beside each job, and "SM MHz" and "W" are the mean SM clock and power draw over the samples
+of GPUs that were busy (utilization >= BUSY): an H200 held at its 700 W cap runs below its top
+clock, and a variant that keeps it busier can be slowed by that (docs/performance.md). The final
+loss of every variant is shown: they train the same model on the same sequences, so the losses must
+agree to bf16 rounding -- a variant that does less work shows it there. Figures on one host move
+5-10% between runs of the same command: --repeat N runs all the variants N times in turn (every
+other round in reverse order), and each row is then a variant's median run, its ratio the median of
+its rounds' ratios, each against the baseline run of the same round (for an even N the lower of the
+middle two; no ratio where a round's baseline failed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, PIPE, TITAN, TORCH
+from braidtrain.bench.flags import FLOAT8, GRAPH_LAYOUTS, HF, LAYOUTS, LOSS_TOL, OFFLOAD, PIPE, TITAN, TORCH
 from braidtrain.errors import UserError
 from braidtrain.io import paths
 from braidtrain.model import registry
@@ -87,7 +88,7 @@ def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
     busbw = sum(b * s for b, s in comm) / sum(s for _, s in comm) if comm else None  # total bus bytes / total time
     per_step = statistics.median(r["tokens_per_s"] * r["step_s"] for r in timed)  # (the same every step)
     return {"tokens_per_s": tps, "median_tokens_per_s": per_step / statistics.median(r["step_s"] for r in timed),
-            "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs),
+            "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs), "host_gb": None,
             "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "comm_busbw_GBps": busbw,
             "host_frac": sum(r["host_s"] for r in timed) / secs,
             "slowest": slowest([r["step_s"] for r in timed]), "loss": recs[-1]["loss"]}
@@ -101,7 +102,7 @@ def _torch_row(path: Path, warmup: int) -> dict:
     median = r["tokens_per_step"] / statistics.median(r["step_s"][warmup:])
     return {"tokens_per_s": tps, "median_tokens_per_s": median, "mfu": mfu, "mem_gb": r["mem_gb"],
             "exposed_comm_frac": None, "comm_busbw_GBps": None,
-            "host_frac": None,
+            "host_frac": None, "host_gb": r.get("host_gb"),
             "slowest": slowest(r["step_s"][warmup:]), "loss": r["loss"][-1]}
 
 
@@ -139,12 +140,15 @@ def _check_train_args(args) -> None:
         raise UserError(f"-t {args.seq_len} is longer than {args.model}'s context ({mcfg.block_size}): "
                         f"use -t {mcfg.block_size} or less")
     torch_modes = [m.strip() for m in args.torch.split(",") if m.strip()]
-    known = TORCH + HF + PIPE + FLOAT8 + TITAN
-    bad = [m for m in torch_modes if m not in known]
+    every = TORCH + HF + PIPE + FLOAT8 + TITAN + OFFLOAD
+    bad = [m for m in torch_modes if m not in every]
     if bad:
-        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(known)}")
-    if any(m in HF for m in torch_modes):
-        _check_hf(mcfg, args.model)
+        raise UserError(f"unknown torch variant {bad[0]!r}: use some of {', '.join(every)}")
+    if "deepspeed-offload" in torch_modes and importlib.util.find_spec("deepspeed") is None:
+        raise UserError("--torch deepspeed-offload trains under DeepSpeed's ZeRO-Offload: install the deepspeed "
+                        "package (pip install deepspeed), or drop deepspeed-offload from --torch")
+    if any(m in HF + OFFLOAD for m in torch_modes):
+        _check_hf(mcfg, args.model, [m for m in torch_modes if m in HF + OFFLOAD])
     if any(m in TITAN for m in torch_modes):  # torchtitan importable, the model one it builds
         from braidtrain.bench import titan
 
@@ -180,21 +184,22 @@ def _check_train_args(args) -> None:
                         f"--corpus shakespeare --tokenizer gpt2 --out {args.train_data}`")
 
 
-def _check_hf(mcfg, model: str) -> None:
-    """--torch hf: a model of a HuggingFace architecture (a Llama family's mixture: Mixtral's or
-    Qwen3-MoE's), transformers installed, with the class of that architecture."""
+def _check_hf(mcfg, model: str, modes: list[str]) -> None:
+    """--torch hf (hf-compile, fsdp2-offload*): a model of a HuggingFace architecture (a Llama family's
+    mixture: Mixtral's or Qwen3-MoE's), transformers installed, with the class of that architecture."""
+    these, drop = modes[0], " and ".join(modes)
     try:
         arch = registry.family_of(mcfg).hf_config(mcfg, 0)["architectures"][0]
     except UserError as e:
-        raise UserError(f"--torch hf: {model}: {e}; drop hf and hf-compile from --torch") from None
+        raise UserError(f"--torch {these}: {model}: {e}; drop {drop} from --torch") from None
     try:
         import transformers
     except ImportError:
-        raise UserError(f"--torch hf trains transformers' {arch}: install the transformers package "
-                        f"(pip install transformers), or drop hf and hf-compile from --torch") from None
+        raise UserError(f"--torch {these} trains transformers' {arch}: install the transformers package "
+                        f"(pip install transformers), or drop {drop} from --torch") from None
     if not hasattr(transformers, arch):
-        raise UserError(f"--torch hf: transformers {transformers.__version__} has no {arch} (for --model {model}): "
-                        f"upgrade it, or drop hf and hf-compile from --torch")
+        raise UserError(f"--torch {these}: transformers {transformers.__version__} has no {arch} (for --model "
+                        f"{model}): upgrade it, or drop {drop} from --torch")
 
 
 def run_train(args) -> int:
@@ -309,8 +314,8 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'median':>10}{'MFU':>8}{'peak GB':>9}{'exposed':>9}{'busbw':>8}"
-          f"{'host':>7}{'slowest':>9}{'SM MHz':>8}"
+    print(f"{'variant':<40}{'tokens/s':>12}{'median':>10}{'MFU':>8}{'peak GB':>9}{'host GB':>9}{'exposed':>9}"
+          f"{'busbw':>8}{'host':>7}{'slowest':>9}{'SM MHz':>8}"
           f"{'W':>6}{'loss':>9}{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
@@ -319,7 +324,8 @@ def _print_train(rows, baseline) -> None:
         pct = lambda v: None if v is None else 100 * v
         print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(r.get('median_tokens_per_s'), ',.0f'):>10}"
               f"{cell(pct(r['mfu']), '.1f', '%'):>8}"
-              f"{cell(r['mem_gb'], '.2f'):>9}{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
+              f"{cell(r['mem_gb'], '.2f'):>9}{cell(r.get('host_gb'), '.2f'):>9}"
+              f"{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
               f"{cell(r['comm_busbw_GBps'], '.1f'):>8}{cell(pct(r.get('host_frac')), '.0f', '%'):>7}"
               f"{r['slowest']:>8.2f}x{cell(r.get('sm_mhz'), '.0f'):>8}"
               f"{cell(r.get('power_w'), '.0f'):>6}{r['loss']:>9.4f}{cell(r['ratio'], '.3f'):>16}")

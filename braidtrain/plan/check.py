@@ -24,9 +24,10 @@ from braidtrain.plan.space import Candidate, Setup
 
 def check_layout(args) -> Candidate:
     """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp,
-    --pp and --pp-schedule (default 1f1b)."""
+    --pp and --pp-schedule (default 1f1b); --offload: with --offload optimizer."""
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
-    mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp, ep=args.ep or 1)
+    mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp, ep=args.ep or 1,
+                offload=bool(args.offload))
     if pp > 1:
         mesh.update(schedule=args.pp_schedule or "1f1b", virtual=2 if args.pp_schedule == "interleaved" else 1)
     if not args.check:  # the layout from the flags
@@ -60,6 +61,7 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
     cmd += ["--ep", lay.ep] if lay.ep > 1 else []
     cmd += ["--fp8", s.fp8] if s.fp8 else []
     cmd += ["--compile"] if s.compile else []
+    cmd += ["--offload", "optimizer"] if lay.offload else []
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,13 +71,21 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
             lines = ([line for line in p.stderr.splitlines() if "error" in line.lower()] or p.stderr.splitlines()
                      or ["no output"])
             raise UserError(f"the --check run failed (exit {p.returncode}): {lines[-1].strip()}")
-        records = (run_dir / "metrics.jsonl").read_text().splitlines()
-        measured = max(json.loads(line)["mem_gb"] for line in records if line.strip())
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        measured = max(r["mem_gb"] for r in records)
     st = e["stage_state"][0] if lay.pp > 1 else e["state"]  # rank 0's: the first stage's
     est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if s.cpu else e["allocated"]) / GB
-    return {"layout": asdict(lay), "device": "cpu" if s.cpu else "cuda", "estimated_gb": est,
-            "measured_gb": measured, "rel_error": (est - measured) / measured, "estimate": row_json(e),
-            "compared": "model state between steps" if s.cpu else "peak allocated (model state + activations)"}
+    r = {"layout": asdict(lay), "device": "cpu" if s.cpu else "cuda", "estimated_gb": est,
+         "measured_gb": measured, "rel_error": (est - measured) / measured, "estimate": row_json(e),
+         "compared": "model state between steps" if s.cpu else "peak allocated (model state + activations)"}
+    if lay.offload:
+        # a rank's share of the node's planned host bytes, against what the run measured (metrics'
+        # host_gb: the offloaded state's bytes on the CPU; on a GPU the rank's peak resident memory,
+        # which also holds the process itself -- torch, CUDA's host side, the data's pages)
+        host = e["host"] / min(s.gpus, s.gpus_per_node or s.gpus) / GB
+        got = max(rec["host_gb"] for rec in records)
+        r.update(host_estimated_gb=host, host_measured_gb=got, host_rel_error=(host - got) / got)
+    return r
 
 
 def run_job(cmd: list) -> subprocess.CompletedProcess:

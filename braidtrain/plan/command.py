@@ -102,10 +102,12 @@ def run(args) -> int:
             raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out "
                             "DIR)")
         r = check.check(s, check.check_layout(args), args.data, args.out)
+        host = (f"; host: estimated {r['host_estimated_gb']:.4f} GB, measured {r['host_measured_gb']:.4f} GB, error "
+                f"{100 * r['host_rel_error']:+.1f}%" if "host_measured_gb" in r else "")
         print(json.dumps(r) if args.json else
               f"check {Candidate(**r['layout']).name()} on {args.gpus} {r['device']} process(es), {r['compared']}: "
               f"estimated {r['estimated_gb']:.4f} GB, measured {r['measured_gb']:.4f} GB, error "
-              f"{100 * r['rel_error']:+.1f}%")
+              f"{100 * r['rel_error']:+.1f}%{host}")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES),

@@ -12,8 +12,8 @@ from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, HOST_STA
                                     bucket_numels, fp8_params, moe_bytes, moe_layer_bytes, param_counts, rank_state,
                                     ring_bytes, stage_counts)
 from braidtrain.plan.space import Candidate, Setup, layout_of
-from braidtrain.plan.timing import (HOST_ADAM_PPS, PCIE_GBPS, busbw_of, collective_s, cp_comm_s, dp_comm_s,
-                                    ep_comm_s, flops_per_token, tp_comm_s)
+from braidtrain.plan.timing import (busbw_of, collective_s, cp_comm_s, dp_comm_s, ep_comm_s, flops_per_token,
+                                    offload_s, tp_comm_s)
 
 
 def estimate(s: Setup, lay: Candidate) -> dict:
@@ -76,20 +76,20 @@ def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, t
 
 def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float]:
     """--offload optimizer: the GPU's memory less the optimizer's state; the host's bytes a node
-    (HOST_STATE a owned element, and SLOTS staging buffers of about a block each, per rank of the
-    node); the step's added seconds: the copies (gradient down, weights up, 8 bytes an element at
-    PCIE_GBPS) and the host update (HOST_ADAM_PPS a node, shared by its ranks) pipelined bucket by
-    bucket, so the slower of the two -- all exposed: the update waits for the norm, and the next
-    forward for the update (parallel/offload.py)."""
+    (HOST_STATE a owned element, and SLOTS fp32 staging buffers as wide as the widest owned shard --
+    an untied head's or the embedding's bucket, for Llama -- per rank of the node); the step's added
+    seconds: the copies' and the host update's (plan/timing.offload_s)."""
     owned = state["optimizer"] / 8  # elements whose m and v this rank holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
-    staging = 4 * SLOTS * param_counts(s.cfg, lay.tp)["block"]
+    widths = [k for _, k in bucket_numels(s.cfg, s.bucket_mb, lay.tp)]  # (a pipeline's: the whole model's)
+    shards = lay.dp * lay.cp if lay.zero else 1
+    staging = 4 * min(SLOTS, len(widths)) * -(-max(widths) // shards)
     host = ranks * (HOST_STATE * owned + staging)
     mem = {**mem, "optimizer": 0}
     held = mem["params"] + mem["grads"] + mem["activations"]
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * held
     mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    return mem, host, max(8 * owned / (PCIE_GBPS * GB), owned * ranks / HOST_ADAM_PPS)
+    return mem, host, offload_s(owned, ranks)["exposed"]
 
 
 SIM_MICRO = 2  # pipeline cycles simulated before the step is extrapolated (estimate_pipeline)

@@ -48,7 +48,8 @@ def add_parser(sub):
                     ("moe-capacity", float)):
         a(f"--{k}", type=kind, help="the model's mixture of experts (as for train)" if k == "moe-experts" else None)
     a("--offload", action=argparse.BooleanOptionalAction, help="only layouts with (without) --offload optimizer "
-                                                                "(default: with it too where nothing fits without)")
+                                                                "(default: with it too where it can win: nothing fits "
+                                                                "without, or it is faster); with --check: offloaded")
     a("--host-mem", type=float, default=128.0, help="GB of host memory a node (--offload's state lives there; "
                                                     "default 128: the H200 machine's)")
     a("--live-recovery", action="store_true", help="as train's: no expert parallelism, and at ZeRO 1-3 each rank's "

@@ -133,17 +133,30 @@ def nothing_fits(s: Setup, grid: list[dict]) -> str:
     return msg
 
 
+def offload_wins(grid: list[dict], weigh) -> bool:
+    """Whether --offload optimizer can win: nothing fits on the GPUs alone, or a layout that does
+    not fit without it is faster than the best that does (no recompute, a larger micro-batch, less
+    sharding) and, with it, fits and still is. Offloading only adds time to a layout, so only such
+    a one can beat the best fitting layout. grid: every layout without offload, ranked; weigh: a
+    layout's estimate."""
+    best = next((e for e in grid if e["fits"]), None)
+    if best is None:
+        return True
+    faster = (e["layout"] for e in grid if not e["fits"] and e["step_s"] < best["step_s"])
+    return any((f := weigh(replace(lay, offload=True)))["fits"] and f["step_s"] < best["step_s"] for lay in faster)
+
+
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
          pps=None, schedules=None, cps=None, eps=None, variants: bool = True, offloads=None) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout. variants=False: only each mesh's best layout. offloads:
-    (False,), (True,) or both; None: each layout with --offload optimizer too where no layout fits
-    on the GPUs alone (offloading costs host time a step: where one fits, it is never faster)."""
+    (False,), (True,) or both; None: each layout with --offload optimizer too where that can win
+    (offload_wins)."""
     seen = {}
     weigh = lambda lay: seen[lay] if lay in seen else seen.setdefault(lay, estimate(s, lay))
     grid = rank([weigh(lay) for lay in layouts(s)])
     if offloads is None:
-        offloads = (False,) if any(e["fits"] for e in grid) else (False, True)
+        offloads = (False, True) if offload_wins(grid, weigh) else (False,)
     if True in offloads:
         grid = rank(grid + [weigh(replace(e["layout"], offload=True)) for e in grid])
     asked = [replace(lay, offload=o) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)
@@ -169,20 +182,35 @@ def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True
     return {"rows": rows, "recommendation": rec}
 
 
+def why_offload(s: Setup, e: dict, rows: list[dict]) -> str:
+    """auto_layout's word on an offloaded pick: its host memory, and nothing fits on the GPU alone,
+    or the best layout without offload and how much slower it is."""
+    host = f"; --offload optimizer: {e['host'] / GB:.1f} of {s.host_gb:.1f} GB of host memory, "
+    plain = next((f for f in rows if f["fits"] and not f["layout"].offload), None)
+    if plain is None:
+        return host + f"since nothing fits on the GPU{'s' if s.gpus > 1 else ''} alone"
+    return host + (f"faster than the best layout without it ({plain['layout'].name()}, "
+                   f"{plain['tokens_per_s']:,.0f} tokens/s)")
+
+
 def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None = None,
-                mem_gb: float | None = None) -> tuple[dict, str]:
+                mem_gb: float | None = None, host_gb: float | None = None) -> tuple[dict, str]:
     """--layout auto: the best-ranked layout that fits these processes' memory (each GPU's, or on
     the CPU the machine's over the processes) and that `train` accepts with the run's other
     settings (--exact, --compile, --cuda-graph); the Config values it sets (config.AUTO_CHOSEN)
     and a line saying what it chose. Every rank computes the same plan: nothing to agree on.
-    mem_gb: a process's memory (default: the GPU's, or the CPU's share)."""
+    mem_gb: a process's memory (default: the GPU's, or the CPU's share); host_gb: the node's host
+    memory, where --offload optimizer keeps the optimizer's state (default: the machine's). Where it
+    picks --offload, the line says why: nothing fits on the GPU alone, or it is faster than the best
+    layout without it."""
     if not cfg.total_batch:
         raise UserError("--layout auto keeps the tokens per step fixed and chooses the rest: give -d (--total-batch)")
     cpu = device != "cuda"
     if mem_gb is None:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world if cpu else torch.cuda.mem_get_info()[1]
         mem_gb = mem / GB
-    host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    if host_gb is None:
+        host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     s = Setup(model, world, mem_gb, cfg.seq_len, cfg.total_batch, bucket_mb=cfg.bucket_mb, cpu=cpu, fp8=cfg.fp8,
               gpus_per_node=gpus_per_node, compile=cfg.compile, live=cfg.live_recovery, host_gb=host_gb)
     rows = plan(s)["rows"]
@@ -202,7 +230,7 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
                       recompute=lay.recompute, offload="optimizer" if lay.offload else None)
         speed = "" if cpu else f", {e['tokens_per_s']:,.0f} tokens/s at {s.tflops:g} TFLOP/s"
         return chosen, (f"--layout auto: {lay.name()}, dp {lay.dp} (planned {e['mem']['total'] / GB:.1f} of "
-                        f"{s.mem_gb:.1f} GB{speed})")
+                        f"{s.mem_gb:.1f} GB{speed})" + (why_offload(s, e, rows) if lay.offload else ""))
     if not any(e["fits"] for e in rows):
         raise UserError("--layout auto: " + nothing_fits(s, rows))
     asked = (("--exact", cfg.exact), ("--compile", cfg.compile), ("--cuda-graph", cfg.cuda_graph))

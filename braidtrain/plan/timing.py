@@ -10,15 +10,32 @@ from braidtrain.model.counts import counts
 from braidtrain.plan.memory import moe_rows
 from braidtrain.plan.space import Candidate, Setup
 
-# --offload optimizer (assumed until measured, docs/planner.md): pinned copies between a GPU and the host,
-# GB/s each way (PCIe Gen5 x16: 64 GB/s raw); the host's fused AdamW, parameters a second on a node
-PCIE_GBPS = 25.0
+# --offload optimizer (assumed until measured: benchmarks/memory-plan/offload_gpu.sh's probe prints both;
+# docs/planner.md): pinned copies between a GPU and the host, GB/s, device to host (the gradients) and
+# host to device (the weights) (PCIe Gen5 x16: 64 GB/s raw each way); the host's fused AdamW over all its
+# cores, parameters a second on a node
+PCIE_D2H_GBPS = 25.0
+PCIE_H2D_GBPS = 25.0
 HOST_ADAM_PPS = 1.0e9
+OFFLOAD_GRAD_BYTES = OFFLOAD_WEIGHT_BYTES = 4  # an owned element's fp32 gradient down, its weight up (offload.py)
 TP_LOW, TP_HIGH = 2, 4  # tp message bytes per element: bf16 matmul outputs; fp32 LayerNorm outputs, embeddings
 # --fp8: torch._scaled_mm (e4m3) over bf16's matmul, the forward product of M = 16384 tokens on an
 # H200, at the smallest and the largest shape measured: ((K * N, speed-up), ...) (docs/performance.md)
 FP8_SPEEDUP = {"tensorwise": ((768 * 3072, 1.54), (8192 * 8192, 1.88)),
                "rowwise": ((768 * 3072, 1.30), (8192 * 8192, 1.84))}
+
+
+def offload_s(owned: float, ranks: int) -> dict:
+    """--offload optimizer's seconds a step on one rank of `owned` elements, `ranks` GPUs of the node
+    sharing its cores: `down` the gradients to the host and `up` the updated weights back, on one
+    copy stream (parallel/offload.py), so one after the other; `update` the host's AdamW, at
+    HOST_ADAM_PPS a node over its ranks. The two run bucket by bucket side by side, so the step
+    waits for the slower (`exposed`: the update waits for the gradient norm, the next forward for
+    the weights -- nothing of it hides behind the GPU's compute)."""
+    down = OFFLOAD_GRAD_BYTES * owned / (PCIE_D2H_GBPS * 1e9)
+    up = OFFLOAD_WEIGHT_BYTES * owned / (PCIE_H2D_GBPS * 1e9)
+    update = owned * ranks / HOST_ADAM_PPS
+    return {"down": down, "up": up, "update": update, "exposed": max(down + up, update)}
 
 
 def tp_messages(cfg, b: int, t: int, sp: bool, cpu: bool = False) -> dict:
