@@ -49,15 +49,18 @@ def test_exact_mode_is_bitwise_on_1_2_4_ranks_at_every_zero_stage(runs):
 
 def test_the_forward_waits_for_each_bucket_in_its_order(runs):
     """The held runs are bitwise (above): every read waited for its bucket. Here: the main thread
-    did wait -- the overlapped path ran, not a synchronous one -- once for each bucket of each of
-    the 4 updates, asking for them one by one in the order the worker updates them (the next
-    forward's): a forward that waited for the whole update at once would wait once a step."""
+    did wait -- the overlapped path ran, not a synchronous one -- inside the next step's forward,
+    once for each bucket of each of the first 3 updates (the 4th: the hash's wait for the whole),
+    asking for them one by one in the order the worker updates them (the forward's): a forward
+    that waited for the whole update at once would wait once a step. A pipeline's ZeRO-1 gathers
+    wait for the whole update at the step's start (offload.py)."""
     held = [k for k in runs if k.endswith("-offload-exact")]
     assert len(held) == 14
     for name in held:
-        r = runs[name]
-        assert r["offload_waits"] == 4 * r["buckets"] > 4, (name, r["offload_waits"], r["buckets"])
-    assert runs["into-offload"]["offload_waits"] == 2 * runs["into-offload"]["buckets"]  # (resumed at step 2)
+        r, n = runs[name], runs[name]["buckets"]
+        want = {"forward": 0, "whole": 4 * n} if name.startswith("pp") else {"forward": 3 * n, "whole": n}
+        assert r["offload_waits"] == want and n > 1, (name, r["offload_waits"], n)
+    assert runs["into-offload"]["offload_waits"]["forward"] == runs["into-offload"]["buckets"]  # (resumed at step 2)
     free = [k for k in runs if k.startswith("dp") and k.endswith("-offload")]
     assert len(free) == 7 and all(runs[k]["offload_waits"] is not None for k in free)
 

@@ -3,7 +3,8 @@
 # data/shakespeare_bytes carried (no network). Every run goes through benchmarks/speed/fit_gpu.py, which
 # drives braidtrain's Trainer for a few steps and saves no checkpoint (an 8B checkpoint is 96 GB, the
 # machine's disk 64 GB); it prints tokens/s, MFU, the GPU peak (torch's), the host peak (the
-# process's max RSS) and the host update's seconds a step (offload_s: exposed -- the GPU waits for it).
+# process's max RSS), the host update's seconds a step (offload_update_s) and how much of it stayed exposed
+# (offload_s: the main thread's waits for it in the next step's forward).
 #   0. exact mode: a small llama with and without --offload optimizer, the same weights_sha256?
 #   a. llama3.1-8b -t 2048 -d 65536 --offload optimizer --compile, -b 1, no --recompute
 #   b. llama3.1-8b -t 2048 -d 262144, the same

@@ -102,7 +102,9 @@ class Offload:
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
         self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
-        self.waits = 0  # how many times the main thread found a bucket's update not landed yet
+        # how many times the main thread found a bucket's update not landed yet: in a forward (or a gather),
+        # and in wait() for the whole update
+        self.waits, self.whole = {"forward": 0, "whole": 0}, False
         self.gather_first = engine.pp.size > 1 and any(b.zero in (1, 2) for b in self.buckets)
         for b in (self.buckets[k] for k in self.order):  # the hooks that wait (module docstring), in
             part = next(p for p in engine.parts if p.stage == b.stage)  # order where several share a module
@@ -166,7 +168,7 @@ class Offload:
             t0 = time.time()
             self.landed[k].wait()
             self.waited_s += time.time() - t0
-            self.waits += 1
+            self.waits["whole" if self.whole else "forward"] += 1
         if self.error is not None:
             raise RuntimeError(f"the host's optimizer update failed: {self.error!r}") from self.error
         self.flying[k] = False
@@ -178,8 +180,12 @@ class Offload:
 
     def wait(self) -> None:
         """The whole update has landed: before anything reads the weights or moments between steps."""
-        for k in self.order:
-            self.ready(self.buckets[k])
+        self.whole = True
+        try:
+            for k in self.order:
+                self.ready(self.buckets[k])
+        finally:
+            self.whole = False
         if self.thread is not None:
             self.thread.join()
             self.thread = None
