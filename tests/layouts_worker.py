@@ -126,6 +126,7 @@ def layouts(suite: str):
                 + [("tp2-dp2-z1-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow"), 4),
                    ("tp2-dp2-z1-offload-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow", **held), 4),
                    ("pp2-dp2-z1-offload-exact", dict(pp=2, dp=2, zero=1, exact=True, cfg="shallow", **held), 4),
+                   ("pp2-z0-offload-exact", dict(pp=2, exact=True, cfg="shallow", **held), 4),
                    ("moe-ref-exact", dict(exact=True), 4),
                    ("moe-dp4-ep2-z3-offload-exact", dict(dp=4, ep=2, zero=3, exact=True, **held), 4),
                    # --recompute (each block's forward again in the backward), --fp8 (--compile: test_offload.py)

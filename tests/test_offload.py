@@ -40,7 +40,7 @@ def test_exact_mode_is_bitwise_on_1_2_4_ranks_at_every_zero_stage(runs):
     assert len(exact) == 9
     assert_bitwise(runs, exact, runs["ref-exact"])
     assert_bitwise(runs, ["tp2-dp2-z1-offload-exact"], runs["tp2-dp2-z1-exact"])
-    assert_bitwise(runs, ["pp2-dp2-z1-offload-exact"], runs["ref-exact"])
+    assert_bitwise(runs, ["pp2-dp2-z1-offload-exact", "pp2-z0-offload-exact"], runs["ref-exact"])
     assert_bitwise(runs, ["moe-dp4-ep2-z3-offload-exact"], runs["moe-ref-exact"])
     assert_bitwise(runs, ["recompute-dp2-z3-offload-exact"], runs["ref-exact"])
     assert runs["fp8-exact"]["losses"] != runs["ref-exact"]["losses"]  # (float8 is on)
@@ -55,10 +55,10 @@ def test_the_forward_waits_for_each_bucket_in_its_order(runs):
     that waited for the whole update at once would wait once a step. A pipeline's ZeRO-1 gathers
     wait for the whole update at the step's start (offload.py)."""
     held = [k for k in runs if k.endswith("-offload-exact")]
-    assert len(held) == 14
+    assert len(held) == 15
     for name in held:
         r, n = runs[name], runs[name]["buckets"]
-        want = {"forward": 0, "whole": 4 * n} if name.startswith("pp") else {"forward": 3 * n, "whole": n}
+        want = {"forward": 0, "whole": 4 * n} if name.startswith("pp2-dp2-z1") else {"forward": 3 * n, "whole": n}
         assert r["offload_waits"] == want and n > 1, (name, r["offload_waits"], n)
     assert runs["into-offload"]["offload_waits"]["forward"] == runs["into-offload"]["buckets"]  # (resumed at step 2)
     free = [k for k in runs if k.startswith("dp") and k.endswith("-offload")]
@@ -117,6 +117,19 @@ def test_every_reader_between_steps_waits_for_the_update(tmp_path, shakespeare):
         for e in for_config(saved_config(verify(a))):
             for kind in ("param", "m", "v"):
                 assert torch.equal(ra.full(kind, e.name), rb.full(kind, e.name)), (step, kind, e.name)
+
+
+def test_a_non_finite_step_is_skipped_on_the_host_too(tmp_path, shakespeare):
+    """Step 2's loss NaN (BRAIDTRAIN_FAULT nan): the device's skip flag goes down with the clip
+    scale, the host update changes nothing, and the run ends with the weights of the run without
+    offload that skipped the same step -- dp 2 at ZeRO-2, in exact mode, to the bit."""
+    base = ["train", *SMALL, "-i", shakespeare, "-d", 512, "-x", 4, "--exact", "--max-skipped", 2]
+    nan = dict(env(), BRAIDTRAIN_FAULT="nan:step=2")
+    plain, off = tmp_path / "plain", tmp_path / "off"
+    braidtrain(*base, "--out", plain, environ=nan)
+    braidtrain(*base, "-z", 2, "--offload", "optimizer", "--out", off, nproc=2, environ=nan)
+    assert [r.get("skipped", False) for r in metrics(off)] == [False, True, False, False]
+    assert summary(off)["weights_sha256"] == summary(plain)["weights_sha256"]
 
 
 def test_live_recovery_with_offload_is_one_line(tmp_path, shakespeare):
