@@ -112,13 +112,16 @@ def layouts(suite: str):
                  ("ref-tied-exact", dict(exact=True, cfg="tied"), 4)]
                 + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "offload":  # --offload optimizer against none (test_offload.py): dp 1, 2, 4 at ZeRO 0-3
-        # (exact mode's runs hold the host update back until the forward asks for each bucket: offload.py's
-        # test hook, so that a forward or a reader that does not wait reads stale weights every time)
+        # (exact mode's runs, and default mode's at dp 2, hold the host update back until the forward asks
+        # for each bucket: offload.py's test hook, so that a forward or a reader that does not wait reads
+        # stale weights every time)
         off, held = dict(offload="optimizer"), dict(offload="optimizer", hold=True)
         default = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 3)]
         exact = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
         return ([(f"dp{dp}-z{z}", dict(dp=dp, zero=z, cfg="shallow"), 4) for dp, z in default]
-                + [(f"dp{dp}-z{z}-offload", dict(dp=dp, zero=z, cfg="shallow", **off), 4) for dp, z in default]
+                # (held at dp 2, free-running -- the worker as fast as it goes -- at dp 1 and 4)
+                + [(f"dp{dp}-z{z}-offload", dict(dp=dp, zero=z, cfg="shallow", **(held if dp == 2 else off)), 4)
+                   for dp, z in default]
                 + [("ref-exact", dict(exact=True, cfg="shallow"), 4)]
                 + [(f"dp{dp}-z{z}-offload-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", **held), 4)
                    for dp, z in exact]
