@@ -100,7 +100,7 @@ def test_every_reader_between_steps_waits_for_the_update(tmp_path, shakespeare):
     from braidtrain.io.checkpoint import Reader, saved_config, verify
     from braidtrain.parallel.placement import for_config
 
-    base = ["train", *SMALL, "-i", shakespeare, "-d", 512, "-x", 4, "--exact", "--val-every", 2, "--sample-tokens", 24,
+    base = ["train", *SMALL, "-i", shakespeare, "-d", 512, "-x", 4, "--exact", "--val-every", 3, "--sample-tokens", 24,
             "--ckpt-every", 2, "--compile"]
     plain, held = tmp_path / "plain", tmp_path / "held"
     p = braidtrain(*base, "--out", plain)
