@@ -15,6 +15,7 @@ offload through build.py, every reader of the weights between steps (held), the 
 """
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,6 +131,42 @@ def test_a_non_finite_step_is_skipped_on_the_host_too(tmp_path, shakespeare):
     braidtrain(*base, "-z", 2, "--offload", "optimizer", "--out", off, nproc=2, environ=nan)
     assert [r.get("skipped", False) for r in metrics(off)] == [False, True, False, False]
     assert summary(off)["weights_sha256"] == summary(plain)["weights_sha256"]
+
+
+def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
+    """Device weights narrower than the master (bf16, as the lean state makes them; an engine of
+    six one-bucket shards on the CPU): each bucket's update lands converted on the host through the
+    pinned slots of their dtype (reused after the 4th), the fp32 master keeps the update; and a host
+    update that fails is raised at the next wait, not lost with its thread."""
+    import torch.nn as nn
+
+    from braidtrain.optim import AdamW
+
+    class Bucket:
+        def __init__(self, index):
+            self.index, self.stage, self.modules, self.zero = index, 0, [], 0
+
+    gen = torch.Generator().manual_seed(0)
+    buckets = [Bucket(i) for i in range(6)]
+    params = [torch.randn(128, generator=gen).bfloat16() for _ in buckets]
+    grads = [torch.randn(128, generator=gen) for _ in buckets]
+    part = nn.Module()
+    part.stage, part.blocks = 0, lambda: []
+    engine = SimpleNamespace(device=torch.device("cpu"), exact=True, parts=[part], pp=SimpleNamespace(size=1),
+                             updates=None, owned=lambda: zip(buckets, params, grads), decay_segments=lambda b: [(0, 64)])
+    opt = AdamW(engine, offload=True)
+    want = [p.float() for p in params]
+    opt.prepare(1e-2)
+    opt.apply(want, grads, [(torch.zeros(128), torch.zeros(128), [(0, 64)]) for _ in buckets])
+    opt.update()
+    opt.wait()
+    assert opt.offload.up and all(torch.equal(m, w) for m, w in zip(opt.offload.master, want))
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, w.bfloat16()) for p, w in zip(params, want))
+    opt.apply = lambda *a: 1 / 0
+    opt.prepare(1e-2)
+    opt.update()
+    with pytest.raises(RuntimeError, match="host's optimizer update failed: ZeroDivisionError"):
+        opt.wait()
 
 
 def test_live_recovery_with_offload_is_one_line(tmp_path, shakespeare):
