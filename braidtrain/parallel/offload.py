@@ -4,57 +4,53 @@ with the next step's forward -- and still this step's update, never a stale one.
 What lives where. The device keeps what the forward and backward read and write: the compute
 weights (the flat buckets, buckets.py) and the gradient buffers. Host memory keeps what only the
 optimizer reads: an fp32 master of the shards this rank owns (its ZeRO shard of each bucket; every
-bucket at ZeRO-0) and AdamW's m and v for them (optim.AdamW, `offload`). On a GPU the master and
-the staging slots are pinned, so that the copies are DMA transfers beside the host's work.
+bucket at ZeRO-0) and AdamW's m and v for them (optim.AdamW). On a GPU the master and the staging
+slots are pinned: the copies are DMA transfers, on one side stream, each after the one before.
 
-One step. The main thread issues the step as without offload up to the update, hands the update
-to a worker thread and goes on -- the step's loss, the log, the next step's first forward -- while
-the worker updates bucket by bucket in the next forward's order (chunk by chunk: its embedding
-group, then its blocks), each bucket's new weights copied up as soon as they exist:
+One step. The main thread hands the update to a worker thread and goes on into the next step; the
+worker updates bucket by bucket in the next forward's order (by chunk: the buckets of no block,
+then block by block), and each forward waits only for its own bucket's weights:
 
-    main     | ..backward | reduce, norm | hand over | log | F: embed  F: block 0 ........ F: block 1 ..
-    copy     |            | g0 g1 g2 g3 v|           (S = 4 slots)   ^w0 g4  ^w1 g5  ^w2 g6 ...
-    worker   |            |              | wait norm | adam 0 | adam 1 | adam 2 | adam 3 | ...
-                                                    w_k up  ^   (each F waits for its own w_k)
+    main    ..B B | reduce | norm, hand over | loss, log | F embed: wait w0 | F block 0: wait w1 | ..
+    copy          |   g0 g1 g2 g3 s          |    w0 g4      w1 g5      w2 g6      w3 g7 ..
+    worker        |                   wait s | adam 0 | adam 1 | adam 2 | adam 3 | adam 4 ..
+    (g: a gradient down into one of S = 4 slots; s: the clip scale and skip flag; w: weights up)
 
-  - Down. The reductions are complete at the end of engine.finish_step: the first S buckets'
-    gradients start down then (start()), before the device has the norm. The norm is computed on
-    the device from the reduced buckets, as without offload (a small fraction of the step), and
-    comes down as two numbers (the clip scale and the skip flag). Why not the update held per
-    bucket until the norm is known, with every gradient staged on the host during the backward:
-    that needs a full fp32 gradient in host memory, 4 bytes a parameter beside the 12 of master, m
-    and v (llama3.1-8b: 32 GB on top of 96 GB, more than the GPU machine's 128 GB). Staging is
-    bounded instead: S slots, the next gradient coming down into a slot as soon as its update has
-    read it.
-  - Up. After bucket k's update its master is copied into the device's weights, converted on the
-    host first where those are narrower (bf16 weights: a pinned slot of their dtype, so the copy
-    moves 2 bytes an element). Then `landed[k]` is set (on a GPU with `arrived[k]`, a CUDA event
-    after the copy).
-  - Waiting. A forward pre-hook on each bucket's first block (a bucket of no block: on its chunk)
-    calls ready(b): the main thread waits for that bucket only; on a GPU it then makes the compute
-    stream wait for `arrived[k]` (which the host must know was recorded: hence the host's wait).
-    ZeRO-1/2's all-gather of the bucket's updated shard is issued there too (engine.gather_params
-    leaves it), and ZeRO-3's gather (zero.py) asks ready(b) before it reads the shard; a prefetch
-    never waits (whether an update has landed differs between ranks, the collectives' order may
-    not). With a pipeline, ZeRO-1/2's gathers are all issued at the step's start instead, before
-    any transfer between stages. The exposed part of the host update is the main thread's wait:
-    the metrics' offload_s (an upper bound of the device's idle time, which runs queued work).
-  - wait(): everything that reads the weights or the moments between steps waits for the whole
-    update first -- engine.gathered() (validation, evaluation, sampling, the weights' hash),
-    checkpoint.save, the trainer's save and its non-finite check, the end of the run -- and the
-    first backward of the next step, before a gradient buffer is written (the worker copies down
-    from them: ZeRO-0/1 zero their buffer there, not at the step's start).
+  - Down, and the clip norm. The reductions are complete at the end of engine.finish_step, and the
+    first S gradients start down there (start()), before the norm is known. The norm is computed
+    on the device from the reduced buckets, as without offload (a small share of the step), and
+    comes down as two numbers. The other design -- every gradient staged on the host during the
+    backward, the update held until the norm is known -- needs a full fp32 gradient in host
+    memory (llama3.1-8b: 32 GB beside the 96 of master, m and v: more than the GPU machine's 128).
+    Staging stays bounded: a slot takes the next gradient as soon as its update has read it.
+  - Up. A bucket's master is copied into the device's weights in their dtype, converted on the
+    host first where they are narrower (bf16: a pinned slot of that dtype, 2 bytes an element
+    moved). Then `landed[k]` is set (on a GPU after `arrived[k]`, a CUDA event, is recorded).
+  - Waiting (ready(b)). A forward pre-hook on each bucket's first block (a bucket of no block: on
+    its chunk) waits for that bucket only; on a GPU the compute stream then waits for `arrived[k]`
+    (an event the host must know was recorded: hence the host's wait). ZeRO-1/2's all-gather of
+    the updated shard is issued there (engine.gather_params leaves it), and ZeRO-3's gather
+    (zero.py) asks ready(b) before it reads the shard; a prefetch never waits (whether an update
+    has landed differs between ranks; the order of the collectives may not). With a pipeline,
+    ZeRO-1/2's gathers all come at the step's start, before any transfer between stages. The
+    main thread's waits are the exposed part of the update: the metrics' offload_s (on a GPU an
+    upper bound of the device's idle time; it runs the work queued before the wait).
+  - wait(): whatever reads the weights or moments between steps waits for the whole update first:
+    engine.gathered() (validation, evaluation, sampling, the weights' hash at the run's end),
+    checkpoint.save and the trainer's save (its non-finite check) -- and the next step's first
+    backward, before a gradient buffer is written (the worker copies down from them: so ZeRO-0/1
+    zero their buffer there, not at the step's start).
 
-Threads. torch.set_num_threads is process-wide: on a GPU run this sets it to the cores of this
-rank (its affinity shared among the node's ranks: LOCAL_WORLD_SIZE), for the host update -- the
-main thread only launches kernels; on a CPU run, where device and host are the same cores, it is
-left as the run set it. On the CPU the copies are plain copies, done at once, and everything above
--- the worker, its order, the events, the waits -- runs as on a GPU.
+Threads. torch.set_num_threads is process-wide: a GPU run sets it to this rank's cores (its
+affinity shared among the node's LOCAL_WORLD_SIZE ranks), for the host update -- the main thread
+only launches kernels; a CPU run, where device and host share the cores, keeps what it had. On the
+CPU the copies are plain copies, at once, and the rest -- the worker, its order, the events, the
+waits -- runs as on a GPU.
 
 Exactness. The host update is optim.AdamW.apply on host tensors, with the step's scalars as they
-were when the update was handed over (the next step's prepare() writes new ones meanwhile): torch's
-fused AdamW on the CPU in default mode; in exact mode optim.exact_adamw, single IEEE operations with
-the same inputs (the clip scale and skip flag copied bit for bit), so the same bits as the device's.
+were when it was handed over (the next step's prepare() rewrites them): torch's fused AdamW in
+default mode; in exact mode optim.exact_adamw, single IEEE operations with the same inputs (the
+clip scale and skip flag copied bit for bit), so the same bits as the device's update.
 """
 
 from __future__ import annotations
@@ -102,13 +98,13 @@ class Offload:
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
         self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
-        # how many times the main thread found a bucket's update not landed yet: in a forward (or a gather),
-        # and in wait() for the whole update
+        # the times the main thread found a bucket not landed yet: in a forward (a gather), in wait()
         self.waits, self.whole = {"forward": 0, "whole": 0}, False
         self.gather_first = engine.pp.size > 1 and any(b.zero in (1, 2) for b in self.buckets)
         for b in (self.buckets[k] for k in self.order):  # the hooks that wait (module docstring), in
             part = next(p for p in engine.parts if p.stage == b.stage)  # order where several share a module
-            (b.modules[0] if b.modules else part).register_forward_pre_hook(lambda _m, _a, b=b: self._hook(b))
+            # (`and None`: a pre-hook that returns something replaces the module's inputs)
+            (b.modules[0] if b.modules else part).register_forward_pre_hook(lambda _m, _a, b=b: self.ready(b) and None)
         engine.updates = self
         if self.cuda:
             torch.set_num_threads(host_threads())
@@ -164,7 +160,9 @@ class Offload:
         if not block:
             return False
         if not self.landed[k].is_set():
-            self._ask(self.rank[k])
+            with self.cond:  # (the test hook's: _gate)
+                self.asked = max(self.asked, self.rank[k])
+                self.cond.notify()
             t0 = time.time()
             self.landed[k].wait()
             self.waited_s += time.time() - t0
@@ -181,11 +179,9 @@ class Offload:
     def wait(self) -> None:
         """The whole update has landed: before anything reads the weights or moments between steps."""
         self.whole = True
-        try:
-            for k in self.order:
-                self.ready(self.buckets[k])
-        finally:
-            self.whole = False
+        for k in self.order:
+            self.ready(self.buckets[k])
+        self.whole = False
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -200,14 +196,6 @@ class Offload:
         last update that landed, on the host) -- a step's offload_s and offload_update_s."""
         waited, self.waited_s = self.waited_s, 0.0
         return waited, self.update_s
-
-    def _hook(self, b) -> None:
-        self.ready(b)  # (a forward pre-hook returns None: the module's inputs unchanged)
-
-    def _ask(self, i: int) -> None:
-        with self.cond:
-            self.asked = max(self.asked, i)
-            self.cond.notify()
 
     # -- the worker --------------------------------------------------------------------------------
     @torch.no_grad()
