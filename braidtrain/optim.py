@@ -110,9 +110,8 @@ class AdamW:
     def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None) -> None:
         """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
         scalars (or `scalars`, a copy of them), on the device where the shards are (the host's under
-        --offload) -- also how live
-        recovery's buddy copy follows its neighbour's shard (parallel/mirror.py): the same kernels,
-        arguments and shard lengths give the same bits."""
+        --offload) -- also how live recovery's buddy copy follows its neighbour's shard
+        (parallel/mirror.py): the same kernels, arguments and shard lengths give the same bits."""
         step, lr, keep, c1, c2 = scalars or self.scalars[params[0].device.type]
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
             decayed = [p[a:e] for p, (_, _, decay) in zip(params, groups) for a, e in decay]
