@@ -83,6 +83,12 @@ class AdamW:
             for s, x in zip(scalars, values):
                 s.fill_(x)
 
+    def wait(self) -> None:
+        """The last update has landed on every weight and moment (--offload optimizer: the host's
+        runs into the next step, parallel/offload.py); call it before reading them between steps."""
+        if self.offload is not None:
+            self.offload.wait()
+
     def loaded(self) -> None:
         """The owned weights were written from a checkpoint: an offloaded master follows them."""
         if self.offload is not None:
@@ -93,7 +99,7 @@ class AdamW:
         """The GPU's part: decay, then AdamW, on what this rank owns -- none of it where `skip` (a
         float device tensor, 1 for a step whose gradient norm is not finite: the same on every
         rank, the norm being global) says so, without the host waiting to know."""
-        if self.offload is not None:  # streamed to the host, updated there, streamed back
+        if self.offload is not None:  # streamed to the host, updated there, streamed back meanwhile
             self.offload.step(grad_scale, skip)
             return
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
@@ -101,12 +107,12 @@ class AdamW:
         self.apply([p for _, p, _ in owned], [g for _, _, g in owned], self.groups, grad_scale, skip)
 
     @torch.no_grad()
-    def apply(self, params, grads, groups, grad_scale=None, skip=None) -> None:
+    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None) -> None:
         """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
-        scalars, on the device where the shards are (the host's under --offload) -- also how live
-        recovery's buddy copy follows its neighbour's shard (parallel/mirror.py): the same kernels,
-        arguments and shard lengths give the same bits."""
-        step, lr, keep, c1, c2 = self.scalars[params[0].device.type]
+        scalars (or `scalars`, a copy of them), on the device where the shards are (the host's under
+        --offload) -- also how live recovery's buddy copy follows its neighbour's shard
+        (parallel/mirror.py): the same kernels, arguments and shard lengths give the same bits."""
+        step, lr, keep, c1, c2 = scalars or self.scalars[params[0].device.type]
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
             decayed = [p[a:e] for p, (_, _, decay) in zip(params, groups) for a, e in decay]
             if decayed:

@@ -133,6 +133,8 @@ class Trainer:
         self.tokens.copy_(xy if nxt == step else self.host_tokens(step), non_blocking=True)
         lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=cfg.max_steps, final_frac=cfg.final_lr_frac)
         self.opt.prepare(lr)
+        if self.fault and self.opt.offload is not None:  # (the test hook: collective/inject.py)
+            self.opt.offload.hold = self.fault.holds_offload(step + 1)
         if cfg.cuda_graph and self.graph is None and step >= self.start_step + GRAPH_WARMUP:
             # the warm-up steps compiled the blocks and set every lazy state; the capture records
             # the step's kernels without running them, each replay runs them
@@ -170,8 +172,8 @@ class Trainer:
             rec["skipped"] = True
             bad_loss = not math.isfinite(loss)
             rec["skip_reason"] = f"{'loss' if bad_loss else 'gradient norm'} is {loss if bad_loss else norm}"
-        if self.opt.offload is not None:  # the host update's seconds (parallel/offload.py)
-            rec["offload_s"] = self.opt.offload.seconds
+        if self.opt.offload is not None:  # how long this step waited for the host's update (parallel/offload.py)
+            rec["offload_s"], rec["offload_update_s"] = self.opt.offload.figures()
             # as mem_gb: on a GPU the peak resident (KiB), on the CPU the offloaded state (plan --check's)
             rec["host_gb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if self.device.type == "cuda"
                               else self.opt.offload.host_bytes()) / 1e9
@@ -288,6 +290,7 @@ class Trainer:
         if not self.cfg.save:
             return None
         self.guard.doing = f"while saving step {step}"
+        self.opt.wait()  # (--offload: the step's update may still be landing)
         bad = torch.zeros((), device=self.device)
         for b, (m, v, _) in zip(self.engine.buckets, self.opt.groups):
             bad += (~torch.isfinite(b.data)).sum() + (~torch.isfinite(m)).sum() + (~torch.isfinite(v)).sum()

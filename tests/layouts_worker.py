@@ -33,6 +33,7 @@ from braidtrain.parallel.placement import init_weights
 from braidtrain.model.registry import model_config
 from braidtrain.optim import AdamW, clip_scale, lr_at
 from braidtrain.parallel.context import Context, token_index
+from braidtrain.model import fp8
 from braidtrain.model.moe import Dispatch as LocalDispatch, MoE, route
 from braidtrain.parallel.engine import Engine
 from braidtrain.parallel import expert
@@ -111,20 +112,30 @@ def layouts(suite: str):
                  ("ref-tied-exact", dict(exact=True, cfg="tied"), 4)]
                 + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
     if suite == "offload":  # --offload optimizer against none (test_offload.py): dp 1, 2, 4 at ZeRO 0-3
-        off = dict(offload="optimizer")
+        # (exact mode's runs, and default mode's at dp 2, hold the host update back until the forward asks
+        # for each bucket: offload.py's test hook, so that a forward or a reader that does not wait reads
+        # stale weights every time)
+        off, held = dict(offload="optimizer"), dict(offload="optimizer", hold=True)
         default = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 3)]
         exact = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
         return ([(f"dp{dp}-z{z}", dict(dp=dp, zero=z, cfg="shallow"), 4) for dp, z in default]
-                + [(f"dp{dp}-z{z}-offload", dict(dp=dp, zero=z, cfg="shallow", **off), 4) for dp, z in default]
+                # (held at dp 2, free-running -- the worker as fast as it goes -- at dp 1 and 4)
+                + [(f"dp{dp}-z{z}-offload", dict(dp=dp, zero=z, cfg="shallow", **(held if dp == 2 else off)), 4)
+                   for dp, z in default]
                 + [("ref-exact", dict(exact=True, cfg="shallow"), 4)]
-                + [(f"dp{dp}-z{z}-offload-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", **off), 4)
+                + [(f"dp{dp}-z{z}-offload-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", **held), 4)
                    for dp, z in exact]
                 # with the other axes: tp (bitwise at its own tp), pp, experts over ep ranks
                 + [("tp2-dp2-z1-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow"), 4),
-                   ("tp2-dp2-z1-offload-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow", **off), 4),
-                   ("pp2-dp2-z1-offload-exact", dict(pp=2, dp=2, zero=1, exact=True, cfg="shallow", **off), 4),
+                   ("tp2-dp2-z1-offload-exact", dict(tp=2, dp=2, zero=1, exact=True, cfg="shallow", **held), 4),
+                   ("pp2-dp2-z1-offload-exact", dict(pp=2, dp=2, zero=1, exact=True, cfg="shallow", **held), 4),
+                   ("pp2-z0-offload-exact", dict(pp=2, exact=True, cfg="shallow", **held), 4),
                    ("moe-ref-exact", dict(exact=True), 4),
-                   ("moe-dp4-ep2-z3-offload-exact", dict(dp=4, ep=2, zero=3, exact=True, **off), 4)])
+                   ("moe-dp4-ep2-z3-offload-exact", dict(dp=4, ep=2, zero=3, exact=True, **held), 4),
+                   # --recompute (each block's forward again in the backward), --fp8 (--compile: test_offload.py)
+                   ("recompute-dp2-z3-offload-exact", dict(dp=2, zero=3, recompute=True, exact=True, cfg="shallow", **held), 4),
+                   ("fp8-exact", dict(fp8="tensorwise", exact=True, cfg="shallow"), 4),
+                   ("fp8-dp2-z2-offload-exact", dict(dp=2, zero=2, fp8="tensorwise", exact=True, cfg="shallow", **held), 4)])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -211,7 +222,7 @@ def offload_resumes(rank, out):
     from pathlib import Path
 
     results = {}
-    off = dict(offload="optimizer")
+    off = dict(offload="optimizer", hold=True)  # (a save that does not wait for the update saves stale state)
     for name, first, second in (("into-offload", dict(dp=2, zero=1), dict(dp=2, zero=3, **off)),
                                 ("out-of-offload", dict(dp=2, zero=2, **off), dict(zero=0))):
         ckpt = Path(out) / "ckpt" / "offload" / name
@@ -259,6 +270,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     """`steps` of the learning-rate schedule, trained up to `until` (default: all); save: (step,
     folder): a checkpoint after that step; resume: a folder whose checkpoint this run starts from."""
     pp, dp, cp, tp, b = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1), kw.pop("b", B)
+    hold = kw.pop("hold", False)
     n = pp * dp * cp * tp
     lay = make_layout(n, cfg, seq_len=T, batch_size=b, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
@@ -271,8 +283,12 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         init_weights(part, 5)
         if lay.recompute:
             part.use_recompute()
+        if lay.fp8:
+            part.use_fp8(fp8.RECIPES[lay.fp8])
     engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
     opt = AdamW(engine, offload=lay.offload == "optimizer")
+    if opt.offload is not None:
+        opt.offload.hold = hold
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
     built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=b, seq_len=T), parts=parts,
@@ -310,7 +326,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live, "pairs": pairs,
             "balance": balance.tolist(),
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
-            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0}
+            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0,
+            "offload_waits": opt.offload.waits if opt.offload else None, "buckets": len(engine.buckets)}
 
 
 def attention(rank, cp, impl, order, dtype=torch.float32):

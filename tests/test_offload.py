@@ -1,21 +1,27 @@
 """--offload optimizer (parallel/offload.py): the optimizer's state in host memory, the update on
-the host -- the same optimizer step as on the device.
+the host, on a worker thread overlapped with the next step's forward -- the same optimizer step as
+on the device.
 
-On the CPU the "host" copies are separate tensors, and the copies, their order and the host
-update run as on a GPU. The layouts run in the 8-rank launch (tests/layouts_worker.py, suite
-"offload", 4 steps, clipping at 1.0 active at the first step): default mode against the same layout
-without offload to 1e-6, exact mode bitwise against the single process without offload, on 1, 2
-and 4 ranks at ZeRO 0-3, with tp and with experts over ep ranks; exact runs that save midway and
-resume with offload switched on or off. Then the command line: a pipeline, a resume into offload
-through build.py, the one-line refusals.
+On the CPU the "host" copies are separate tensors, and the worker, the copies, their order, the
+events and the waits run as on a GPU. The layouts run in the 8-rank launch (tests/layouts_worker.py,
+suite "offload", 4 steps, clipping at 1.0 active at the first step): default mode against the same
+layout without offload to 1e-6, exact mode bitwise against the single process without offload, on
+1, 2 and 4 ranks at ZeRO 0-3, with tp and with experts over ep ranks; exact runs that save midway and
+resume with offload switched on or off. Exact mode's offloaded runs hold each bucket's update back
+until the main thread asks for it (the test hook `Offload.hold`): a forward, a gather or a reader
+between steps that did not wait for its bucket would read the weights of before the step, every
+time, not only when the race goes that way. Then the command line: a pipeline, a resume into
+offload through build.py, every reader of the weights between steps (held), the one-line refusals.
 """
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
+import torch
 from test_cli import assert_one_line_error
 
-from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, metrics, summary
+from helpers import SMALL, assert_bitwise, assert_follows, braidtrain, env, metrics, summary
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,29 @@ def test_exact_mode_is_bitwise_on_1_2_4_ranks_at_every_zero_stage(runs):
     assert len(exact) == 9
     assert_bitwise(runs, exact, runs["ref-exact"])
     assert_bitwise(runs, ["tp2-dp2-z1-offload-exact"], runs["tp2-dp2-z1-exact"])
-    assert_bitwise(runs, ["pp2-dp2-z1-offload-exact"], runs["ref-exact"])
+    assert_bitwise(runs, ["pp2-dp2-z1-offload-exact", "pp2-z0-offload-exact"], runs["ref-exact"])
     assert_bitwise(runs, ["moe-dp4-ep2-z3-offload-exact"], runs["moe-ref-exact"])
+    assert_bitwise(runs, ["recompute-dp2-z3-offload-exact"], runs["ref-exact"])
+    assert runs["fp8-exact"]["losses"] != runs["ref-exact"]["losses"]  # (float8 is on)
+    assert_bitwise(runs, ["fp8-dp2-z2-offload-exact"], runs["fp8-exact"])
+
+
+def test_the_forward_waits_for_each_bucket_in_its_order(runs):
+    """The held runs are bitwise (above): every read waited for its bucket. Here: the main thread
+    did wait -- the overlapped path ran, not a synchronous one -- inside the next step's forward,
+    once for each bucket of each of the first 3 updates (the 4th: the hash's wait for the whole),
+    asking for them one by one in the order the worker updates them (the forward's): a forward
+    that waited for the whole update at once would wait once a step. A pipeline's ZeRO-1 gathers
+    wait for the whole update at the step's start (offload.py)."""
+    held = [k for k in runs if k.endswith("-offload-exact")]
+    assert len(held) == 15
+    for name in held:
+        r, n = runs[name], runs[name]["buckets"]
+        want = {"forward": 0, "whole": 4 * n} if name.startswith("pp2-dp2-z1") else {"forward": 3 * n, "whole": n}
+        assert r["offload_waits"] == want and n > 1, (name, r["offload_waits"], n)
+    assert runs["into-offload"]["offload_waits"]["forward"] == runs["into-offload"]["buckets"]  # (resumed at step 2)
+    free = [k for k in runs if k.startswith("dp") and k.endswith("-offload")]
+    assert len(free) == 7 and all(runs[k]["offload_waits"] is not None for k in free)
 
 
 def test_a_run_resumes_with_and_without_offload(runs):
@@ -63,6 +90,83 @@ def test_command_line_pipeline_and_resume_into_offload(tmp_path, shakespeare):
     for run in (piped, cut):
         assert summary(run)["weights_sha256"] == summary(full)["weights_sha256"], run
         assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(full)], run
+
+
+def test_every_reader_between_steps_waits_for_the_update(tmp_path, shakespeare):
+    """Through `braidtrain train` with --compile, dp 2 at ZeRO-1 with offload, every step's update
+    held back until the run asks for each bucket (BRAIDTRAIN_FAULT hold-offload): the validation
+    losses, the sample, both checkpoints (weights, m and v) and the final hash are the run's without
+    offload, to the bit -- each reader between steps waited for the whole update, and the waits'
+    hooks sit outside the compiled blocks."""
+    from braidtrain.io.checkpoint import Reader, saved_config, verify
+    from braidtrain.parallel.placement import for_config
+
+    base = ["train", *SMALL, "-i", shakespeare, "-d", 512, "-x", 4, "--exact", "--val-every", 3, "--sample-tokens", 24,
+            "--ckpt-every", 2, "--compile"]
+    plain, held = tmp_path / "plain", tmp_path / "held"
+    p = braidtrain(*base, "--out", plain)
+    q = braidtrain(*base, "-z", 1, "--offload", "optimizer", "--out", held, nproc=2,
+                   environ=dict(env(), BRAIDTRAIN_FAULT="hold-offload:step=1"))
+    sample = lambda out: out[out.index("--- sample ---"):]
+    assert sample(q.stdout) == sample(p.stdout)
+    assert [r.get("val_loss") for r in metrics(held)] == [r.get("val_loss") for r in metrics(plain)] != [None] * 4
+    assert summary(held)["weights_sha256"] == summary(plain)["weights_sha256"]
+    assert all(r["offload_s"] >= 0 and r["offload_update_s"] >= 0 for r in metrics(held))
+    for step in ("step_00000002", "step_00000004"):
+        a, b = (plain / "checkpoints" / step), (held / "checkpoints" / step)
+        ra, rb = Reader(a, verify(a)), Reader(b, verify(b))
+        for e in for_config(saved_config(verify(a))):
+            for kind in ("param", "m", "v"):
+                assert torch.equal(ra.full(kind, e.name), rb.full(kind, e.name)), (step, kind, e.name)
+
+
+def test_a_non_finite_step_is_skipped_on_the_host_too(tmp_path, shakespeare):
+    """Step 2's loss NaN (BRAIDTRAIN_FAULT nan): the device's skip flag goes down with the clip
+    scale, the host update changes nothing, and the run ends with the weights of the run without
+    offload that skipped the same step -- dp 2 at ZeRO-2, in exact mode, to the bit."""
+    base = ["train", *SMALL, "-i", shakespeare, "-d", 512, "-x", 4, "--exact", "--max-skipped", 2]
+    nan = dict(env(), BRAIDTRAIN_FAULT="nan:step=2")
+    plain, off = tmp_path / "plain", tmp_path / "off"
+    braidtrain(*base, "--out", plain, environ=nan)
+    braidtrain(*base, "-z", 2, "--offload", "optimizer", "--out", off, nproc=2, environ=nan)
+    assert [r.get("skipped", False) for r in metrics(off)] == [False, True, False, False]
+    assert summary(off)["weights_sha256"] == summary(plain)["weights_sha256"]
+
+
+def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
+    """Device weights narrower than the master (bf16, as the lean state makes them; an engine of
+    six one-bucket shards on the CPU): each bucket's update lands converted on the host through the
+    pinned slots of their dtype (reused after the 4th), the fp32 master keeps the update; and a host
+    update that fails is raised at the next wait, not lost with its thread."""
+    import torch.nn as nn
+
+    from braidtrain.optim import AdamW
+
+    class Bucket:
+        def __init__(self, index):
+            self.index, self.stage, self.modules, self.zero = index, 0, [], 0
+
+    gen = torch.Generator().manual_seed(0)
+    buckets = [Bucket(i) for i in range(6)]
+    params = [torch.randn(128, generator=gen).bfloat16() for _ in buckets]
+    grads = [torch.randn(128, generator=gen) for _ in buckets]
+    part = nn.Module()
+    part.stage, part.blocks = 0, lambda: []
+    engine = SimpleNamespace(device=torch.device("cpu"), exact=True, parts=[part], pp=SimpleNamespace(size=1),
+                             updates=None, owned=lambda: zip(buckets, params, grads), decay_segments=lambda b: [(0, 64)])
+    opt = AdamW(engine, offload=True)
+    want = [p.float() for p in params]
+    opt.prepare(1e-2)
+    opt.apply(want, grads, [(torch.zeros(128), torch.zeros(128), [(0, 64)]) for _ in buckets])
+    opt.update()
+    opt.wait()
+    assert opt.offload.up and all(torch.equal(m, w) for m, w in zip(opt.offload.master, want))
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, w.bfloat16()) for p, w in zip(params, want))
+    opt.apply = lambda *a: 1 / 0
+    opt.prepare(1e-2)
+    opt.update()
+    with pytest.raises(RuntimeError, match="host's optimizer update failed: ZeroDivisionError"):
+        opt.wait()
 
 
 def test_live_recovery_with_offload_is_one_line(tmp_path, shakespeare):

@@ -3,7 +3,8 @@
 # (no network; prepared below if not carried; Llama-3's 128,256 ids are built from it). braidtrain's runs go through
 # benchmarks/speed/fit_gpu.py, which drives the Trainer a few steps and saves no checkpoint (an 8B
 # checkpoint is 96 GB, the disk 64 GB): tokens/s, MFU, GPU peak (torch's), host peak (max RSS), the host
-# update's seconds a step (offload_s: the GPU waits for it), each beside the planner's figure.
+# update's seconds a step (offload_update_s) and how much of it stayed exposed (offload_s: the main
+# thread's waits for it in the next step's forward), each beside the planner's figure.
 #   p. the probe: fused CPU AdamW elements/s on every core, pinned D2H/H2D GB/s, the host's copy GB/s
 #      (offload_probe.py: the figures plan/timing.py's HOST_ADAM_PPS, PCIE_*_GBPS are to be set from)
 #   a. llama3.1-8b -b 1 -t 2048 -d 65536 --offload optimizer --compile, no --recompute

@@ -26,6 +26,8 @@ FAULT_KINDS = {
     "nan-on": "make this rank's loss NaN from that step on",
     "oom": "raise torch's out-of-memory error in the middle of that step",
     "local-disk": "at the first checkpoint save, leave this rank's marker in a folder of its own (a node-local disk)",
+    "hold-offload": "from that step on, the host updates a bucket only once the run asks for its weights "
+                    "(--offload optimizer): whatever reads them without waiting finds them stale",
 }
 
 
@@ -74,6 +76,9 @@ class Fault:
         if (self.kind == "nan" and step == self.step) or (self.kind == "nan-on" and step >= self.step):
             return loss + float("nan")
         return loss
+
+    def holds_offload(self, step: int) -> bool:
+        return self.kind == "hold-offload" and step >= self.step
 
     def mid_save(self, step: int) -> None:
         if step == self.step and self.kind == "save":

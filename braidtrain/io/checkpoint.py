@@ -99,6 +99,7 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
     `midway(step)`, if given, runs after this rank's file is written, before anything is published
     (the fault-injection test hook). Returns the seconds it took."""
     t0 = time.time()
+    opt.wait()  # (--offload: the last update may still be landing, parallel/offload.py)
     final = ckpt_dir / f"step_{step:08d}"
     tmp = ckpt_dir / f"step_{step:08d}.tmp"
     if rt.is_main:

@@ -86,6 +86,7 @@ class Engine:
         self.zero_hooks = Zero(self) if any(b.zero >= 2 for b in self.buckets) else None
         self.norm = (norm.ExactNorm if exact else norm.Norm)(self)
         self.sourced = expert.Sourced(self) if exact and self.ep.size > 1 else None  # experts' leaves by source
+        self.updates = None  # --offload optimizer: the host's update, in flight into the next step (offload.py)
         for part in self.parts:
             part.use_expert_sink(self.sourced.add if self.sourced else None)
 
@@ -135,8 +136,10 @@ class Engine:
                 if b.grad is not None:  # last step's gradient goes back to the pool
                     self.recycle(b.grad)
                     b.grad = None
-            elif b.zero <= 1:  # ZeRO-0/1 accumulate the step's micro-batches in place
-                self.open_grad(b, b.grad)
+        # (ZeRO-0/1 outside exact mode zero their buffer at the step's first backward, not here: an
+        # offloaded update may still be copying the last step's gradient down, offload.py)
+        if self.updates is not None:
+            self.updates.begin_step()
 
     @contextmanager
     def forward(self, micro: int):
@@ -170,6 +173,8 @@ class Engine:
 
     def _backward(self, micro, last, stage, work, open_blocks=False):
         self.micro, self.last = micro, last
+        if self.updates is not None:  # the last step's update has every gradient before one is written
+            self.updates.wait()
         if not self.comm.cuda:  # ZeRO-2/3: the last backward's reduce-scatters, so that their scratch is
             self._drain()  # free and each shard adds them in order (on CUDA the side stream runs them in order)
         for b in self.buckets:
@@ -181,6 +186,9 @@ class Engine:
             # a fresh buffer for this backward
             if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):
                 self.open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
+            elif b.zero <= 1 and b.first:  # ZeRO-0/1 accumulate the step's micro-batches in place
+                self.open_grad(b, b.grad)
+                b.first = False
         self.backward_phase = True
         try:
             work()
@@ -310,6 +318,8 @@ class Engine:
             self._exposed[1].record()
         else:
             self._exposed = time.time() - start
+        if self.updates is not None:  # the first gradients go down to the host before the norm
+            self.updates.start()
 
     def exposed_comm_s(self) -> float:
         """Seconds of the last finish_step(); on CUDA, call once the step's work is done."""
@@ -336,7 +346,10 @@ class Engine:
 
     @contextmanager
     def gathered(self):
-        """Every parameter present in full (ZeRO-3): for evaluation, sampling, hashing, export."""
+        """Every parameter present in full (ZeRO-3) and updated (--offload): for evaluation,
+        sampling, hashing, export."""
+        if self.updates is not None:
+            self.updates.wait()
         if self.zero_hooks is None:
             yield
             return
@@ -351,7 +364,10 @@ class Engine:
 
     def gather_params(self):
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
-        ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass."""
+        ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass; so does --offload, each
+        bucket once its update has landed (offload.py)."""
+        if self.updates is not None:
+            return
         handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
         for h in handles:
             h.wait()

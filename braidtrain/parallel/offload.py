@@ -1,44 +1,62 @@
-"""--offload optimizer: the optimizer's state in host memory, the update on the host.
+"""--offload optimizer: the optimizer's state in host memory, its update on the host, overlapped
+with the next step's forward -- and still this step's update, never a stale one.
 
 What lives where. The device keeps what the forward and backward read and write: the compute
 weights (the flat buckets, buckets.py) and the gradient buffers. Host memory keeps what only the
 optimizer reads: an fp32 master of the shards this rank owns (its ZeRO shard of each bucket; every
-bucket at ZeRO-0) and AdamW's m and v for them (optim.AdamW, `offload`). On a GPU the master and
-the gradients' staging are pinned, so that the copies are DMA transfers that overlap with host work;
-on the CPU the "host" copies are separate tensors and every step below runs as it would, the copies
-then done at once.
+bucket at ZeRO-0) and AdamW's m and v for them (optim.AdamW). On a GPU the master and the staging
+slots are pinned: the copies are DMA transfers, on one side stream, each after the one before.
 
-One step, after the gradients are reduced and the global norm known (engine.finish_step,
-engine.grad_norm -- on the device, from the reduced buckets):
+One step. The main thread hands the update to a worker thread and goes on into the next step; the
+worker updates bucket by bucket in the next forward's order (by chunk: the buckets of no block,
+then block by block), and each forward waits only for its own bucket's weights:
 
-    copy stream:  grad k -> slot          (S slots, bounded: never a second full gradient on the host)
-    host:         wait for slot k; AdamW on master k, m k, v k (clip scale and skip flag from the device)
-    copy stream:  master k -> weights k   (the device's compute weights of the shard)
-    copy stream:  grad k+S -> the freed slot
+    main    ..B B | reduce | norm, hand over | loss, log | F embed: wait w0 | F block 0: wait w1 | ..
+    copy          |   g0 g1 g2 g3 s          |    w0 g4      w1 g5      w2 g6      w3 g7 ..
+    worker        |                   wait s | adam 0 | adam 1 | adam 2 | adam 3 | adam 4 ..
+    (g: a gradient down into one of S = 4 slots; s: the clip scale and skip flag; w: weights up)
 
-in the order the next forward needs the buckets (the first stage's embedding group, its first block,
-...: the reverse of the engine's launch order), so the host's update of one bucket overlaps with the
-copies of the others. The compute stream then waits for the last copy; ZeRO-1/2's all-gather and
-the next step follow as without offload.
+  - Down, and the clip norm. The reductions are complete at the end of engine.finish_step, and the
+    first S gradients start down there (start()), before the norm is known. The norm is computed
+    on the device from the reduced buckets, as without offload (a small share of the step), and
+    comes down as two numbers. The other design -- every gradient staged on the host during the
+    backward, the update held until the norm is known -- needs a full fp32 gradient in host
+    memory (llama3.1-8b: 32 GB beside the 96 of master, m and v: more than the GPU machine's 128).
+    Staging stays bounded: a slot takes the next gradient as soon as its update has read it.
+  - Up. A bucket's master is copied into the device's weights in their dtype, converted on the
+    host first where they are narrower (bf16: a pinned slot of that dtype, 2 bytes an element
+    moved). Then `landed[k]` is set (on a GPU after `arrived[k]`, a CUDA event, is recorded).
+  - Waiting (ready(b)). A forward pre-hook on each bucket's first block (a bucket of no block: on
+    its chunk) waits for that bucket only; on a GPU the compute stream then waits for `arrived[k]`
+    (an event the host must know was recorded: hence the host's wait). ZeRO-1/2's all-gather of
+    the updated shard is issued there (engine.gather_params leaves it), and ZeRO-3's gather
+    (zero.py) asks ready(b) before it reads the shard; a prefetch never waits (whether an update
+    has landed differs between ranks; the order of the collectives may not). With a pipeline,
+    ZeRO-1/2's gathers all come at the step's start, before any transfer between stages. The
+    main thread's waits are the exposed part of the update: the metrics' offload_s (on a GPU an
+    upper bound of the device's idle time; it runs the work queued before the wait).
+  - wait(): whatever reads the weights or moments between steps waits for the whole update first:
+    engine.gathered() (validation, evaluation, sampling, the weights' hash at the run's end),
+    checkpoint.save and the trainer's save (its non-finite check) -- and the next step's first
+    backward, before a gradient buffer is written (the worker copies down from them: so ZeRO-0/1
+    zero their buffer there, not at the step's start).
 
-Why the norm first. Clipping scales every element by a factor that needs the norm of the whole
-gradient, and the norm is complete only after the last bucket's reduction -- the embedding group's,
-at the very end of the backward. Staging every gradient on the host while the backward runs (and
-updating once the norm is known) would need a full fp32 gradient in host memory: 4 bytes a
-parameter on top of the 12 of master, m and v (llama3.1-8b: 32 GB on top of 96 GB, more than the
-GPU machine's 128 GB). So the device computes the norm from the reduced buckets, as it does without
-offload (a small fraction of the step), the host waits only for that scalar, and the bounded
-staging streams the gradients down bucket by bucket behind it. Never a stale update: the step
-updates with its own gradient, and the next step's forward reads the weights this step wrote.
+Threads. torch.set_num_threads is process-wide: a GPU run sets it to this rank's cores (its
+affinity shared among the node's LOCAL_WORLD_SIZE ranks), for the host update -- the main thread
+only launches kernels; a CPU run, where device and host share the cores, keeps what it had. On the
+CPU the copies are plain copies, at once, and the rest -- the worker, its order, the events, the
+waits -- runs as on a GPU.
 
-Exactness. The host update is optim.AdamW.apply on host tensors: torch's fused AdamW on the CPU in
+Exactness. The host update is optim.AdamW.apply on host tensors, with the step's scalars as they
+were when it was handed over (the next step's prepare() rewrites them): torch's fused AdamW in
 default mode; in exact mode optim.exact_adamw, single IEEE operations with the same inputs (the
-clip scale and skip flag copied bit for bit from the device), so the same bits as the device's
-exact update.
+clip scale and skip flag copied bit for bit), so the same bits as the device's update.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import torch
@@ -46,22 +64,55 @@ import torch
 SLOTS = 4  # gradient staging slots (each the largest owned shard): copies in flight beside the update
 
 
+def host_threads() -> int:
+    """The cores this rank's host update may use: the process's, shared among the node's ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 class Offload:
     def __init__(self, engine, opt, slots: int = SLOTS):
         self.e, self.opt = engine, opt
         self.cuda = engine.device.type == "cuda"
         owned = list(engine.owned())
-        self.order = list(range(len(owned)))[::-1]  # the next forward's order (module docstring)
+        self.buckets = [b for b, _, _ in owned]
+        self.at = {b: k for k, b in enumerate(self.buckets)}
+        # the next forward's order: by chunk, then where each bucket is first read (a bucket of no
+        # block first), then as the engine numbers them (zero.py gathers those of one place so)
+        block = {m: i for part in engine.parts for i, m in enumerate(part.blocks())}
+        where = lambda b: (b.stage, block[b.modules[0]] if b.modules else -1, b.index)
+        self.order = sorted(range(len(owned)), key=lambda k: where(self.buckets[k]))
+        self.rank = {k: i for i, k in enumerate(self.order)}
         self.master = [torch.empty(p.numel(), pin_memory=self.cuda) for _, p, _ in owned]
         width = max(p.numel() for _, p, _ in owned)
         self.slots = [torch.empty(width, pin_memory=self.cuda) for _ in range(min(slots, len(owned)))]
+        self.up: dict = {}  # dtype -> pinned slots of the device weights' dtype, where it is not the master's
         self.small = torch.empty(2, pin_memory=self.cuda)  # the clip scale and the skip flag
-        self.stream = torch.cuda.Stream(engine.device) if self.cuda else None
-        self.seconds = 0.0  # the last step's host update, from the norm's arrival to the last copy's issue
+        self.stream = torch.cuda.Stream(engine.device) if self.cuda else None  # one: each copy after the one before
+        n = len(owned)
+        self.landed = [threading.Event() for _ in range(n)]  # bucket k's weights are on their way up
+        self.arrived = [None] * n  # (GPU) the event after bucket k's copy up
+        self.copied = [None] * n  # (GPU) the event after bucket k's gradient came down
+        self.flying = [False] * n  # (main thread) an update of bucket k not waited for yet
+        self.params = self.grads = None  # the step's owned shards, taken when the reductions are done
+        self.thread, self.error, self.started = None, None, False
+        self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
+        self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
+        # the times the main thread found a bucket not landed yet: in a forward (a gather), in wait()
+        self.waits, self.whole = {"forward": 0, "whole": 0}, False
+        self.gather_first = engine.pp.size > 1 and any(b.zero in (1, 2) for b in self.buckets)
+        for b in (self.buckets[k] for k in self.order):  # the hooks that wait (module docstring), in
+            part = next(p for p in engine.parts if p.stage == b.stage)  # order where several share a module
+            # (`and None`: a pre-hook that returns something replaces the module's inputs)
+            (b.modules[0] if b.modules else part).register_forward_pre_hook(lambda _m, _a, b=b: self.ready(b) and None)
+        engine.updates = self
+        if self.cuda:
+            torch.set_num_threads(host_threads())
         self.refresh()
 
     def refresh(self) -> None:
         """The master from the device's weights (at the start, and after a checkpoint wrote them)."""
+        self.wait()
         for master, (_, p, _) in zip(self.master, self.e.owned()):
             master.copy_(p.detach())
 
@@ -69,6 +120,139 @@ class Offload:
         """Bytes of host memory this rank's offloaded state holds (master, m, v, staging)."""
         n = sum(t.numel() for t in self.master + self.slots) + 2 * self.opt.state_numel()
         return 4 * n
+
+    # -- the main thread -----------------------------------------------------------------------
+    def start(self) -> None:
+        """The step's gradients are reduced (engine.finish_step): the first slots come down now."""
+        self.wait()
+        owned = list(self.e.owned())
+        self.params, self.grads = [p for _, p, _ in owned], [g for _, _, g in owned]
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        for i in range(len(self.slots)):
+            self._down(i)
+        self.started = True
+
+    def step(self, grad_scale, skip) -> None:
+        """Hand this step's update to the worker (module docstring); returns at once."""
+        if not self.started:
+            self.start()
+        self.started = False
+        if self.stream is not None:  # the norm, the clip scale and the skip flag come first
+            self.stream.wait_stream(torch.cuda.current_stream())
+        none = torch.zeros((), device=self.e.device)
+        ready = self._copy(self.small, torch.stack([none if t is None else t for t in (grad_scale, skip)]))
+        scalars = tuple(s.clone() for s in self.opt.scalars["cpu"])  # (prepare() rewrites them for the next step)
+        for k in range(len(self.buckets)):
+            self.landed[k].clear()
+            self.flying[k] = True
+        self.asked = -1 if self.hold else len(self.order)
+        self.thread = threading.Thread(target=self._work, args=(ready, grad_scale is not None, skip is not None,
+                                                                scalars), name="offload", daemon=True)
+        self.thread.start()
+
+    def ready(self, b, block: bool = True) -> bool:
+        """Bucket b's update has landed (its ZeRO-1/2 all-gather done; on a GPU the compute stream
+        waits for its copy up). block=False: say whether it had been waited for, waiting for nothing."""
+        k = self.at[b]
+        if not self.flying[k]:
+            return True
+        if not block:
+            return False
+        if not self.landed[k].is_set():
+            with self.cond:  # (the test hook's: _gate)
+                self.asked = max(self.asked, self.rank[k])
+                self.cond.notify()
+            t0 = time.time()
+            self.landed[k].wait()
+            self.waited_s += time.time() - t0
+            self.waits["whole" if self.whole else "forward"] += 1
+        if self.error is not None:
+            raise RuntimeError(f"the host's optimizer update failed: {self.error!r}") from self.error
+        self.flying[k] = False
+        if self.arrived[k] is not None:
+            torch.cuda.current_stream().wait_event(self.arrived[k])
+        if b.zero in (1, 2):  # every rank updated its shard: the bucket comes together
+            self.e.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group).wait()
+        return True
+
+    def wait(self) -> None:
+        """The whole update has landed: before anything reads the weights or moments between steps."""
+        self.whole = True
+        for k in self.order:
+            self.ready(self.buckets[k])
+        self.whole = False
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def begin_step(self) -> None:
+        """The step's first forward is next: with a pipeline, ZeRO-1/2's gathers now (module docstring)."""
+        if self.gather_first:
+            self.wait()
+
+    def figures(self) -> tuple[float, float]:
+        """(seconds the main thread waited for host updates since the last call, the seconds of the
+        last update that landed, on the host) -- a step's offload_s and offload_update_s."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited, self.update_s
+
+    # -- the worker --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _work(self, ready, scaled: bool, skipped: bool, scalars) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.e.device)
+            if ready is not None:
+                ready.synchronize()
+            t0 = time.time()
+            scale, flag = self.small[0] if scaled else None, self.small[1] if skipped else None
+            n, s = len(self.order), len(self.slots)
+            for i, k in enumerate(self.order):
+                self._gate(i)
+                if self.copied[k] is not None:  # (and so every copy before it, the last step's up too)
+                    self.copied[k].synchronize()
+                grad = self.slots[i % s][: self.grads[k].numel()]
+                self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars)
+                self.arrived[k] = self._copy(self.params[k], self._weights(i, k))
+                if i + 1 == n:
+                    self.update_s = time.time() - t0
+                self.landed[k].set()
+                if i + s < n:  # the slot is free again: the next bucket's gradient comes down into it
+                    self._down(i + s)
+        except BaseException as e:  # (the main thread raises it at its next wait)
+            self.error = e
+        finally:
+            for ev in self.landed:
+                ev.set()
+
+    def _gate(self, i: int) -> None:
+        """The test hook (`hold`, BRAIDTRAIN_FAULT hold-offload): the worker updates the i-th bucket
+        only once the main thread has asked for it or a later one -- so that whatever reads weights
+        without waiting finds them stale, every time."""
+        if self.hold:
+            with self.cond:
+                self.cond.wait_for(lambda: self.asked >= i)
+
+    def _weights(self, i: int, k: int):
+        """Bucket k's master in the device weights' dtype: itself, or converted here into a pinned
+        slot (the slot's previous copy up waited for first)."""
+        p, master = self.params[k], self.master[k]
+        if p.dtype == master.dtype:
+            return master
+        if p.dtype not in self.up:
+            self.up[p.dtype] = [torch.empty(t.numel(), dtype=p.dtype, pin_memory=self.cuda) for t in self.slots]
+        s = len(self.slots)
+        if i >= s and self.arrived[self.order[i - s]] is not None:
+            self.arrived[self.order[i - s]].synchronize()
+        slot = self.up[p.dtype][i % s][: p.numel()]
+        slot.copy_(master)
+        return slot
+
+    def _down(self, i: int) -> None:
+        """The gradient of the i-th bucket in order into slot i % S."""
+        k = self.order[i]
+        self.copied[k] = self._copy(self.slots[i % len(self.slots)][: self.grads[k].numel()], self.grads[k])
 
     def _copy(self, dst, src):
         """dst <- src on the copy stream (at once on the CPU); the event that says it is done."""
@@ -80,33 +264,3 @@ class Offload:
             done = torch.cuda.Event()
             done.record()
         return done
-
-    @torch.no_grad()
-    def step(self, grad_scale, skip) -> None:
-        """This step's update of every owned shard, on the host (module docstring)."""
-        owned = list(self.e.owned())
-        if self.stream is not None:  # the reductions, the norm and the clip scale come first
-            self.stream.wait_stream(torch.cuda.current_stream())
-        none = torch.zeros((), device=self.e.device)
-        ready = self._copy(self.small, torch.stack([none if t is None else t for t in (grad_scale, skip)]))
-        copied, n, s = {}, len(self.order), len(self.slots)
-        for i in range(min(s, n)):
-            k = self.order[i]
-            copied[k] = self._copy(self.slots[i][: owned[k][2].numel()], owned[k][2])
-        if ready is not None:
-            ready.synchronize()
-        t0 = time.time()
-        scale, flag = (None if t is None else self.small[i] for i, t in enumerate((grad_scale, skip)))
-        for i, k in enumerate(self.order):
-            if copied[k] is not None:
-                copied[k].synchronize()
-            _, p, g = owned[k]
-            grad = self.slots[i % s][: g.numel()]
-            self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag)
-            self._copy(p, self.master[k])
-            if i + s < n:  # the slot is free again: the next bucket's gradient comes down into it
-                nxt = self.order[i + s]
-                copied[nxt] = self._copy(self.slots[i % s][: owned[nxt][2].numel()], owned[nxt][2])
-        if self.stream is not None:  # the next work on the device reads the new weights
-            torch.cuda.current_stream().wait_stream(self.stream)
-        self.seconds = time.time() - t0

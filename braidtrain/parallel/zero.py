@@ -91,6 +91,8 @@ class Zero:
 
     # -- gathering -------------------------------------------------------------------------------
     def _gather(self, b, wait=True):
+        if self.e.updates is not None and not self.e.updates.ready(b, block=wait):
+            return  # --offload: the shard's update is in flight; a prefetch waits for nothing (offload.py)
         if not b.gathered and b.gather_handle is None:
             b.full.untyped_storage().resize_(b.padded * 4)
             b.gather_handle = self.e.comm.all_gather(b.full, b.data, b.group)
