@@ -41,6 +41,10 @@ def test_a_preset_brings_its_recipe_whichever_flag_names_it():
     assert (resolve("--model", "llama3.1-405b", "-x", 5000).lr, resolve("--model", "llama3.1-405b",
                                                                         "-x", 5000).warmup_steps) == (8e-5, 600)
     assert resolve("--model", "mixtral-small", "-x", 5000).recipe.startswith("deepseek-v3 (lr 2.2e-4, warmup 200")
+    for tiny in ("llama3-tiny", "mixtral-tiny"):  # a published peak is for thousands of channels: tiny's own
+        cfg = resolve("--model", tiny, "-x", 5000)
+        assert (cfg.lr, cfg.warmup_steps, cfg.final_lr_frac, cfg.recipe_batch) == (4e-3, 50, 0.05, 2048)
+        assert cfg.recipe.startswith("braidtrain tiny (lr 4e-3, warmup 50, cosine to 5%")
     # a config file's `model` names the preset as --model does
     assert recipe_of(build_config(None, {"model": "llama3.2-3b", "max_steps": 5000})) == LLAMA3
 

@@ -86,18 +86,24 @@ VOCAB = 128256
 # 1.0, peak lr 3e-4 from 1B to 8B, 1.5e-4 at 70B and 8e-5 at 405B (the Llama 3 paper's), a linear
 # warmup of 200 steps (600 at 405B), then the Llama 2 paper's cosine decay to 10% of the peak. The
 # mixtures take DeepSeek-V3's (paper and torchtitan's deepseek_v3 config: Mixtral and Qwen3-MoE
-# publish none): the same but a peak of 2.2e-4. The CPU-sized presets take their family's recipe.
+# publish none): the same but a peak of 2.2e-4. The CPU-sized presets (128 channels) take braidtrain's
+# own tiny recipe, configs/tiny.toml's at its 2,048 tokens a step (lr 4e-3, warmup 50, cosine to 5%):
+# a published peak is for a model of thousands of channels, and at 7.5e-5 (3e-4 at 4,096 tokens a
+# step) a 128-channel model barely moved in 40 steps -- 12.23 to 12.15, noise above its first loss at
+# step 9 (docs/performance.md, "Training recipes").
 # The peak lr is the recipe's at its own batch, torchtitan's llama3 8B run: 65,536 tokens a step
 # (8 GPUs x 1 x 8192). A step of fewer tokens has a noisier gradient, and Adam's steps do not
 # shrink with it: config.py lowers the lr by sqrt(d / 65536) there (Adam's square-root scaling rule,
 # Malladi et al. 2022), which a larger d never raises past the published peak.
 LLAMA3 = dict(lr=3e-4, warmup_steps=200, final_lr_frac=0.1, weight_decay=0.1, grad_clip=1.0, beta1=0.9, beta2=0.95,
               batch_tokens=65536)
+TINY = dict(LLAMA3, lr=4e-3, warmup_steps=50, final_lr_frac=0.05, batch_tokens=2048)
 RECIPES = {  # preset: (the recipe's name, its settings)
-    **{p: ("llama3", LLAMA3) for p in ("llama3-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b")},
+    **{p: ("braidtrain tiny", TINY) for p in ("llama3-tiny", "mixtral-tiny")},
+    **{p: ("llama3", LLAMA3) for p in ("llama3.2-1b", "llama3.2-3b", "llama3.1-8b")},
     "llama3.1-70b": ("llama3 70B", dict(LLAMA3, lr=1.5e-4)),
     "llama3.1-405b": ("llama3 405B", dict(LLAMA3, lr=8e-5, warmup_steps=600)),
-    **{p: ("deepseek-v3", dict(LLAMA3, lr=2.2e-4)) for p in ("mixtral-tiny", "mixtral-small", "finemoe-small")},
+    **{p: ("deepseek-v3", dict(LLAMA3, lr=2.2e-4)) for p in ("mixtral-small", "finemoe-small")},
 }
 
 
