@@ -125,6 +125,26 @@ def layouts(suite: str):
                    ("pp2-dp2-z1-offload-exact", dict(pp=2, dp=2, zero=1, exact=True, cfg="shallow", **off), 4),
                    ("moe-ref-exact", dict(exact=True), 4),
                    ("moe-dp4-ep2-z3-offload-exact", dict(dp=4, ep=2, zero=3, exact=True, **off), 4)])
+    if suite == "lean":  # a lean state (bf16 compute buckets, fp32 masters apart) against the old path (test_lean.py)
+        old, lean = dict(bf16=True, lean=False, cfg="shallow"), dict(bf16=True, cfg="shallow")
+        default = [(1, 0), (2, 1), (2, 3), (4, 2)]
+        exact = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
+        return ([(f"dp{dp}-z{z}-old", dict(old, dp=dp, zero=z), 4) for dp, z in default]
+                + [(f"dp{dp}-z{z}", dict(lean, dp=dp, zero=z), 4) for dp, z in default]
+                + [("ref-exact-old", dict(old, exact=True), 4)]
+                + [(f"dp{dp}-z{z}-exact", dict(lean, dp=dp, zero=z, exact=True), 4) for dp, z in exact]
+                # the other axes, bitwise against the old path at their own tp; Llama (RMSNorm, an untied
+                # head); the experts' stacks; --offload optimizer's host master
+                + [("pp2-dp2-z1-exact", dict(lean, pp=2, dp=2, zero=1, exact=True, schedule="1f1b"), 4),
+                   ("tp2-dp2-z1-exact-old", dict(old, tp=2, dp=2, zero=1, exact=True), 4),
+                   ("tp2-dp2-z1-exact", dict(lean, tp=2, dp=2, zero=1, exact=True), 4),
+                   ("llama-ref-exact-old", dict(old, exact=True, cfg="llama"), 4),
+                   ("llama-dp2-z3-exact", dict(lean, dp=2, zero=3, exact=True, cfg="llama"), 4),
+                   ("llama-pp2-dp2-z2-exact", dict(lean, pp=2, dp=2, zero=2, exact=True, cfg="llama"), 4),
+                   ("moe-ref-exact-old", dict(old, exact=True, cfg=None), 4),
+                   ("moe-dp4-ep2-z3-exact", dict(lean, dp=4, ep=2, zero=3, exact=True, cfg=None), 4),
+                   ("dp2-z1-offload-exact", dict(lean, dp=2, zero=1, exact=True, offload="optimizer"), 4),
+                   ("dp4-z3-offload-exact", dict(lean, dp=4, zero=3, exact=True, offload="optimizer"), 4)])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -205,6 +225,27 @@ def matrix(rank, out):
     return results
 
 
+def lean_resumes(rank, out):
+    """Exact bf16 runs that stop midway and resume with the lean state switched (test_lean.py):
+    each, at its end, against the straight run of the old path ("ref-exact-old")."""
+    from pathlib import Path
+
+    results = {}
+    old, lean, off = dict(bf16=True, lean=False), dict(bf16=True), dict(offload="optimizer")
+    for name, first, second in (("into-lean", dict(old, dp=2, zero=1), dict(lean, dp=2, zero=3)),
+                                ("out-of-lean", dict(lean, dp=2, zero=2), dict(old)),
+                                ("lean-into-offload", dict(lean, dp=4, zero=1), dict(lean, dp=2, zero=0, **off)),
+                                ("offload-out-of-lean", dict(lean, dp=2, zero=3, **off), dict(old, dp=4, zero=2))):
+        ckpt = Path(out) / "ckpt" / "lean" / name
+        run(rank, name + "-first", dict(first, exact=True), 4, SHALLOW, save=(2, ckpt), until=2)
+        dist.barrier()
+        r = run(rank, name, dict(second, exact=True), 4, SHALLOW, resume=ckpt)
+        if rank == 0:
+            results[name] = r
+        dist.barrier()
+    return results
+
+
 def offload_resumes(rank, out):
     """Exact runs that stop midway and resume with offload switched (test_offload.py): each, at
     its end, against the straight run without offload ("ref-exact")."""
@@ -259,6 +300,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     """`steps` of the learning-rate schedule, trained up to `until` (default: all); save: (step,
     folder): a checkpoint after that step; resume: a folder whose checkpoint this run starts from."""
     pp, dp, cp, tp, b = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1), kw.pop("b", B)
+    bf16, lean = kw.pop("bf16", False), kw.pop("lean", True)  # bf16 autocast; over a lean state, or fp32 buckets
     n = pp * dp * cp * tp
     lay = make_layout(n, cfg, seq_len=T, batch_size=b, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
@@ -271,13 +313,15 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         init_weights(part, 5)
         if lay.recompute:
             part.use_recompute()
-    engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
+    engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"),
+                    dtype=torch.bfloat16 if bf16 and lean else torch.float32)
     opt = AdamW(engine, offload=lay.offload == "optimizer")
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
     built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=b, seq_len=T), parts=parts,
                             mcfg=cfg, engine=engine, fault=None)
-    passes = Passes(built, nullcontext, tokens)
+    autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if bf16 else nullcontext
+    passes = Passes(built, autocast, tokens)
     losses, norms, first = [], [], 0
     ckpt_rt, t0 = SimpleNamespace(is_main=rank == 0, rank=rank, world_size=n), time.time()
     balance = torch.zeros(cfg.n_layer, max(1, cfg.moe_experts))  # (as build.py: the experts' biases)
@@ -448,11 +492,14 @@ def run_suite(rank, out, suite):
         results = matrix(rank, out)
     if suite == "offload":
         results = offload_resumes(rank, out)
+    if suite == "lean":
+        results = lean_resumes(rank, out)
     for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
         cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0), "tied": LLAMA_TIED, "mix": MIXTRAL,
-               "mix-bias": MIXTRAL_BIAS, "shallow": SHALLOW,
-               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA, "offload": MOE}.get(suite, CFG)}[kw.pop("cfg", None)]
+               "mix-bias": MIXTRAL_BIAS, "shallow": SHALLOW, "llama": LLAMA,
+               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA, "offload": MOE, "lean": MOE}.get(suite, CFG)
+               }[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:
             results[name] = r

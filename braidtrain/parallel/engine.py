@@ -25,6 +25,13 @@ number: the order the backwards ran in does not change a bit.
 
 ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
 
+A lean state (`dtype` bf16: buckets.py's docstring). A block's matrices compute in bf16 buckets, and
+the fp32 master of what this rank owns is the optimizer's (owned() yields it; publish() writes it to
+the compute weights after the update). Their gradients come from autograd in bf16, one backward of
+one parameter at a time, and the post-accumulate hook adds each into the fp32 buffer (`main_grad`)
+and drops it: the bits autocast's cast of an fp32 weight gave, whose backward added the same bf16
+gradient, made fp32, into the fp32 .grad.
+
 The stage asked for (`zero`) is the run's; each bucket runs the mechanics of its own, `b.zero`
 (buckets.zero_stage): a reduce group of one rank has nothing to shard, so its buckets run stage 0's.
 """
@@ -48,7 +55,8 @@ from braidtrain.parallel.zero import Zero
 class Engine:
     """`parts`: the model, or the pipeline chunks this rank holds (model.GPT stages, in order)."""
 
-    def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device):
+    def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device,
+                 dtype=torch.float32):
         self.parts = parts if isinstance(parts, list) else [parts]
         self.model = self.parts[0]  # (its config is every part's)
         self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
@@ -62,13 +70,20 @@ class Engine:
         named = {n: p for part in self.parts for n, p in part.named_parameters()}
         alone = Tied.kept_apart(self.table, exact)  # each in a bucket of its own (tied.py)
         formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb, alone)
-        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero, stage,
-                               [len(self.table.held(e)) for e in es])  # (a stack of experts: slices)
-                        for i, (es, ms, reduce, stage) in enumerate(formed)]
+        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device,
+                               zero if dt != torch.float32 or not ms or dtype == torch.float32 else min(zero, 2),
+                               stage, [len(self.table.held(e)) for e in es], dt)  # (a stack of experts: slices)
+                        for i, (es, ms, reduce, stage, dt) in enumerate(buckets.lean(formed, dtype))]
         self.bucket_of = {}
         for b in self.buckets:
-            for p, view in b.views(b.full):
+            master = torch.zeros(b.padded, device=device) if b.apart else b.full  # fp32, the whole bucket
+            for p, view in b.views(master):
                 view.copy_(p.detach())
+            if b.apart:  # the compute weights: the master rounded to b.dtype; the master kept where owned
+                b.full.copy_(master)
+                lo, hi = b.owned_range()
+                b.master = master if (lo, hi) == (0, b.padded) else master[lo:hi].clone()
+            for p, view in b.views(b.full):
                 p.data = view  # the parameter now lives in the flat buffer
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -91,19 +106,39 @@ class Engine:
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
-        """(bucket, param shard, grad shard) this rank updates: whole buckets for ZeRO-0, its own
-        shard of each bucket otherwise."""
+        """(bucket, fp32 master shard, grad shard) this rank updates: whole buckets for ZeRO-0, its
+        own shard of each bucket otherwise. The master is the compute weights themselves in an fp32
+        bucket, a tensor of its own in a lean one (then publish() follows the update)."""
         for b in self.buckets:
             if b.zero == 0:
-                yield b, b.data, b.grad
+                yield b, b.master, b.grad
             elif b.zero == 1:
-                yield b, b.data[b.lo : b.hi], b.grad[b.lo : b.hi]
+                yield b, b.master, b.grad[b.lo : b.hi]
             else:
-                yield b, b.data if b.zero == 3 else b.data[b.lo : b.hi], b.shard_grad
+                yield b, b.master, b.shard_grad
 
     def owned_range(self, b) -> tuple[int, int]:
         """The bucket positions [lo, hi) whose optimizer state this rank holds."""
-        return (0, b.padded) if b.zero == 0 else (b.lo, b.hi)
+        return b.owned_range()
+
+    def publish(self) -> None:
+        """After the optimizer's update of the masters: the compute weights of what this rank owns
+        follow (bf16: rounded to nearest even); ZeRO-1/2's gather_params then brings the rest."""
+        for b in self.buckets:
+            if b.apart:
+                b.compute_shard().copy_(b.master)
+
+    def master_whole(self, b) -> torch.Tensor:
+        """Bucket b's whole fp32 master, on the device (collective over its group where it is
+        sharded; an fp32 bucket's inside gathered() is its compute buffer itself)."""
+        if not b.apart:
+            return b.full
+        lo, hi = b.owned_range()
+        if (lo, hi) == (0, b.padded):
+            return b.master.to(self.device)
+        whole = torch.empty(b.padded, device=self.device)
+        self.comm.all_gather(whole, b.master.to(self.device), b.group).wait()
+        return whole
 
     def segments(self, b, keep, span=None) -> list[tuple[int, int]]:
         """Ranges, relative to what this rank owns of bucket b (or to `span`, other positions
@@ -196,7 +231,10 @@ class Engine:
         b.grad = buf if buf is not None else self.take(b.padded)
         b.grad.zero_()
         for p, view in b.views(b.grad):
-            p.grad = view
+            if b.lean:  # a bf16 parameter: its hook adds autograd's gradient here (module docstring)
+                p.main_grad = view
+            else:
+                p.grad = view
         b.open = True
 
     # -- for the helpers that keep gradients apart (tied.py, expert.py, zero.py, slots.py) ------------
@@ -216,10 +254,15 @@ class Engine:
         if b.sourced:  # (autograd runs the hook with no gradient: expert.Tap gave it to Sourced)
             p.grad = None
             return
-        if b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
-            if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
-                raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
-                                   "opened (the hook that opens it did not run first)")
+        if b.zero >= 2 and not b.open:  # autograd kept the gradient as a tensor of its own, lost here
+            raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
+                               "opened (the hook that opens it did not run first)")
+        if b.lean:  # autograd's bf16 gradient, made fp32 and added, as autocast's cast's backward did
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            if b.zero >= 2:  # the view would keep that buffer alive
+                p.main_grad = None
+        elif b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             p.grad = None
         b.pending -= 1
         if b.pending:
@@ -366,12 +409,14 @@ class Engine:
             self.tied.laid_out_again()
 
     def model_state_bytes(self) -> int:
-        """Bytes of parameters and gradients held in this rank's flat buffers (now)."""
+        """Bytes of compute weights, fp32 masters kept apart on the device, and gradients held in
+        this rank's flat buffers (now)."""
         n = 0
         for b in self.buckets:
-            n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if b.zero == 3 else 0)
-            n += (b.grad.numel() if b.grad is not None else 0) + (b.shard_grad.numel() if b.zero >= 2 else 0)
-        return 4 * n
+            n += b.data.nbytes + (b.full.untyped_storage().nbytes() if b.zero == 3 else 0)
+            n += b.master.nbytes if b.apart and b.master.device == b.data.device else 0
+            n += (b.grad.nbytes if b.grad is not None else 0) + (b.shard_grad.nbytes if b.zero >= 2 else 0)
+        return n
 
 
 class _Then:

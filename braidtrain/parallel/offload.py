@@ -59,11 +59,15 @@ class Offload:
         self.stream = torch.cuda.Stream(engine.device) if self.cuda else None
         self.seconds = 0.0  # the last step's host update, from the norm's arrival to the last copy's issue
         self.refresh()
+        for master, b in zip(self.master, [b for b, _, _ in owned]):  # the master lives here now, once
+            b.master, b.apart = master, True
 
     def refresh(self) -> None:
-        """The master from the device's weights (at the start, and after a checkpoint wrote them)."""
+        """The master from the engine's fp32 master (never from bf16 compute weights): at the start;
+        after a checkpoint wrote it (then it is this very tensor: nothing to copy)."""
         for master, (_, p, _) in zip(self.master, self.e.owned()):
-            master.copy_(p.detach())
+            if p is not master:
+                master.copy_(p.detach())
 
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's offloaded state holds (master, m, v, staging)."""
@@ -100,10 +104,10 @@ class Offload:
         for i, k in enumerate(self.order):
             if copied[k] is not None:
                 copied[k].synchronize()
-            _, p, g = owned[k]
+            b, _, g = owned[k]
             grad = self.slots[i % s][: g.numel()]
             self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag)
-            self._copy(p, self.master[k])
+            self._copy(b.compute_shard(), self.master[k])  # (bf16 compute weights: rounded on the way)
             if i + s < n:  # the slot is free again: the next bucket's gradient comes down into it
                 nxt = self.order[i + s]
                 copied[nxt] = self._copy(self.slots[i % s][: owned[nxt][2].numel()], owned[nxt][2])
