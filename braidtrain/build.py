@@ -150,7 +150,8 @@ def build(cfg: Config) -> Run:
     for part in parts:
         part.use_expert_biases(balance)
     engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device,
-                    dtype=torch.bfloat16 if bf16 else torch.float32)  # (bf16: a lean state, parallel/buckets.py)
+                    dtype=torch.bfloat16 if bf16 else torch.float32,  # (bf16: a lean state, parallel/buckets.py)
+                    offload=lay.offload == "optimizer")
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                 offload=lay.offload == "optimizer")
 

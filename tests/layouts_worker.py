@@ -125,10 +125,12 @@ def layouts(suite: str):
                    ("pp2-dp2-z1-offload-exact", dict(pp=2, dp=2, zero=1, exact=True, cfg="shallow", **off), 4),
                    ("moe-ref-exact", dict(exact=True), 4),
                    ("moe-dp4-ep2-z3-offload-exact", dict(dp=4, ep=2, zero=3, exact=True, **off), 4)])
-    if suite == "lean":  # a lean state (bf16 compute buckets, fp32 masters apart) against the old path (test_lean.py)
+    if suite == "lean":  # a lean state (bf16 compute buckets, fp32 masters apart) against the old path (test_lean.py):
+        # at ZeRO 1-3 on 2 and 4 ranks, and with --offload optimizer (then at ZeRO-0 and on one rank too)
         old, lean = dict(bf16=True, lean=False, cfg="shallow"), dict(bf16=True, cfg="shallow")
         default = [(1, 0), (2, 1), (2, 3), (4, 2)]
         exact = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
+        off = dict(offload="optimizer")
         return ([(f"dp{dp}-z{z}-old", dict(old, dp=dp, zero=z), 4) for dp, z in default]
                 + [(f"dp{dp}-z{z}", dict(lean, dp=dp, zero=z), 4) for dp, z in default]
                 + [("ref-exact-old", dict(old, exact=True), 4)]
@@ -143,8 +145,10 @@ def layouts(suite: str):
                    ("llama-pp2-dp2-z2-exact", dict(lean, pp=2, dp=2, zero=2, exact=True, cfg="llama"), 4),
                    ("moe-ref-exact-old", dict(old, exact=True, cfg=None), 4),
                    ("moe-dp4-ep2-z3-exact", dict(lean, dp=4, ep=2, zero=3, exact=True, cfg=None), 4),
-                   ("dp2-z1-offload-exact", dict(lean, dp=2, zero=1, exact=True, offload="optimizer"), 4),
-                   ("dp4-z3-offload-exact", dict(lean, dp=4, zero=3, exact=True, offload="optimizer"), 4)])
+                   ("dp2-z1-offload", dict(lean, dp=2, zero=1, **off), 4)]
+                # offload: the master on the host -- a lean state at ZeRO-0 and on one rank too
+                + [(f"dp{dp}-z{z}-offload-exact", dict(lean, dp=dp, zero=z, exact=True, **off), 4)
+                   for dp, z in ((1, 0), (2, 0), (2, 1), (4, 3))])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -314,7 +318,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
         if lay.recompute:
             part.use_recompute()
     engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"),
-                    dtype=torch.bfloat16 if bf16 and lean else torch.float32)
+                    dtype=torch.bfloat16 if bf16 and lean else torch.float32, offload=lay.offload == "optimizer")
     opt = AdamW(engine, offload=lay.offload == "optimizer")
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
@@ -346,6 +350,9 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             info = {"config": "", "family": cfg.family, "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
             checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1, run_id="layouts")
     live = comm.all_gather_object(passes.executor.max_live, mesh.groups["world"])
+    held = {"state_bytes": engine.model_state_bytes(), "optimizer_numel": opt.state_numel(),  # (this rank's, at rest)
+            "bf16_numel": sum(b.data.numel() for b in engine.buckets if b.data.dtype == torch.bfloat16),
+            "masters_apart": sum(b.master.numel() for b in engine.buckets if b.apart)}
     wte = [p for part in parts for n, p in part.named_parameters() if n == part.embedding_name and cfg.tied]
     with engine.gathered():
         wte_sha = hashlib.sha256(wte[0].detach().clone().numpy().tobytes()).hexdigest() if wte and mesh.coord("tp") == 0 else None
@@ -354,7 +361,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     return {"losses": losses, "norms": norms, "sha": weights_sha256(engine), "live": live, "pairs": pairs,
             "balance": balance.tolist(),
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
-            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0}
+            "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0, **held}
 
 
 def attention(rank, cp, impl, order, dtype=torch.float32):

@@ -23,7 +23,11 @@ strided view), so that a slice's chunks are the same whichever experts an ep ran
   ZeRO-3              its shard (+ the    its shard       its shard (+ scratch) its shard
                       gathered buckets in use)
 
-A lean state (bf16 runs: the engine's `dtype`). A bucket's compute weights have one dtype, `dtype`:
+A lean state (bf16 runs: the engine's `dtype`, where the fp32 master need not be whole on the device:
+at ZeRO 1-3 over more than one rank, and under --offload optimizer, whose master is on the host; at
+ZeRO-0 a bf16 copy beside the whole fp32 master would cost 2 bytes a parameter more than fp32 weights
+and their autocast casts, which --recompute frees block by block -- so ZeRO-0 keeps fp32 buckets).
+A bucket's compute weights have one dtype, `dtype`:
 a block bucket's matrices (every use a matmul that autocast runs in bf16) are bf16, and the fp32
 master of what the rank owns is a tensor of its own, `master`, which the optimizer updates and then
 writes to the compute weights (Engine.publish), rounded to nearest even -- the bf16 values autocast's
@@ -195,14 +199,15 @@ def form(table, numel, bucket_mb: float, alone=frozenset()) -> list[tuple[list, 
     return out
 
 
-def lean(formed, dtype) -> list[tuple[list, list, str, int, torch.dtype]]:
+def lean(formed, dtype, where=lambda reduce: True) -> list[tuple[list, list, str, int, torch.dtype]]:
     """form()'s buckets, each with its compute dtype: in a bf16 run (`dtype`) a block bucket's matrices
     (Placed.decays: 2-D weights, an expert's slices) in bf16 and its 1-D parameters in an fp32 bucket
-    beside it; buckets of no block (the embedding group, a last stage's head) fp32 (module docstring).
+    beside it -- where `where(reduce group)` (the engine: where the master need not be whole on the
+    device); buckets of no block (the embedding group, a last stage's head) fp32 (module docstring).
     In an fp32 run every bucket is fp32, as formed."""
     out = []
     for es, mods, reduce, stage in formed:
-        if dtype == torch.float32 or not mods:
+        if dtype == torch.float32 or not mods or not where(reduce):
             out.append((es, mods, reduce, stage, torch.float32))
             continue
         matrices, small = [e for e in es if e.decays], [e for e in es if not e.decays]

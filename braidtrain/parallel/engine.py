@@ -25,12 +25,12 @@ number: the order the backwards ran in does not change a bit.
 
 ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
 
-A lean state (`dtype` bf16: buckets.py's docstring). A block's matrices compute in bf16 buckets, and
-the fp32 master of what this rank owns is the optimizer's (owned() yields it; publish() writes it to
-the compute weights after the update). Their gradients come from autograd in bf16, one backward of
-one parameter at a time, and the post-accumulate hook adds each into the fp32 buffer (`main_grad`)
-and drops it: the bits autocast's cast of an fp32 weight gave, whose backward added the same bf16
-gradient, made fp32, into the fp32 .grad.
+A lean state (`dtype` bf16 at ZeRO 1-3 or under `offload`: buckets.py's docstring). A block's
+matrices compute in bf16 buckets, and the fp32 master of what this rank owns is the optimizer's
+(owned() yields it; publish() writes it to the compute weights after the update). Their gradients
+come from autograd in bf16, one backward of one parameter at a time, and the post-accumulate hook
+adds each into the fp32 buffer (`main_grad`) and drops it: the bits autocast's cast of an fp32
+weight gave, whose backward added the same bf16 gradient, made fp32, into the fp32 .grad.
 
 The stage asked for (`zero`) is the run's; each bucket runs the mechanics of its own, `b.zero`
 (buckets.zero_stage): a reduce group of one rank has nothing to shard, so its buckets run stage 0's.
@@ -56,7 +56,7 @@ class Engine:
     """`parts`: the model, or the pipeline chunks this rank holds (model.GPT stages, in order)."""
 
     def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device,
-                 dtype=torch.float32):
+                 dtype=torch.float32, offload: bool = False):
         self.parts = parts if isinstance(parts, list) else [parts]
         self.model = self.parts[0]  # (its config is every part's)
         self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
@@ -70,10 +70,13 @@ class Engine:
         named = {n: p for part in self.parts for n, p in part.named_parameters()}
         alone = Tied.kept_apart(self.table, exact)  # each in a bucket of its own (tied.py)
         formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb, alone)
+        # a lean state where the fp32 master need not be whole on the device (buckets.py): a sharded
+        # optimizer's, or --offload optimizer's (`offload`: the optimizer will take the masters to the host)
+        lean_where = lambda reduce: offload or buckets.zero_stage(zero, mesh.groups[reduce]) >= 1
         self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device,
                                zero if dt != torch.float32 or not ms or dtype == torch.float32 else min(zero, 2),
                                stage, [len(self.table.held(e)) for e in es], dt)  # (a stack of experts: slices)
-                        for i, (es, ms, reduce, stage, dt) in enumerate(buckets.lean(formed, dtype))]
+                        for i, (es, ms, reduce, stage, dt) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
         for b in self.buckets:
             master = torch.zeros(b.padded, device=device) if b.apart else b.full  # fp32, the whole bucket
