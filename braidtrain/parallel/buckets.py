@@ -100,11 +100,11 @@ class Bucket:
         self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, dtype=dtype, device=device)
         self.full = torch.zeros(self.padded, dtype=dtype, device=device) if zero == 3 else self.data
         self.master = None if self.apart else self.compute_shard()  # (apart: Engine sets it)
-        self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
+        self.grad = None  # ZeRO-0/1: the step's full gradient, from its first gradient to its update (Engine)
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0  # gradients still to come in this backward
         self.open = False  # this backward's gradient buffer is open (Engine.open_grad; ZeRO-2/3 check it)
-        self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
+        self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add; ZeRO-0/1: opens b.grad
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
         self.needs_full = True  # ZeRO-3: a backward of this bucket reads the gathered buffer
@@ -143,7 +143,7 @@ class Bucket:
         if self.zero == 3:  # released: gathered when a forward needs it (zero.py)
             whole.untyped_storage().resize_(0)
         self.gathered, self.gather_handle, self.handle = self.zero != 3, None, None
-        self.grad = torch.zeros(self.padded, device=params.device) if self.zero <= 1 else None
+        self.grad = None
         self.shard_grad = torch.zeros(self.shard_size, device=params.device) if self.zero >= 2 else None
 
     def view(self, buf, i: int) -> torch.Tensor:

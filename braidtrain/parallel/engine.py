@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -90,6 +91,8 @@ class Engine:
                 p.data = view  # the parameter now lives in the flat buffer
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+                if b.zero <= 1 and not exact:
+                    p.register_hook(partial(self._first_grad, b))
         self.trees = {b: exact_sums.TreeSum(self.recycle) for b in self.buckets} if exact else {}
         self.scratch = ({b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact
                         else {})
@@ -115,8 +118,8 @@ class Engine:
         for b in self.buckets:
             if b.zero == 0:
                 yield b, b.master, b.grad
-            elif b.zero == 1:
-                yield b, b.master, b.grad[b.lo : b.hi]
+            elif b.zero == 1:  # (no gradient outside a step: _first_grad)
+                yield b, b.master, None if b.grad is None else b.grad[b.lo : b.hi]
             else:
                 yield b, b.master, b.shard_grad
 
@@ -173,8 +176,8 @@ class Engine:
                 if b.grad is not None:  # last step's gradient goes back to the pool
                     self.recycle(b.grad)
                     b.grad = None
-            elif b.zero <= 1:  # ZeRO-0/1 accumulate the step's micro-batches in place
-                self.open_grad(b, b.grad)
+            # (ZeRO-0/1 accumulate the step's micro-batches in place, in a buffer opened by the step's
+            # first gradient of the bucket: _first_grad)
 
     @contextmanager
     def forward(self, micro: int):
@@ -251,6 +254,15 @@ class Engine:
         pool = self._pool.setdefault(buf.numel(), [])
         if all(g is not buf for g in pool):  # (a failed step may have put it there already)
             pool.append(buf)
+
+    def _first_grad(self, b, grad):
+        """ZeRO-0/1 (default mode): the step's first gradient of bucket b opens its buffer, afresh --
+        gradients exist from the backward that reaches them to the update (gather_params drops
+        them), not through the forward: as the backward frees activations it fills gradients."""
+        if b.first and not b.sourced:
+            b.first = False
+            self.open_grad(b, torch.empty(b.padded, device=self.device))
+        return grad
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
@@ -399,8 +411,20 @@ class Engine:
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
         ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass."""
         handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
+        self.drop_grads()
         for h in handles:
             h.wait()
+
+    def drop_grads(self) -> None:
+        """The step's update has read ZeRO-0/1's full gradients: they go (the next step's first
+        gradients open them again), so nothing of them lives through the next forward."""
+        for b in self.buckets:
+            if b.zero <= 1 and b.grad is not None:
+                b.grad = None
+                for _, p in b.params:
+                    p.grad = None
+                    if b.lean:
+                        p.main_grad = None
 
     def laid_out_again(self) -> None:
         """Live recovery re-laid the buckets out over another group (Bucket.relayout): the buffers

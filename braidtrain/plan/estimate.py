@@ -8,7 +8,7 @@ import functools
 from braidtrain.parallel import pipeline, placement
 from braidtrain.parallel.offload import SLOTS
 from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, HOST_STATE, NCCL_BYTES, activation_bytes,
-                                    bf16_kept,
+                                    bf16_kept, grads_at_peak,
                                     bucket_numels, fp8_params, moe_bytes, moe_layer_bytes, param_counts, rank_state,
                                     ring_bytes, stage_counts)
 from braidtrain.plan.space import Candidate, Setup, layout_of
@@ -37,7 +37,9 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     if cp > 1:
         act = {**act, **ring_bytes(s, lay)}
         act["peak"] += act["ring_out"] + act["ring_scores"]
+    micro = max(1, s.d // (lay.b * s.t * lay.dp))
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
+    mem["grads"] = grads_at_peak(state, lay.zero, n, micro, act["peak"], embed)
     mem["activations"] = act["peak"]
     allocated = sum(mem.values())
     communicators = (n > 1) + (tp > 1) + (cp > 1 and lay.dp > 1) + (lay.ep > 1) * (1 + (lay.ep < n))  # + ep, expert
@@ -45,7 +47,6 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
     mem["total"] = sum(mem.values())
 
-    micro = max(1, s.d // (lay.b * s.t * lay.dp))
     compute = flops_per_token(s, tp) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
     fwd = compute / micro * (1 / 4 if lay.recompute else 1 / 3)  # the forward is 1 of 3 (of 4) passes
     bwd = compute / micro - fwd
@@ -82,7 +83,7 @@ def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float
     PCIE_GBPS) and the host update (HOST_ADAM_PPS a node, shared by its ranks) pipelined bucket by
     bucket, so the slower of the two -- all exposed: the update waits for the norm, and the next
     forward for the update (parallel/offload.py)."""
-    owned = state["optimizer"] / 8  # elements whose m and v this rank holds
+    owned = (state["optimizer"] - state["master"]) / 8  # elements whose m and v this rank holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
     staging = 4 * SLOTS * param_counts(s.cfg, lay.tp)["block"]
     host = ranks * (HOST_STATE * owned + staging)

@@ -33,7 +33,8 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
     compute weights, 2 bytes, and an fp32 master apart, 4 bytes an owned element, counted with the
     optimizer's m and v as Megatron-LM counts it); 0 in fp32 runs (the bucket is the master).
     `transient` is the part of params + grads that exists only during the forward/backward pass
-    (scratch S, working set W): a rank at rest, as measured between steps on the CPU, holds the
+    (scratch S, working set W; ZeRO-0/1's whole gradient, which exists from the backward to the
+    update: engine.py's _first_grad): a rank at rest, as measured between steps on the CPU, holds the
     rest. A group of one rank runs stage 0's mechanics, whatever the stage (buckets.zero_stage).
     live: live recovery's copy of the next rank's shard at ZeRO 1-3 -- its m and v, the gradient it
     receives, and at ZeRO-3 its parameters (parallel/mirror.py)."""
@@ -47,8 +48,21 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
         "params": weights // n + copy * (4 * (P - lean) // n) + working if zero == 3 else weights,
         "grads": (4 * P // n + scratch if zero >= 2 else 4 * P) + copy * 4 * P // n,
         "optimizer": (optimizer // n) * (1 + copy) if zero >= 1 else optimizer,
-        "transient": scratch + working,
+        "transient": scratch + working + (4 * P if zero <= 1 else 0),
+        "master": 4 * lean // n if zero >= 1 else 4 * lean,  # (the lean state's masters, in "optimizer")
     }
+
+
+def grads_at_peak(state: dict, zero: int, n: int, micro: int, activations: float, embed_params: int) -> float:
+    """The gradients a rank holds at its peak, the start of the backward. ZeRO-0/1 open a bucket's
+    gradient as the backward reaches it (engine.py), while the backward frees the activations: with
+    one micro-step, blocks of activations give way to blocks of gradients, so the peak holds the
+    larger of the two, and the head's and embedding group's gradients, opened first, beside the
+    activations; with more, the gradients live through the later micro-steps' forwards. ZeRO-2/3's
+    shards and scratch: as counted."""
+    if (zero if n > 1 else 0) >= 2 or micro > 1:
+        return state["grads"]
+    return max(4 * embed_params, state["grads"] - activations)
 
 
 def rank_state(P: int, experts: int, n: int, lay: Candidate, block_params: int, embed_params: int,
