@@ -199,18 +199,20 @@ def form(table, numel, bucket_mb: float, alone=frozenset()) -> list[tuple[list, 
     return out
 
 
-def lean(formed, dtype, where=lambda reduce: True) -> list[tuple[list, list, str, int, torch.dtype]]:
+def lean(formed, dtype, where=lambda reduce: True) -> list[tuple[list, list, str, int, torch.dtype, int]]:
     """form()'s buckets, each with its compute dtype: in a bf16 run (`dtype`) a block bucket's matrices
     (Placed.decays: 2-D weights, an expert's slices) in bf16 and its 1-D parameters in an fp32 bucket
     beside it -- where `where(reduce group)` (the engine: where the master need not be whole on the
     device); buckets of no block (the embedding group, a last stage's head) fp32 (module docstring).
-    In an fp32 run every bucket is fp32, as formed."""
+    In an fp32 run every bucket is fp32, as formed. Last: the highest ZeRO stage whose mechanics the
+    bucket runs (the 1-D parameters' buckets stay whole: ZeRO-2's, so no gathered bf16 bucket carries
+    fp32 elements)."""
     out = []
     for es, mods, reduce, stage in formed:
         if dtype == torch.float32 or not mods or not where(reduce):
-            out.append((es, mods, reduce, stage, torch.float32))
+            out.append((es, mods, reduce, stage, torch.float32, 3))
             continue
         matrices, small = [e for e in es if e.decays], [e for e in es if not e.decays]
-        out += [(matrices, mods, reduce, stage, dtype)] if matrices else []
-        out += [(small, mods, reduce, stage, torch.float32)] if small else []
+        out += [(matrices, mods, reduce, stage, dtype, 3)] if matrices else []
+        out += [(small, mods, reduce, stage, torch.float32, 2)] if small else []
     return out

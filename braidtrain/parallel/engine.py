@@ -44,9 +44,9 @@ from functools import partial
 
 import torch
 
-from braidtrain.collective.comm import Comm, pairwise_sum
+from braidtrain.collective.comm import Comm
 from braidtrain.collective.flight import timing_events
-from braidtrain.parallel import buckets, expert, norm, placement, zb
+from braidtrain.parallel import buckets, expert, master, norm, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
 from braidtrain.parallel.tied import Tied
@@ -75,18 +75,11 @@ class Engine:
         # optimizer's, or --offload optimizer's (`offload`: the optimizer will take the masters to the host)
         lean_where = lambda reduce: offload or buckets.zero_stage(zero, mesh.groups[reduce]) >= 1
         self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device,
-                               zero if dt != torch.float32 or not ms or dtype == torch.float32 else min(zero, 2),
-                               stage, [len(self.table.held(e)) for e in es], dt)  # (a stack of experts: slices)
-                        for i, (es, ms, reduce, stage, dt) in enumerate(buckets.lean(formed, dtype, lean_where))]
+                               min(zero, top), stage, [len(self.table.held(e)) for e in es], dt)  # (experts: slices)
+                        for i, (es, ms, reduce, stage, dt, top) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
         for b in self.buckets:
-            master = torch.zeros(b.padded, device=device) if b.apart else b.full  # fp32, the whole bucket
-            for p, view in b.views(master):
-                view.copy_(p.detach())
-            if b.apart:  # the compute weights: the master rounded to b.dtype; the master kept where owned
-                b.full.copy_(master)
-                lo, hi = b.owned_range()
-                b.master = master if (lo, hi) == (0, b.padded) else master[lo:hi].clone()
+            master.lay_out(b, device)  # the values; a lean bucket's master apart
             for p, view in b.views(b.full):
                 p.data = view  # the parameter now lives in the flat buffer
                 self.bucket_of[p] = b
@@ -130,21 +123,11 @@ class Engine:
     def publish(self) -> None:
         """After the optimizer's update of the masters: the compute weights of what this rank owns
         follow (bf16: rounded to nearest even); ZeRO-1/2's gather_params then brings the rest."""
-        for b in self.buckets:
-            if b.apart:
-                b.compute_shard().copy_(b.master)
+        master.publish(self.buckets)
 
     def master_whole(self, b) -> torch.Tensor:
-        """Bucket b's whole fp32 master, on the device (collective over its group where it is
-        sharded; an fp32 bucket's inside gathered() is its compute buffer itself)."""
-        if not b.apart:
-            return b.full
-        lo, hi = b.owned_range()
-        if (lo, hi) == (0, b.padded):
-            return b.master.to(self.device)
-        whole = torch.empty(b.padded, device=self.device)
-        self.comm.all_gather(whole, b.master.to(self.device), b.group).wait()
-        return whole
+        """Bucket b's whole fp32 master, on the device (master.whole)."""
+        return master.whole(b, self.comm, self.device)
 
     def segments(self, b, keep, span=None) -> list[tuple[int, int]]:
         """Ranges, relative to what this rank owns of bucket b (or to `span`, other positions
@@ -339,7 +322,7 @@ class Engine:
             return self.comm.exact_reduce_scatter(out, grad, scratch, b.group)
         h = self.comm.exact_reduce_scatter(grad[b.lo : b.hi], grad, scratch, b.group)
         if b.group.size > 1:
-            h = _Then(h, lambda: self.comm.all_gather(grad, grad[b.lo : b.hi], b.group).wait())
+            h = exact_sums.Then(h, lambda: self.comm.all_gather(grad, grad[b.lo : b.hi], b.group).wait())
         return h
 
     def _drain(self):
@@ -363,7 +346,7 @@ class Engine:
                 b.handle = None
         self.tied.combine()  # the tied embedding's two uses, each reduced, added
         if self.partial:
-            self._sum_partials_over_tp()
+            norm.sum_partials_over_tp(self)
         if cuda:
             self._exposed[1].record()
         else:
@@ -374,23 +357,6 @@ class Engine:
         if isinstance(self._exposed, tuple):
             return self._exposed[0].elapsed_time(self._exposed[1]) / 1000.0
         return self._exposed
-
-    def _sum_partials_over_tp(self):
-        """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
-        a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank.
-        The tp ranks of a replica own the same places of their buckets (the replicated parameters
-        sit alike in each), so a ZeRO shard holding none of them holds none on any: nothing to add."""
-        owned = [(g, self.segments(b, lambda e: e.name in self.partial)) for b, _, g in self.owned()]
-        pieces = [g[a:e] for g, segs in owned for a, e in segs]
-        if not pieces:
-            return
-        flat = torch.cat(pieces)
-        rows = self.comm.gather_rows(flat, self.tp)
-        total, pos = pairwise_sum(rows), 0
-        for g, segs in owned:
-            for a, e in segs:
-                g[a:e].copy_(total[pos : pos + e - a])
-                pos += e - a
 
     @contextmanager
     def gathered(self):
@@ -438,20 +404,4 @@ class Engine:
     def model_state_bytes(self) -> int:
         """Bytes of compute weights, fp32 masters kept apart on the device, and gradients held in
         this rank's flat buffers (now)."""
-        n = 0
-        for b in self.buckets:
-            n += b.data.nbytes + (b.full.untyped_storage().nbytes() if b.zero == 3 else 0)
-            n += b.master.nbytes if b.apart and b.master.device == b.data.device else 0
-            n += (b.grad.nbytes if b.grad is not None else 0) + (b.shard_grad.nbytes if b.zero >= 2 else 0)
-        return n
-
-
-class _Then:
-    """A handle whose wait() also runs a follow-up step."""
-
-    def __init__(self, inner, fn):
-        self.inner, self.fn = inner, fn
-
-    def wait(self):
-        self.inner.wait()
-        self.fn()
+        return master.state_bytes(self.buckets)
