@@ -114,7 +114,7 @@ def build(cfg: Config) -> Run:
         torch.utils.deterministic.fill_uninitialized_memory = False
         if device.type == "cpu":
             torch.set_num_threads(1)
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    bf16 = computes_in_bf16(cfg, device)
 
     comm = Comm(device)
     mesh = build_mesh(rt.rank, rt.world_size, comm, pp=lay.pp, cp=lay.cp, tp=lay.tp, ep=lay.ep, new_group=rt.new_group,
@@ -149,7 +149,9 @@ def build(cfg: Config) -> Run:
     balance = torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=device)
     for part in parts:
         part.use_expert_biases(balance)
-    engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device)
+    engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=device,
+                    dtype=torch.bfloat16 if bf16 else torch.float32,  # (bf16: a lean state, parallel/buckets.py)
+                    offload=lay.offload == "optimizer")
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                 offload=lay.offload == "optimizer")
 
@@ -169,6 +171,11 @@ def build(cfg: Config) -> Run:
         guard.close(clean=False)
         raise
     return run
+
+
+def computes_in_bf16(cfg: Config, device) -> bool:
+    """--dtype: bf16 autocast (and a lean state's bf16 weights), or fp32; auto: bf16 on a GPU."""
+    return cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
 
 
 def check_space(run: Run) -> None:

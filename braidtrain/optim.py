@@ -1,8 +1,10 @@
 """AdamW over flat shards, the learning-rate schedule, and gradient clipping.
 
-The optimizer never sees a parameter: it sees the (parameter shard, gradient shard) pairs the
+The optimizer never sees a parameter: it sees the (fp32 master shard, gradient shard) pairs the
 data-parallel engine says this rank owns -- whole buckets under ZeRO-0, one shard of each bucket
-under ZeRO-1 -- and keeps m and v for exactly those elements. The update is torch's fused AdamW
+under ZeRO-1 -- and keeps m and v for exactly those elements (in a bf16 run's lean state the master
+is apart from the bf16 compute weights, which the engine's publish() writes after the update:
+parallel/buckets.py). The update is torch's fused AdamW
 kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
 shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
 Every operation is elementwise, so the update of an element does not depend on where the shard
@@ -105,6 +107,7 @@ class AdamW:
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
         owned = list(self.engine.owned())
         self.apply([p for _, p, _ in owned], [g for _, _, g in owned], self.groups, grad_scale, skip)
+        self.engine.publish()  # a lean state's compute weights follow their fp32 masters
 
     @torch.no_grad()
     def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None) -> None:

@@ -293,7 +293,8 @@ class Trainer:
         self.opt.wait()  # (--offload: the step's update may still be landing)
         bad = torch.zeros((), device=self.device)
         for b, (m, v, _) in zip(self.engine.buckets, self.opt.groups):
-            bad += (~torch.isfinite(b.data)).sum() + (~torch.isfinite(m)).sum() + (~torch.isfinite(v)).sum()
+            n = (~torch.isfinite(b.master)).sum() + (~torch.isfinite(m)).sum() + (~torch.isfinite(v)).sum()
+            bad += n.to(bad.device)  # (a fp32 master: --offload's on the host)
         self.comm.all_reduce(bad, self.mesh.groups["world"]).wait()
         if bad.item():
             self.rt.log(f"step {step}: checkpoint not saved: {int(bad.item())} weights or optimizer moments are not "

@@ -4,7 +4,8 @@ from helpers import Layouts, prepare_bytes
 
 # The test modules whose `runs` fixture is a suite of tests/layouts_worker.py
 LAYOUT_SUITES = {"test_parity": "dp", "test_tp": "tp", "test_pipeline": "pipeline", "test_context": "cp",
-                 "test_moe": "ep", "test_composition": "matrix", "test_llama": "llama", "test_offload": "offload"}
+                 "test_moe": "ep", "test_composition": "matrix", "test_llama": "llama", "test_offload": "offload",
+                 "test_lean": "lean"}
 # Run last, once the launch is over: the fault tests time heartbeats and detection in seconds.
 # (Which other tests the launch slows depends on the run: beside its 8 ranks on 2 cores, multi-rank
 # gloo jobs ran 2-10x slower in some runs and not in others; no order of them was faster on average.)

@@ -136,6 +136,30 @@ def layouts(suite: str):
                    ("recompute-dp2-z3-offload-exact", dict(dp=2, zero=3, recompute=True, exact=True, cfg="shallow", **held), 4),
                    ("fp8-exact", dict(fp8="tensorwise", exact=True, cfg="shallow"), 4),
                    ("fp8-dp2-z2-offload-exact", dict(dp=2, zero=2, fp8="tensorwise", exact=True, cfg="shallow", **held), 4)])
+    if suite == "lean":  # a lean state (bf16 compute buckets, fp32 masters apart) against the old path (test_lean.py):
+        # at ZeRO 1-3 on 2 and 4 ranks, and with --offload optimizer (then at ZeRO-0 and on one rank too)
+        old, lean = dict(bf16=True, lean=False, cfg="shallow"), dict(bf16=True, cfg="shallow")
+        default = [(1, 0), (2, 1), (2, 3), (4, 2)]
+        exact = [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)]
+        off = dict(offload="optimizer")
+        return ([(f"dp{dp}-z{z}-old", dict(old, dp=dp, zero=z), 4) for dp, z in default]
+                + [(f"dp{dp}-z{z}", dict(lean, dp=dp, zero=z), 4) for dp, z in default]
+                + [("ref-exact-old", dict(old, exact=True), 4)]
+                + [(f"dp{dp}-z{z}-exact", dict(lean, dp=dp, zero=z, exact=True), 4) for dp, z in exact]
+                # the other axes, bitwise against the old path at their own tp; Llama (RMSNorm, an untied
+                # head); the experts' stacks; --offload optimizer's host master
+                + [("pp2-dp2-z1-exact", dict(lean, pp=2, dp=2, zero=1, exact=True, schedule="1f1b"), 4),
+                   ("tp2-dp2-z1-exact-old", dict(old, tp=2, dp=2, zero=1, exact=True), 4),
+                   ("tp2-dp2-z1-exact", dict(lean, tp=2, dp=2, zero=1, exact=True), 4),
+                   ("llama-ref-exact-old", dict(old, exact=True, cfg="llama"), 4),
+                   ("llama-dp2-z3-exact", dict(lean, dp=2, zero=3, exact=True, cfg="llama"), 4),
+                   ("llama-pp2-dp2-z2-exact", dict(lean, pp=2, dp=2, zero=2, exact=True, cfg="llama"), 4),
+                   ("moe-ref-exact-old", dict(old, exact=True, cfg=None), 4),
+                   ("moe-dp4-ep2-z3-exact", dict(lean, dp=4, ep=2, zero=3, exact=True, cfg=None), 4),
+                   ("dp2-z1-offload", dict(lean, dp=2, zero=1, **off), 4)]
+                # offload: the master on the host -- a lean state at ZeRO-0 and on one rank too
+                + [(f"dp{dp}-z{z}-offload-exact", dict(lean, dp=dp, zero=z, exact=True, **off), 4)
+                   for dp, z in ((1, 0), (2, 0), (2, 1), (4, 3))])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -216,6 +240,27 @@ def matrix(rank, out):
     return results
 
 
+def lean_resumes(rank, out):
+    """Exact bf16 runs that stop midway and resume with the lean state switched (test_lean.py):
+    each, at its end, against the straight run of the old path ("ref-exact-old")."""
+    from pathlib import Path
+
+    results = {}
+    old, lean, off = dict(bf16=True, lean=False), dict(bf16=True), dict(offload="optimizer")
+    for name, first, second in (("into-lean", dict(old, dp=2, zero=1), dict(lean, dp=2, zero=3)),
+                                ("out-of-lean", dict(lean, dp=2, zero=2), dict(old)),
+                                ("lean-into-offload", dict(lean, dp=4, zero=1), dict(lean, dp=2, zero=0, **off)),
+                                ("offload-out-of-lean", dict(lean, dp=2, zero=3, **off), dict(old, dp=4, zero=2))):
+        ckpt = Path(out) / "ckpt" / "lean" / name
+        run(rank, name + "-first", dict(first, exact=True), 4, SHALLOW, save=(2, ckpt), until=2)
+        dist.barrier()
+        r = run(rank, name, dict(second, exact=True), 4, SHALLOW, resume=ckpt)
+        if rank == 0:
+            results[name] = r
+        dist.barrier()
+    return results
+
+
 def offload_resumes(rank, out):
     """Exact runs that stop midway and resume with offload switched (test_offload.py): each, at
     its end, against the straight run without offload ("ref-exact")."""
@@ -271,6 +316,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     folder): a checkpoint after that step; resume: a folder whose checkpoint this run starts from."""
     pp, dp, cp, tp, b = kw.get("pp", 1), kw.pop("dp", 1), kw.get("cp", 1), kw.get("tp", 1), kw.pop("b", B)
     hold = kw.pop("hold", False)
+    bf16, lean = kw.pop("bf16", False), kw.pop("lean", True)  # bf16 autocast; over a lean state, or fp32 buckets
     n = pp * dp * cp * tp
     lay = make_layout(n, cfg, seq_len=T, batch_size=b, total_batch=SEQS * T, **kw)
     comm = Comm(torch.device("cpu"))
@@ -285,7 +331,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             part.use_recompute()
         if lay.fp8:
             part.use_fp8(fp8.RECIPES[lay.fp8])
-    engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"))
+    engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"),
+                    dtype=torch.bfloat16 if bf16 and lean else torch.float32, offload=lay.offload == "optimizer")
     opt = AdamW(engine, offload=lay.offload == "optimizer")
     if opt.offload is not None:
         opt.offload.hold = hold
@@ -293,7 +340,8 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
     built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=b, seq_len=T), parts=parts,
                             mcfg=cfg, engine=engine, fault=None)
-    passes = Passes(built, nullcontext, tokens)
+    autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if bf16 else nullcontext
+    passes = Passes(built, autocast, tokens)
     losses, norms, first = [], [], 0
     ckpt_rt, t0 = SimpleNamespace(is_main=rank == 0, rank=rank, world_size=n), time.time()
     balance = torch.zeros(cfg.n_layer, max(1, cfg.moe_experts))  # (as build.py: the experts' biases)
@@ -318,6 +366,9 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             info = {"config": "", "family": cfg.family, "model": dataclasses.asdict(cfg), "tokenizer": "bytes"}
             checkpoint.save(save[1], step + 1, engine, opt, info, ckpt_rt, lay, keep=1, run_id="layouts")
     live = comm.all_gather_object(passes.executor.max_live, mesh.groups["world"])
+    held = {"state_bytes": engine.model_state_bytes(), "optimizer_numel": opt.state_numel(),  # (this rank's, at rest)
+            "bf16_numel": sum(b.data.numel() for b in engine.buckets if b.data.dtype == torch.bfloat16),
+            "masters_apart": sum(b.master.numel() for b in engine.buckets if b.apart)}
     wte = [p for part in parts for n, p in part.named_parameters() if n == part.embedding_name and cfg.tied]
     with engine.gathered():
         wte_sha = hashlib.sha256(wte[0].detach().clone().numpy().tobytes()).hexdigest() if wte and mesh.coord("tp") == 0 else None
@@ -327,7 +378,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             "balance": balance.tolist(),
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
             "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0,
-            "offload_waits": opt.offload.waits if opt.offload else None, "buckets": len(engine.buckets)}
+            "offload_waits": opt.offload.waits if opt.offload else None, "buckets": len(engine.buckets), **held}
 
 
 def attention(rank, cp, impl, order, dtype=torch.float32):
@@ -465,11 +516,14 @@ def run_suite(rank, out, suite):
         results = matrix(rank, out)
     if suite == "offload":
         results = offload_resumes(rank, out)
+    if suite == "lean":
+        results = lean_resumes(rank, out)
     for name, kw, steps in layouts(suite) if suite != "matrix" else ():
         kw = dict(kw)
         cfg = {"free": replace(MOE, moe_capacity=0.0, moe_aux=0.0), "tied": LLAMA_TIED, "mix": MIXTRAL,
-               "mix-bias": MIXTRAL_BIAS, "shallow": SHALLOW,
-               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA, "offload": MOE}.get(suite, CFG)}[kw.pop("cfg", None)]
+               "mix-bias": MIXTRAL_BIAS, "shallow": SHALLOW, "llama": LLAMA,
+               None: {"ep": MOE, "tp": SHALLOW, "cp": SHALLOW, "llama": LLAMA, "offload": MOE, "lean": MOE}.get(suite, CFG)
+               }[kw.pop("cfg", None)]
         r = run(rank, name, kw, steps, cfg)
         if rank == 0:
             results[name] = r

@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,20 @@ def test_frozen_rank_is_found_by_the_heartbeat_and_replaced(tmp_path, shakespear
     check_went_on(run, ref, pids, lost=d["rank"], step=d["step"], zero=d["zero"])
 
 
+def test_a_lean_state_is_recovered_the_same_way(tmp_path, shakespeare):
+    """A bf16 run at ZeRO 1-3 keeps a lean state (parallel/buckets.py): the blocks' matrices in bf16,
+    their fp32 masters sharded. A rank killed in a step: its master shard comes from its buddy's copy
+    with its m and v, the bf16 weights are rounded from the re-sharded masters, and the run ends with
+    the weights of one process that lost nothing (whose buckets are fp32 under autocast: the same bits)."""
+    d = draw("lean", zero=range(1, 4), rank=range(1, 4), step=range(2, STEPS + 1))
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    braidtrain("train", *COMMON, "--dtype", "bf16", "-i", shakespeare, "--out", ref)
+    pids, codes, out, err = by_hand(4, [*COMMON, "--dtype", "bf16", "-z", d["zero"], "-i", shakespeare, "--out", run],
+                                    f"kill:rank={d['rank']}:step={d['step']}", tmp_path)
+    assert codes == {r: -signal.SIGKILL if r == d["rank"] else 0 for r in range(4)}, err[-5000:]
+    check_went_on(run, ref, pids, lost=d["rank"], step=d["step"], zero=d["zero"])
+
+
 def test_a_second_loss_is_recovered_the_same_way(tmp_path, shakespeare, ref):
     """A rank killed at step 3, then another frozen at step 6: 4 -> 3 -> 2 ranks, the orphaned slots'
     micro-batches divided among the two left (ZeRO 1-3: the state re-sharded twice), the
@@ -207,7 +222,7 @@ def test_plan_counts_the_copies_and_refuses_expert_parallelism():
     parameters) -- against the planner's estimate of the same layout without; --ep is one line."""
     from braidtrain.model import registry
     from braidtrain.plan.estimate import estimate
-    from braidtrain.plan.memory import GB
+    from braidtrain.plan.memory import GB, param_counts
     from braidtrain.plan.space import Candidate, Setup
 
     p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "-t", 64, "-d", D, "--variants", "--json", "--live-recovery")
@@ -216,12 +231,17 @@ def test_plan_counts_the_copies_and_refuses_expert_parallelism():
     live = [r for r in rows if r["dp"] == 4]
     assert {r["zero"] for r in live} == {0, 1, 2, 3}
     s = Setup(registry.model_config("tiny", 50257), 4, 80.0, 64, D)
+    counts = param_counts(s.cfg)
+    P, M = counts["rank"], counts["matrices"]  # (ZeRO 1-3 on a GPU: a lean state, the matrices' masters apart)
     for r in live:
-        zero = r["zero"]
-        want = estimate(s, Candidate(4, zero, r["b"], r["recompute"]))["mem"]
-        u = want["optimizer"] / 2 / GB  # ZeRO 1-3: 4P/n, a shard of one fp32 tensor of the model's size
-        extra = {"params": u * (zero == 3), "grads": u * (zero >= 1), "optimizer": 2 * u * (zero >= 1)}
-        assert all(r["mem_gb"][k] == pytest.approx(want[k] / GB + extra[k], rel=1e-9) for k in extra), (r, want)
+        zero, lay = r["zero"], Candidate(4, r["zero"], r["b"], r["recompute"])
+        without, mine = (estimate(replace(s, live=v), lay) for v in (False, True))
+        # the copy: the neighbour's m, v and master shards, the gradient it receives, and at ZeRO-3 the
+        # neighbour's fp32 parameters (the bf16 matrices' shard: their master, counted above)
+        extra = {"params": 4 * (P - M) // 4 * (zero == 3), "grads": 4 * P // 4 * (zero >= 1),
+                 "optimizer": (8 * P + 4 * M) // 4 * (zero >= 1)}
+        assert all(mine["state"][k] - without["state"][k] == extra[k] for k in extra), (r, mine["state"])
+        assert all(r["mem_gb"][k] == pytest.approx(mine["mem"][k] / GB, rel=1e-9) for k in extra), (r, mine["mem"])
     p = braidtrain("plan", "--model", "tiny", "--gpus", 4, "--live-recovery", "--ep", 2, check=False)
     assert p.returncode == 2 and p.stderr.startswith(
         "braidtrain: error: --live-recovery does not recover expert parallelism, got --ep 2"), p.stderr

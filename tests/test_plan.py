@@ -82,7 +82,8 @@ def test_model_state_formulas_match_hand_arithmetic(n):
     for zero, (params, grads, opt) in want.items():
         got = model_state_bytes(P, n, zero, block, embed)
         assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((params, grads, opt), rel=1e-12), zero
-        assert got["transient"] == (0, 0, scratch, scratch + working)[zero]
+        # (ZeRO-0/1's gradient exists from the backward to the update: engine.py's _first_grad)
+        assert got["transient"] == (4 * P, 4 * P, scratch, scratch + working)[zero if n > 1 else 0]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -232,7 +233,8 @@ def test_tp_divides_the_sharded_model_state_by_hand(tp):
     # ZeRO over the replica group divides the per-tp-rank state further, as at tp 1
     s8 = replace(s, gpus=2 * tp)
     z1 = estimate(s8, Candidate(2, 1, 8, False, tp))
-    assert z1["state"]["optimizer"] == 8 * per_rank // 2
+    M = cfg.n_layer * 12 * c * c // tp  # the blocks' matrices, this tp rank's: a lean state's bf16, masters apart
+    assert z1["state"]["optimizer"] == (8 * per_rank + 4 * M) // 2 and z1["state"]["params"] == 4 * per_rank - 2 * M
     assert z1["mem"]["comm"] == 2 * NCCL_BYTES  # a communicator for each group: replica and tp
 
 
@@ -301,23 +303,28 @@ def test_tp_communication_by_hand():
     # is the last reduce-scatter (the embedding group) and the all-gather of every bucket, at --busbw
     counts = param_counts(cfg, 2)
     assert sum(k for _, k in bucket_numels(cfg, s.bucket_mb, 2)) == counts["rank"]
+    # (the blocks' buckets all-gathered in bf16: a lean state's)
     z1 = estimate(replace(s, gpus=4, alpha_us=0.0), Candidate(2, 1, b, False, 2))
-    assert z1["dp_comm_s"] == pytest.approx(1 / 2 * 4 * (counts["embed"] + counts["rank"]) / 300e9, rel=1e-12)
+    gathered = 4 * counts["embed"] + 2 * (counts["rank"] - counts["embed"])
+    assert z1["dp_comm_s"] == pytest.approx(1 / 2 * (4 * counts["embed"] + gathered) / 300e9, rel=1e-12)
 
 
-def test_zero3_gathers_blocks_again_for_the_backward_only_in_fp32_or_recompute():
+def test_zero3_gathers_blocks_again_for_the_backward():
     """ZeRO-3 on 2 ranks with compute too fast to hide anything: every message is exposed, so the
     reduction is the sum of its collectives -- a gather and a reduce-scatter per bucket per
-    micro-step, plus a second gather of the blocks where the backward reads fp32 parameters."""
+    micro-step, plus a second gather of the blocks for the backward, which reads the parameters
+    themselves: fp32 ones on the CPU, a lean state's bf16 ones on a GPU (its blocks gathered in bf16)."""
     cfg, b, t = model_config("gpt2", 50257), 8, 1024
     s = Setup(cfg, gpus=2, mem_gb=80, t=t, d=2 * b * t * 4, tflops=1e12, alpha_us=0.0)
-    buckets = [4 * k for _, k in bucket_numels(cfg, s.bucket_mb)]
     one = lambda nbytes: (2 - 1) / 2 * nbytes / 300e9  # a gather or reduce-scatter over 2 ranks
-    once = 4 * sum(2 * one(m) for m in buckets)  # 4 micro-steps
-    blocks_again = 4 * sum(one(m) for m in buckets[:-1])  # all but the embedding group (launched last)
-    for cpu, recompute, want in ((False, False, once), (False, True, once + blocks_again), (True, False, once + blocks_again)):
-        e = estimate(replace(s, cpu=cpu), Candidate(2, 3, b, recompute))
-        assert e["micro_steps"] == 4 and e["dp_comm_s"] == pytest.approx(want, rel=1e-6), (cpu, recompute)
+    for cpu in (False, True):
+        for recompute in (False, True):
+            gathers = [(4 if cpu or kind == "embed" else 2) * k for kind, k in bucket_numels(cfg, s.bucket_mb)]
+            scatters = [4 * k for _, k in bucket_numels(cfg, s.bucket_mb)]
+            once = 4 * sum(one(g) + one(r) for g, r in zip(gathers, scatters))  # 4 micro-steps
+            blocks_again = 4 * sum(one(g) for g in gathers[:-1])  # all but the embedding group (launched last)
+            e = estimate(replace(s, cpu=cpu), Candidate(2, 3, b, recompute))
+            assert e["micro_steps"] == 4 and e["dp_comm_s"] == pytest.approx(once + blocks_again, rel=1e-6), (cpu, recompute)
 
 
 def test_a_tp_that_does_not_divide_the_heads_is_never_planned(capsys):
@@ -360,7 +367,8 @@ def test_pipeline_stage_memory_by_hand():
     assert e["mem"]["total"] == pytest.approx(max(e["stages_gb"]) * GB)
     # ZeRO-1 over dp = 2 divides each stage's Adam state, as without a pipeline
     z1 = estimate(replace(s, gpus=4, d=2 * b * t * 4), Candidate(2, 1, b, False, pp=2, schedule="1f1b"))
-    assert z1["stage_state"][1]["optimizer"] == 8 * P[1] // 2
+    M = 4 * 12 * h * h  # the last stage's blocks' matrices: a lean state's bf16, with fp32 masters apart
+    assert z1["stage_state"][1]["optimizer"] == (8 * P[1] + 4 * M) // 2
 
 
 @pytest.mark.parametrize("m", [4, 32])  # 32: past the simulated cycles, extrapolated
@@ -589,7 +597,7 @@ def test_a_mixture_of_experts_is_planned_over_ep_ranks():
         rows = 2 * 1024 * 768 * 2  # k = 2 rows a token, bf16
         one = 10e-6 + (ep - 1) / ep * rows / 100e9 + 10e-6
         assert e["ep_comm_s"] == pytest.approx(4 * (12 * 4 * one if ep > 1 else 0), rel=1e-9)  # 4 micro-steps
-    tight = Setup(cfg, gpus=8, mem_gb=10, t=1024, d=8 * 1024 * 4)
+    tight = Setup(cfg, gpus=8, mem_gb=9, t=1024, d=8 * 1024 * 4)
     r = plan(tight, zeros=(0,), pps=(1,))
     fits = {e["layout"].ep for e in r["rows"] if e["fits"]}
     assert 1 not in fits and 8 in fits
@@ -605,7 +613,9 @@ def test_a_pipeline_of_cp_and_tp_ranks_by_hand():
     ones; ZeRO-1 shards Adam over the dp*cp = 2 replicas; each block of each live micro-batch (2
     on the first stage, 1 on the last) keeps (12 + 26/tp) bytes per token x channel of its t/cp
     tokens and the ring's fp32 output and log-sum-exp; the last stage adds the head's input and
-    the vocab-parallel logits; one ring tile of scores at a time; bf16 copies of the weights."""
+    the vocab-parallel logits; one ring tile of scores at a time. ZeRO-1 over 2 replicas on a GPU:
+    a lean state -- the blocks' matrices M in bf16, their fp32 masters counted with Adam's m and v,
+    and of autocast's bf16 copies only the fp32 head's (the last stage's copy of wte)."""
     from braidtrain.parallel.context import tile_rows
 
     cfg, b, t, tp, cp = model_config("gpt2", 50257), 1, 1024, 2, 2
@@ -620,9 +630,12 @@ def test_a_pipeline_of_cp_and_tp_ranks_by_hand():
     scores = 16 * b * (a // tp) * tile_rows(c) * c
     blk = (12 + 26 / tp) * x + (16 + 4 * a / tp) * b * (t // cp) + ring  # (test_tp_activations_by_hand)
     act = [2 * 8 * blk, 4 * blk + 6 * x + b * (t // cp) * Vt // tp * 6]
+    M = [8 * 12 * h * h // tp, 4 * 12 * h * h // tp]
+    head = [0, Vt * h // tp]
     for r in range(2):
-        assert e["stage_state"][r]["params"] == 4 * P[r] and e["stage_state"][r]["optimizer"] == 8 * P[r] // 2
-        allocated = 4 * P[r] + 4 * P[r] + 8 * P[r] // 2 + act[r] + scores + 2 * P[r]
+        params, optimizer = 4 * P[r] - 2 * M[r], (8 * P[r] + 4 * M[r]) // 2
+        assert (e["stage_state"][r]["params"], e["stage_state"][r]["optimizer"]) == (params, optimizer)
+        allocated = params + 4 * P[r] + optimizer + act[r] + scores + 2 * head[r]
         comm = NCCL_BYTES * 5  # the replicas' (= the cp group), tp's, pp's, one each way to the other stage
         want = allocated + comm + CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
         assert e["stages_gb"][r] * GB == pytest.approx(want, rel=1e-12), r

@@ -111,10 +111,9 @@ def save(ckpt_dir: Path, step: int, engine, opt, info: dict, rt, lay, keep: int,
     tensors = {}
     for i, name, a, n, pos in pieces(engine):
         b = engine.buckets[i]
-        data = pos - (b.lo if b.zero == 3 else 0)  # ZeRO-3 holds only the shard
-        tensors[f"param/{name}/{a}"] = b.data[data : data + n].detach().cpu().clone()
+        base = pos - engine.owned_range(b)[0]  # (the fp32 master: a lean state's bf16 weights are not saved)
+        tensors[f"param/{name}/{a}"] = b.master[base : base + n].detach().cpu().clone()
         m, v, _ = opt.groups[i]
-        base = pos - engine.owned_range(b)[0]
         tensors[f"m/{name}/{a}"] = m[base : base + n].cpu().clone()
         tensors[f"v/{name}/{a}"] = v[base : base + n].cpu().clone()
     fname = f"rank_{rt.rank:05d}.safetensors"
@@ -233,8 +232,9 @@ def find_resume(spec: str, ckpt_dir: Path, warn) -> Path | None:
 
 
 def load(path: Path, engine, opt) -> dict:
-    """Fill this rank's parameters (all of them, or its ZeRO-3 shard) and optimizer state (its
-    shard) from a checkpoint saved by any layout: any world size, ZeRO stage or tp degree."""
+    """Fill this rank's parameters (all of them, or its ZeRO-3 shard; bf16 ones rounded from the
+    saved fp32), fp32 master and optimizer state (its shard) from a checkpoint saved by any layout:
+    any world size, ZeRO stage or tp degree, an fp32 or a lean state, with or without offload."""
     meta = json.loads((path / "meta.json").read_text())
     family, mine = meta.get("family", "gpt2"), engine.model.cfg.family
     if family != mine:
@@ -266,6 +266,8 @@ def load(path: Path, engine, opt) -> dict:
                         b.data[a - plo : e - plo].copy_(read("param", name, at + a, at + e))
                     a, e = max(pos, lo), min(pos + n, hi)
                     if a < e:
+                        if b.apart:  # (else the master is the compute weights just written)
+                            b.master[a - lo : e - lo].copy_(read("param", name, at + a, at + e))
                         m[a - lo : e - lo].copy_(read("m", name, at + a, at + e))
                         v[a - lo : e - lo].copy_(read("v", name, at + a, at + e))
     opt.step_count = meta["optimizer_step"]
@@ -360,8 +362,9 @@ def latest(run: Path) -> Path:
 
 def weights_sha256(engine) -> str:
     """A sha256 of the weights that does not depend on the layout: over the sha256 of every
-    parameter's full fp32 bytes (Placed.unshard: under tp the shards are gathered, collective over
-    the tp group, and joined into the tp = 1 shape), in the whole model's named_parameters order.
+    parameter's full fp32 bytes -- its fp32 master's, in a lean state: gathered where sharded --
+    (Placed.unshard: under tp the shards are gathered, collective over the tp group, and joined
+    into the tp = 1 shape), in the whole model's named_parameters order.
     Each pipeline stage (and ep rank: its experts) hashes its own parameters; the digests meet over
     the pp group (the world under ep). A stack of experts is hashed expert by expert, in the order
     of the model with a parameter per expert (placement.per_expert): the hash of the same weights
@@ -370,9 +373,13 @@ def weights_sha256(engine) -> str:
     tp = engine.tp
     mine = {}
     with engine.gathered():
+        master = {}  # parameter -> its fp32 values, shaped as it
+        for b in engine.buckets:
+            whole = engine.master_whole(b)
+            master.update({p: v for p, v in b.views(whole)})
         for part in engine.parts:
             for name, p in part.named_parameters():
-                e, t = engine.table[name], p.detach().float()
+                e, t = engine.table[name], master[p].detach().float()
                 if tp.size > 1 and not e.replicated:
                     rows = engine.comm.gather_rows(t.contiguous().reshape(-1), tp)
                     t = e.unshard([r.view(t.shape) for r in rows])

@@ -98,12 +98,16 @@ def build_joiner(cfg):
     for part in parts:
         placement.init_weights(part, cfg.seed)  # (overwritten by the peer's state)
         part.to(rt.device)
+    bf16 = b.computes_in_bf16(cfg, rt.device)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     if cfg.zero:  # laid out over the members now (parallel/mirror.py re-lays every bucket anyway)
-        engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
+        engine = Engine(parts, mesh, comm, zero=cfg.zero, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device,
+                        dtype=dtype)
     else:
         job = Group("replica", tuple(range(lay.dp)), me, None, comm, "replica")  # the buckets' padding: the job's
         laid = dataclasses.replace(mesh, groups={**mesh.groups, "replica": job, "expert": job})
-        engine = Engine(parts, laid, comm, zero=0, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device)
+        engine = Engine(parts, laid, comm, zero=0, exact=cfg.exact, bucket_mb=cfg.bucket_mb, device=rt.device,
+                        dtype=dtype)
         engine.world = mesh.groups["world"]
         for bk in engine.buckets:
             bk.group = mesh.groups[bk.group.axis]
@@ -117,7 +121,7 @@ def build_joiner(cfg):
     cfg.max_steps = adm["max_steps"]
     run = b.Run(cfg, rt, lay, mesh, comm, mcfg, parts, engine, opt, tok_name, train_data, loader, val_loader, out,
                 adm["run_id"], None, torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=rt.device), guard, None,
-                cfg.dtype == "bf16", start_step=adm["step"])
+                bf16, start_step=adm["step"])
     run.admission = adm
     return run
 

@@ -39,8 +39,10 @@ class Transfer:
 
     # -- ZeRO-0: the whole state, from one rank --------------------------------------------------
     def state(self) -> list[torch.Tensor]:
-        """Everything a ZeRO-0 rank holds that a step changes: the weights and Adam's moments."""
-        return [b.data for b in self.engine.buckets] + [t for m, v, _ in self.opt.groups for t in (m, v)]
+        """Everything a ZeRO-0 rank holds that a step changes: the weights (a lean state's fp32
+        masters too) and Adam's moments."""
+        return ([b.data for b in self.engine.buckets] + [b.master for b in self.engine.buckets if b.apart]
+                + [t for m, v, _ in self.opt.groups for t in (m, v)])
 
     def digest(self) -> str:
         h = hashlib.sha256(str(self.opt.step_count).encode())

@@ -1,6 +1,6 @@
 """Flat buffers and buckets: where a stage's parameters and gradients live, and how they shard.
 
-A stage's parameters become views into flat fp32 buffers, one per *bucket*: runs of whole units
+A stage's parameters become views into flat buffers, one per *bucket*: runs of whole units
 (a transformer block; the embedding group wte + wpe + ln_f) of about `bucket_mb`, formed per
 reduce group (the placement table's `reduce`: the group that sums the gradient) from the last
 block backwards -- the order the backward pass produces gradients -- and never depending on the
@@ -15,13 +15,35 @@ strided view), so that a slice's chunks are the same whichever experts an ep ran
       bucket k (padded):  [ shard 0 | shard 1 | ... | shard n-1 ]
                             rank 0    rank 1          rank n-1
 
-  what a rank holds      params        grads                   Adam m, v
-  ZeRO-0                 full          full                    full
-  ZeRO-1                 full          full (reduce-scatter    its shard
-                                       in place, keeps shard)
-  ZeRO-2                 full          its shard               its shard
-  ZeRO-3                 its shard     its shard               its shard
-                         (+ gathered buckets in use)
+  what a rank holds   compute weights     fp32 master     grads (fp32)          Adam m, v (fp32)
+  ZeRO-0              full                full            full                  full
+  ZeRO-1              full                its shard       full (reduce-scatter  its shard
+                                                          in place, keeps shard)
+  ZeRO-2              full                its shard       its shard (+ scratch) its shard
+  ZeRO-3              its shard (+ the    its shard       its shard (+ scratch) its shard
+                      gathered buckets in use)
+
+A lean state (bf16 runs: the engine's `dtype`, where the fp32 master need not be whole on the device:
+at ZeRO 1-3 over more than one rank, and under --offload optimizer, whose master is on the host; at
+ZeRO-0 a bf16 copy beside the whole fp32 master would cost 2 bytes a parameter more than fp32 weights
+and their autocast casts, which --recompute frees block by block -- so ZeRO-0 keeps fp32 buckets).
+A bucket's compute weights have one dtype, `dtype`:
+a block bucket's matrices (every use a matmul that autocast runs in bf16) are bf16, and the fp32
+master of what the rank owns is a tensor of its own, `master`, which the optimizer updates and then
+writes to the compute weights (Engine.publish), rounded to nearest even -- the bf16 values autocast's
+cast of an fp32 weight gives, so the forward computes with the same numbers as with fp32 weights. A
+bf16 parameter's gradient is added by a hook into the fp32 gradient buffer (`main_grad`, as
+Megatron-LM's), as autocast's cast's backward added it. (Under --fp8 the float8 matmul's fp32 weight
+gradient is rounded to the parameter's bf16 by autograd before the hook adds it: over fp32 weights
+it was not.) Everything else stays fp32, and then the
+bucket IS the master (`master` a view of `data`: no second copy): 1-D parameters (norms, biases:
+small; autocast computes with them in fp32) in buckets of their own beside their block's, which run
+at most ZeRO-2's mechanics (whole on every rank, so that the gathered bf16 buckets never carry fp32);
+the embedding group (autocast does not cast a lookup: a bf16 table would change the model's
+function) and a last stage's head (its gradient is scaled in fp32, model/loss.py). Bytes a
+parameter, bf16 matrices: 2 + 4 + 12/n at ZeRO-1 (Megatron-LM's distributed optimizer), 2 + 16/n
+at ZeRO-2 and (2 + 16)/n at ZeRO-3 (plus the scratch and gathered buckets in use); fp32 ones
+4 + 4 + 8/n, 4 + 12/n, 16/n. In fp32 runs every bucket is fp32: 4 + 4 + 8/n at ZeRO-1.
 
 A reduce group of one rank has nothing to shard: its buckets run stage 0's mechanics whatever
 stage the run asked for (`zero_stage`): no gathers, no shard copies, no gradient scratch, so ZeRO-2/3
@@ -66,22 +88,25 @@ def zero_stage(zero: int, group) -> int:
 
 
 class Bucket:
-    def __init__(self, index, params, modules, group, device, zero, stage=0, slices=None):
+    def __init__(self, index, params, modules, group, device, zero, stage=0, slices=None, dtype=torch.float32):
         self.index, self.params, self.modules, self.group = index, params, modules, group  # params: [(name, param)]
         self.stage = stage  # the pipeline chunk whose parameters it holds
         self.zero = zero = zero_stage(zero, group)  # the mechanics this bucket runs
+        self.dtype, self.lean = dtype, dtype != torch.float32  # the compute weights' dtype (module docstring)
+        self.apart = self.lean  # the fp32 master is a tensor of its own (lean; --offload's on the host)
         self.slices = slices or [1] * len(params)  # per parameter: its experts (a stack), else 1
         self.offsets, self.numel = place([p.numel() for _, p in params], self.slices)
         self.spans = [span(p.numel(), k) for (_, p), k in zip(params, self.slices)]
         self.shape(group.size, group.index)
         # ZeRO-3: `data` is the shard and `full` the gathered bucket; otherwise `data` is full
-        self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, device=device)
-        self.full = torch.zeros(self.padded, device=device) if zero == 3 else self.data
-        self.grad = torch.zeros(self.padded, device=device) if zero <= 1 else None
+        self.data = torch.zeros(self.shard_size if zero == 3 else self.padded, dtype=dtype, device=device)
+        self.full = torch.zeros(self.padded, dtype=dtype, device=device) if zero == 3 else self.data
+        self.master = None if self.apart else self.compute_shard()  # (apart: Engine sets it)
+        self.grad = None  # ZeRO-0/1: the step's full gradient, from its first gradient to its update (Engine)
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0  # gradients still to come in this backward
         self.open = False  # this backward's gradient buffer is open (Engine.open_grad; ZeRO-2/3 check it)
-        self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add
+        self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add; ZeRO-0/1: opens b.grad
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
         self.needs_full = True  # ZeRO-3: a backward of this bucket reads the gathered buffer
@@ -94,22 +119,33 @@ class Bucket:
         self.shard_size = self.padded // n
         self.lo, self.hi = index * self.shard_size, (index + 1) * self.shard_size
 
+    def owned_range(self) -> tuple[int, int]:
+        """The bucket positions [lo, hi) whose master and optimizer state this rank holds."""
+        return (0, self.padded) if self.zero == 0 else (self.lo, self.hi)
+
+    def compute_shard(self) -> torch.Tensor:
+        """The compute weights of the positions this rank owns (what the optimizer's update writes)."""
+        return self.data if self.zero in (0, 3) else self.data[self.lo : self.hi]
+
     def relayout(self, group, params: torch.Tensor) -> None:
         """Live recovery's re-shard (parallel/mirror.py): the bucket laid out over `group` as a run
         started on it would lay it out -- new buffers, the parameters pointed into them, their
-        values from `params` (the whole bucket, at least numel long)."""
+        values from `params` (the whole bucket's fp32 master, at least numel long)."""
         self.group = group
         self.shape(group.size, group.index)
-        whole = torch.zeros(self.padded, device=params.device)
-        whole[: self.numel] = params[: self.numel]
+        master = torch.zeros(self.padded, device=params.device)
+        master[: self.numel] = params[: self.numel]
+        whole = master.to(self.dtype) if self.lean else master
         for p, view in self.views(whole):
             p.data = view
         self.full = whole
         self.data = whole[self.lo : self.hi].clone() if self.zero == 3 else whole
+        lo, hi = self.owned_range()
+        self.master = master[lo:hi].clone() if self.apart else self.compute_shard()
         if self.zero == 3:  # released: gathered when a forward needs it (zero.py)
             whole.untyped_storage().resize_(0)
         self.gathered, self.gather_handle, self.handle = self.zero != 3, None, None
-        self.grad = torch.zeros(self.padded, device=params.device) if self.zero <= 1 else None
+        self.grad = None
         self.shard_grad = torch.zeros(self.shard_size, device=params.device) if self.zero >= 2 else None
 
     def view(self, buf, i: int) -> torch.Tensor:
@@ -162,4 +198,23 @@ def form(table, numel, bucket_mb: float, alone=frozenset()) -> list[tuple[list, 
                     out.append((cur, mods, reduce, stage))
                     cur, mods, size = [], [], 0
             out += [(cur, mods, reduce, stage)] if cur else []
+    return out
+
+
+def lean(formed, dtype, where=lambda reduce: True) -> list[tuple[list, list, str, int, torch.dtype, int]]:
+    """form()'s buckets, each with its compute dtype: in a bf16 run (`dtype`) a block bucket's matrices
+    (Placed.decays: 2-D weights, an expert's slices) in bf16 and its 1-D parameters in an fp32 bucket
+    beside it -- where `where(reduce group)` (the engine: where the master need not be whole on the
+    device); buckets of no block (the embedding group, a last stage's head) fp32 (module docstring).
+    In an fp32 run every bucket is fp32, as formed. Last: the highest ZeRO stage whose mechanics the
+    bucket runs (the 1-D parameters' buckets stay whole: ZeRO-2's, so no gathered bf16 bucket carries
+    fp32 elements)."""
+    out = []
+    for es, mods, reduce, stage in formed:
+        if dtype == torch.float32 or not mods or not where(reduce):
+            out.append((es, mods, reduce, stage, torch.float32, 3))
+            continue
+        matrices, small = [e for e in es if e.decays], [e for e in es if not e.decays]
+        out += [(matrices, mods, reduce, stage, dtype, 3)] if matrices else []
+        out += [(small, mods, reduce, stage, torch.float32, 2)] if small else []
     return out

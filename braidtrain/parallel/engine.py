@@ -25,6 +25,13 @@ number: the order the backwards ran in does not change a bit.
 
 ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
 
+A lean state (`dtype` bf16 at ZeRO 1-3 or under `offload`: buckets.py's docstring). A block's
+matrices compute in bf16 buckets, and the fp32 master of what this rank owns is the optimizer's
+(owned() yields it; publish() writes it to the compute weights after the update). Their gradients
+come from autograd in bf16, one backward of one parameter at a time, and the post-accumulate hook
+adds each into the fp32 buffer (`main_grad`) and drops it: the bits autocast's cast of an fp32
+weight gave, whose backward added the same bf16 gradient, made fp32, into the fp32 .grad.
+
 The stage asked for (`zero`) is the run's; each bucket runs the mechanics of its own, `b.zero`
 (buckets.zero_stage): a reduce group of one rank has nothing to shard, so its buckets run stage 0's.
 """
@@ -33,12 +40,13 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
-from braidtrain.collective.comm import Comm, pairwise_sum
+from braidtrain.collective.comm import Comm
 from braidtrain.collective.flight import timing_events
-from braidtrain.parallel import buckets, expert, norm, placement, zb
+from braidtrain.parallel import buckets, expert, master, norm, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
 from braidtrain.parallel.tied import Tied
@@ -48,7 +56,8 @@ from braidtrain.parallel.zero import Zero
 class Engine:
     """`parts`: the model, or the pipeline chunks this rank holds (model.GPT stages, in order)."""
 
-    def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device):
+    def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device,
+                 dtype=torch.float32, offload: bool = False):
         self.parts = parts if isinstance(parts, list) else [parts]
         self.model = self.parts[0]  # (its config is every part's)
         self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
@@ -62,16 +71,21 @@ class Engine:
         named = {n: p for part in self.parts for n, p in part.named_parameters()}
         alone = Tied.kept_apart(self.table, exact)  # each in a bucket of its own (tied.py)
         formed = buckets.form(self.table, lambda e: named[e.name].numel(), bucket_mb, alone)
-        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device, zero, stage,
-                               [len(self.table.held(e)) for e in es])  # (a stack of experts: slices)
-                        for i, (es, ms, reduce, stage) in enumerate(formed)]
+        # a lean state where the fp32 master need not be whole on the device (buckets.py): a sharded
+        # optimizer's, or --offload optimizer's (`offload`: the optimizer will take the masters to the host)
+        lean_where = lambda reduce: offload or buckets.zero_stage(zero, mesh.groups[reduce]) >= 1
+        self.buckets = [Bucket(i, [(e.name, named[e.name]) for e in es], ms, mesh.groups[reduce], device,
+                               min(zero, top), stage, [len(self.table.held(e)) for e in es], dt)  # (experts: slices)
+                        for i, (es, ms, reduce, stage, dt, top) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
         for b in self.buckets:
+            master.lay_out(b, device)  # the values; a lean bucket's master apart
             for p, view in b.views(b.full):
-                view.copy_(p.detach())
                 p.data = view  # the parameter now lives in the flat buffer
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+                if b.zero <= 1 and not exact:
+                    p.register_hook(partial(self._first_grad, b))
         self.trees = {b: exact_sums.TreeSum(self.recycle) for b in self.buckets} if exact else {}
         self.scratch = ({b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact
                         else {})
@@ -92,19 +106,29 @@ class Engine:
 
     # -- what the optimizer sees ---------------------------------------------------------------
     def owned(self):
-        """(bucket, param shard, grad shard) this rank updates: whole buckets for ZeRO-0, its own
-        shard of each bucket otherwise."""
+        """(bucket, fp32 master shard, grad shard) this rank updates: whole buckets for ZeRO-0, its
+        own shard of each bucket otherwise. The master is the compute weights themselves in an fp32
+        bucket, a tensor of its own in a lean one (then publish() follows the update)."""
         for b in self.buckets:
             if b.zero == 0:
-                yield b, b.data, b.grad
-            elif b.zero == 1:
-                yield b, b.data[b.lo : b.hi], b.grad[b.lo : b.hi]
+                yield b, b.master, b.grad
+            elif b.zero == 1:  # (no gradient outside a step: _first_grad)
+                yield b, b.master, None if b.grad is None else b.grad[b.lo : b.hi]
             else:
-                yield b, b.data if b.zero == 3 else b.data[b.lo : b.hi], b.shard_grad
+                yield b, b.master, b.shard_grad
 
     def owned_range(self, b) -> tuple[int, int]:
         """The bucket positions [lo, hi) whose optimizer state this rank holds."""
-        return (0, b.padded) if b.zero == 0 else (b.lo, b.hi)
+        return b.owned_range()
+
+    def publish(self) -> None:
+        """After the optimizer's update of the masters: the compute weights of what this rank owns
+        follow (bf16: rounded to nearest even); ZeRO-1/2's gather_params then brings the rest."""
+        master.publish(self.buckets)
+
+    def master_whole(self, b) -> torch.Tensor:
+        """Bucket b's whole fp32 master, on the device (master.whole)."""
+        return master.whole(b, self.comm, self.device)
 
     def segments(self, b, keep, span=None) -> list[tuple[int, int]]:
         """Ranges, relative to what this rank owns of bucket b (or to `span`, other positions
@@ -136,9 +160,9 @@ class Engine:
                 if b.grad is not None:  # last step's gradient goes back to the pool
                     self.recycle(b.grad)
                     b.grad = None
-        # (ZeRO-0/1 outside exact mode zero their buffer at the step's first backward, not here: an
-        # offloaded update may still be copying the last step's gradient down, offload.py)
-        if self.updates is not None:
+            # (ZeRO-0/1 accumulate the step's micro-batches in place, in a buffer opened by the step's
+            # first gradient of the bucket: _first_grad)
+        if self.updates is not None:  # (--offload optimizer: offload.py)
             self.updates.begin_step()
 
     @contextmanager
@@ -186,9 +210,6 @@ class Engine:
             # a fresh buffer for this backward
             if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):
                 self.open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
-            elif b.zero <= 1 and b.first:  # ZeRO-0/1 accumulate the step's micro-batches in place
-                self.open_grad(b, b.grad)
-                b.first = False
         self.backward_phase = True
         try:
             work()
@@ -204,7 +225,10 @@ class Engine:
         b.grad = buf if buf is not None else self.take(b.padded)
         b.grad.zero_()
         for p, view in b.views(b.grad):
-            p.grad = view
+            if b.lean:  # a bf16 parameter: its hook adds autograd's gradient here (module docstring)
+                p.main_grad = view
+            else:
+                p.grad = view
         b.open = True
 
     # -- for the helpers that keep gradients apart (tied.py, expert.py, zero.py, slots.py) ------------
@@ -219,15 +243,29 @@ class Engine:
         if all(g is not buf for g in pool):  # (a failed step may have put it there already)
             pool.append(buf)
 
+    def _first_grad(self, b, grad):
+        """ZeRO-0/1 (default mode): the step's first gradient of bucket b opens its buffer, afresh --
+        gradients exist from the backward that reaches them to the update (gather_params drops
+        them), not through the forward: as the backward frees activations it fills gradients."""
+        if b.first and not b.sourced:
+            b.first = False
+            self.open_grad(b, torch.empty(b.padded, device=self.device))
+        return grad
+
     def _grad_ready(self, p):
         b = self.bucket_of[p]
         if b.sourced:  # (autograd runs the hook with no gradient: expert.Tap gave it to Sourced)
             p.grad = None
             return
-        if b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
-            if not b.open:  # autograd kept the gradient as a tensor of its own, lost here
-                raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
-                                   "opened (the hook that opens it did not run first)")
+        if b.zero >= 2 and not b.open:  # autograd kept the gradient as a tensor of its own, lost here
+            raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
+                               "opened (the hook that opens it did not run first)")
+        if b.lean:  # autograd's bf16 gradient, made fp32 and added, as autocast's cast's backward did
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            if b.zero >= 2:  # the view would keep that buffer alive
+                p.main_grad = None
+        elif b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             p.grad = None
         b.pending -= 1
         if b.pending:
@@ -289,7 +327,7 @@ class Engine:
             return self.comm.exact_reduce_scatter(out, grad, scratch, b.group)
         h = self.comm.exact_reduce_scatter(grad[b.lo : b.hi], grad, scratch, b.group)
         if b.group.size > 1:
-            h = _Then(h, lambda: self.comm.all_gather(grad, grad[b.lo : b.hi], b.group).wait())
+            h = exact_sums.Then(h, lambda: self.comm.all_gather(grad, grad[b.lo : b.hi], b.group).wait())
         return h
 
     def _drain(self):
@@ -313,7 +351,7 @@ class Engine:
                 b.handle = None
         self.tied.combine()  # the tied embedding's two uses, each reduced, added
         if self.partial:
-            self._sum_partials_over_tp()
+            norm.sum_partials_over_tp(self)
         if cuda:
             self._exposed[1].record()
         else:
@@ -326,23 +364,6 @@ class Engine:
         if isinstance(self._exposed, tuple):
             return self._exposed[0].elapsed_time(self._exposed[1]) / 1000.0
         return self._exposed
-
-    def _sum_partials_over_tp(self):
-        """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
-        a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank.
-        The tp ranks of a replica own the same places of their buckets (the replicated parameters
-        sit alike in each), so a ZeRO shard holding none of them holds none on any: nothing to add."""
-        owned = [(g, self.segments(b, lambda e: e.name in self.partial)) for b, _, g in self.owned()]
-        pieces = [g[a:e] for g, segs in owned for a, e in segs]
-        if not pieces:
-            return
-        flat = torch.cat(pieces)
-        rows = self.comm.gather_rows(flat, self.tp)
-        total, pos = pairwise_sum(rows), 0
-        for g, segs in owned:
-            for a, e in segs:
-                g[a:e].copy_(total[pos : pos + e - a])
-                pos += e - a
 
     @contextmanager
     def gathered(self):
@@ -367,10 +388,23 @@ class Engine:
         ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass; so does --offload, each
         bucket once its update has landed (offload.py)."""
         if self.updates is not None:
+            self.drop_grads()  # (the host's update holds its own references until each has come down)
             return
         handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
+        self.drop_grads()
         for h in handles:
             h.wait()
+
+    def drop_grads(self) -> None:
+        """The step's update has read ZeRO-0/1's full gradients: they go (the next step's first
+        gradients open them again), so nothing of them lives through the next forward."""
+        for b in self.buckets:
+            if b.zero <= 1 and b.grad is not None:
+                b.grad = None
+                for _, p in b.params:
+                    p.grad = None
+                    if b.lean:
+                        p.main_grad = None
 
     def laid_out_again(self) -> None:
         """Live recovery re-laid the buckets out over another group (Bucket.relayout): the buffers
@@ -382,20 +416,6 @@ class Engine:
             self.tied.laid_out_again()
 
     def model_state_bytes(self) -> int:
-        """Bytes of parameters and gradients held in this rank's flat buffers (now)."""
-        n = 0
-        for b in self.buckets:
-            n += b.data.numel() + (b.full.untyped_storage().nbytes() // 4 if b.zero == 3 else 0)
-            n += (b.grad.numel() if b.grad is not None else 0) + (b.shard_grad.numel() if b.zero >= 2 else 0)
-        return 4 * n
-
-
-class _Then:
-    """A handle whose wait() also runs a follow-up step."""
-
-    def __init__(self, inner, fn):
-        self.inner, self.fn = inner, fn
-
-    def wait(self):
-        self.inner.wait()
-        self.fn()
+        """Bytes of compute weights, fp32 masters kept apart on the device, and gradients held in
+        this rank's flat buffers (now)."""
+        return master.state_bytes(self.buckets)

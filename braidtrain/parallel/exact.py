@@ -66,3 +66,14 @@ class TreeSum:
         """Drop partial sums a step that failed part-way left behind."""
         self.nodes.clear()
         self.leaves = 0
+
+
+class Then:
+    """A handle whose wait() also runs a follow-up step."""
+
+    def __init__(self, inner, fn):
+        self.inner, self.fn = inner, fn
+
+    def wait(self):
+        self.inner.wait()
+        self.fn()

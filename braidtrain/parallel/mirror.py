@@ -18,7 +18,8 @@ to the original: the same fused AdamW kernels with the same step scalars, on a s
 length and alignment (a multiple of Q) -- elementwise, so the copy stays bitwise equal to the
 original (optim.AdamW.apply). ZeRO-1/2 keep the whole parameters on every rank: the copy is m and
 v, and its update writes the next member's range of the parameters, which the all-gather then
-writes again with the same bits. ZeRO-3: the copy also holds the neighbour's parameter shard.
+writes again with the same bits. ZeRO-3, and a lean state's bf16 buckets (whose fp32 master is
+sharded: parallel/buckets.py): the copy also holds the neighbour's fp32 master shard.
 Memory: 2 (ZeRO-1/2) or 3 (ZeRO-3) shards more and the received gradient shard; the planner counts
 them (plan/memory.py model_state_bytes, live=True).
 
@@ -62,16 +63,16 @@ class Mirror:
         for k, b in enumerate(engine.buckets):
             lo, hi = self.next * b.shard_size, (self.next + 1) * b.shard_size
             p, m, v = init[k] if init else (None, torch.zeros(hi - lo, device=dev), torch.zeros(hi - lo, device=dev))
-            if b.zero <= 2:  # the whole parameters are here: the copy's are a view of them
+            if b.zero <= 2 and not b.apart:  # the whole fp32 parameters are here: the copy's are a view of them
                 p = b.data[lo:hi]
             elif p is None:
                 p = torch.zeros(hi - lo, device=dev)
             self.copies.append((p, m, v, engine.decay_segments(b, (lo, hi))))
 
     def own(self, k: int, b) -> tuple:
-        """(params, m, v) of this rank's own shard of bucket k."""
+        """(fp32 master, m, v) of this rank's own shard of bucket k."""
         m, v, _ = self.opt.groups[k]
-        return b.data if b.zero == 3 else b.data[b.lo : b.hi], m, v
+        return b.master, m, v
 
     def fill(self) -> None:
         """Take the next member's shards from it, once (the job's start, a resume): afterwards the
@@ -105,7 +106,7 @@ class Mirror:
     def bytes(self) -> int:
         """What the copy adds to this rank: m, v, the received gradient (and ZeRO-3's parameters)."""
         own = sum(t.numel() for p, m, v, _ in self.copies for t in (m, v))
-        params = sum(p.numel() for (p, *_), b in zip(self.copies, self.e.buckets) if b.zero == 3)
+        params = sum(p.numel() for (p, *_), b in zip(self.copies, self.e.buckets) if b.zero == 3 or b.apart)
         return 4 * (own + params + self.grads.numel())
 
     def holdings(self) -> dict[int, list[tuple]]:
@@ -154,7 +155,8 @@ def reshard(engine, opt, comm, group, old_n: int, held: dict, holder: dict, stri
         b.relayout(group, whole[0])
         lo, hi, S2 = b.lo, b.hi, b.shard_size
         opt.groups[k] = (whole[1, lo:hi].clone(), whole[2, lo:hi].clone(), engine.decay_segments(b))
-        p, m, v = (whole[r, nxt * S2 : (nxt + 1) * S2].clone() if r or b.zero == 3 else None for r in range(3))
+        p, m, v = (whole[r, nxt * S2 : (nxt + 1) * S2].clone() if r or b.zero == 3 or b.apart else None
+                   for r in range(3))
         init.append((p, m, v))
     engine.laid_out_again()
     return Mirror(engine, opt, group, init, stride), h.hexdigest()

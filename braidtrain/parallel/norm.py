@@ -114,3 +114,21 @@ class ExactNorm(Norm):
         if e.tp.size > 1:
             total = pairwise_sum(e.comm.gather_rows(total, e.tp))  # tp-rank order
         return total[0].sqrt()
+
+
+def sum_partials_over_tp(engine) -> None:
+    """Add the sp-partial gradients over the tp ranks, packed into one message. A gather and
+    a pairwise sum in tp-rank order rather than an all-reduce: the same bits on every rank.
+    The tp ranks of a replica own the same places of their buckets (the replicated parameters
+    sit alike in each), so a ZeRO shard holding none of them holds none on any: nothing to add."""
+    owned = [(g, engine.segments(b, lambda x: x.name in engine.partial)) for b, _, g in engine.owned()]
+    pieces = [g[a:e] for g, segs in owned for a, e in segs]
+    if not pieces:
+        return
+    flat = torch.cat(pieces)
+    rows = engine.comm.gather_rows(flat, engine.tp)
+    total, pos = pairwise_sum(rows), 0
+    for g, segs in owned:
+        for a, e in segs:
+            g[a:e].copy_(total[pos : pos + e - a])
+            pos += e - a

@@ -109,12 +109,16 @@ class Offload:
         if self.cuda:
             torch.set_num_threads(host_threads())
         self.refresh()
+        for master, b in zip(self.master, [b for b, _, _ in owned]):  # the master lives here now, once
+            b.master, b.apart = master, True
 
     def refresh(self) -> None:
-        """The master from the device's weights (at the start, and after a checkpoint wrote them)."""
+        """The master from the engine's fp32 master (never from bf16 compute weights): at the start;
+        after a checkpoint wrote it (then it is this very tensor: nothing to copy)."""
         self.wait()
         for master, (_, p, _) in zip(self.master, self.e.owned()):
-            master.copy_(p.detach())
+            if p is not master:
+                master.copy_(p.detach())
 
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's offloaded state holds (master, m, v, staging)."""
@@ -126,7 +130,8 @@ class Offload:
         """The step's gradients are reduced (engine.finish_step): the first slots come down now."""
         self.wait()
         owned = list(self.e.owned())
-        self.params, self.grads = [p for _, p, _ in owned], [g for _, _, g in owned]
+        # the device's compute weights the update writes (bf16 in a lean state), the gradients it reads
+        self.params, self.grads = [b.compute_shard() for b, _, _ in owned], [g for _, _, g in owned]
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
         for i in range(len(self.slots)):
@@ -213,6 +218,7 @@ class Offload:
                 if self.copied[k] is not None:  # (and so every copy before it, the last step's up too)
                     self.copied[k].synchronize()
                 grad = self.slots[i % s][: self.grads[k].numel()]
+                self.grads[k] = None  # on the host now: the device's copy may go (engine.drop_grads)
                 self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars)
                 self.arrived[k] = self._copy(self.params[k], self._weights(i, k))
                 if i + 1 == n:

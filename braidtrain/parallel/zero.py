@@ -11,14 +11,16 @@ autograd saved for backward stay valid objects. Block buckets are gathered by a 
 (which also prefetches the next bucket) and released after their forward. The backward pass gathers
 a bucket again only if it reads it: while a block runs forward, a saved-tensor hook looks at what
 autograd keeps for its backward -- a 1-D parameter (a LayerNorm's weight, a bias) is kept as a
-copy; a weight itself (fp32 compute) marks the bucket, and a hook on the bucket's output gathers
-it again for the backward (and prefetches the previous one). Where other code's saved-tensor hooks
-are active (--recompute's checkpoint, whose backward runs the block's forward again; save_on_cpu)
-every block is marked. Buckets are released once a backward's gradients are reduced. Under bf16
-autocast the backward needs only the bf16 copies of the weights that the forward saved, so a step
-gathers each block once a micro-step, not twice. (A block that checkpoints part of itself would
-recompute that part from released parameters -- an error, not wrong numbers; --recompute
-checkpoints whole blocks.)
+copy; a weight itself (fp32 compute, or a lean state's bf16 bucket) marks the bucket, and a hook on
+the bucket's output gathers it again for the backward (and prefetches the previous one). Where other
+code's saved-tensor hooks are active (--recompute's checkpoint, whose backward runs the block's
+forward again; save_on_cpu) every block is marked. Buckets are released once a backward's gradients
+are reduced. Under bf16 autocast over fp32 buckets the backward needs only the bf16 copies of the
+weights that the forward saved, so a step gathers each block once a micro-step, not twice -- but
+those copies live from the forward to the backward; a lean state (buckets.py) gathers its bf16
+buckets again instead: half the bytes of an fp32 gather, and nothing kept between. (A block that
+checkpoints part of itself would recompute that part from released parameters -- an error, not
+wrong numbers; --recompute checkpoints whole blocks.)
 
 Kept between micro-batches. The parameters do not change within a step, so the embedding group
 (wte, tied to the head, wpe, ln_f; used at both ends of the model, so gathered for nearly all of
@@ -47,8 +49,9 @@ class Zero:
         self.zero3 = [b for b in mine if b.zero == 3]
         # block buckets in backward order (last block first), a chain per reduce group (a block of
         # experts is in two: its dense and its expert parameters), each its own prefetch order
-        self.chains = [[b for b in mine if b.modules and b.group is g]
-                       for g in dict.fromkeys(b.group for b in mine if b.modules)]
+        # (a lean state's 1-D parameters' buckets run ZeRO-2's beside ZeRO-3's matrices: a chain of their own)
+        self.chains = [[b for b in mine if b.modules and (b.group, b.zero) == key]
+                       for key in dict.fromkeys((b.group, b.zero) for b in mine if b.modules)]
         self.embed = [b for b in mine if not b.modules]
         self.kept = [b for b in self.embed + [c[-1] for c in self.chains] if b.zero == 3]
         self.keep_gathered = False  # inside gathered(): nothing is released
@@ -94,7 +97,7 @@ class Zero:
         if self.e.updates is not None and not self.e.updates.ready(b, block=wait):
             return  # --offload: the shard's update is in flight; a prefetch waits for nothing (offload.py)
         if not b.gathered and b.gather_handle is None:
-            b.full.untyped_storage().resize_(b.padded * 4)
+            b.full.untyped_storage().resize_(b.padded * b.full.element_size())
             b.gather_handle = self.e.comm.all_gather(b.full, b.data, b.group)
         if wait and b.gather_handle is not None:
             b.gather_handle.wait()

@@ -8,7 +8,7 @@ import functools
 from braidtrain.parallel import pipeline, placement
 from braidtrain.parallel.offload import SLOTS
 from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, HOST_STATE, NCCL_BYTES, activation_bytes,
-                                    bf16_kept,
+                                    bf16_kept, grads_at_peak,
                                     bucket_numels, fp8_params, moe_bytes, moe_layer_bytes, param_counts, rank_state,
                                     ring_bytes, stage_counts)
 from braidtrain.plan.space import Candidate, Setup, layout_of
@@ -25,9 +25,10 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     buckets = bucket_numels(cfg, s.bucket_mb, tp)
     blocks = [k for kind, k in buckets if kind == "block"]
     embed = sum(k for kind, k in buckets if kind == "embed")  # (gathered all micro-step under ZeRO-3)
-    state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed, s.live)
-    kept = bf16_kept(cfg, tp, P, counts["block"], True) if lay.recompute else P
+    lean = lean_of(s, lay, n, counts["matrices"], counts["expert_matrices"])
+    state = rank_state(counts["rank"], counts["expert"], n, lay, max(blocks, default=0), embed, s.live, lean)
     P8 = fp8_params(s, tp, range(1 if lay.recompute else cfg.n_layer))  # (recompute: one block's at a time)
+    kept = weights_kept(cfg, tp, P, counts["block"], True, lay.recompute, lean[0] + lean[1] // lay.ep, P8)
     # a rank's t/cp tokens
     act = activation_bytes(cfg, lay.b, s.t // cp, lay.recompute, s.cpu, kept, tp, lay.sp, s.fp8, P8, s.compile)
     if cfg.moe_experts:
@@ -36,7 +37,9 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     if cp > 1:
         act = {**act, **ring_bytes(s, lay)}
         act["peak"] += act["ring_out"] + act["ring_scores"]
+    micro = max(1, s.d // (lay.b * s.t * lay.dp))
     mem = {k: state[k] for k in ("params", "grads", "optimizer")}
+    mem["grads"] = grads_at_peak(state, lay.zero, n, micro, act["peak"], embed)
     mem["activations"] = act["peak"]
     allocated = sum(mem.values())
     communicators = (n > 1) + (tp > 1) + (cp > 1 and lay.dp > 1) + (lay.ep > 1) * (1 + (lay.ep < n))  # + ep, expert
@@ -44,13 +47,12 @@ def estimate(s: Setup, lay: Candidate) -> dict:
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
     mem["total"] = sum(mem.values())
 
-    micro = max(1, s.d // (lay.b * s.t * lay.dp))
     compute = flops_per_token(s, tp) * s.d / (n * tp * s.tflops * 1e12) * (4 / 3 if lay.recompute else 1)
     fwd = compute / micro * (1 / 4 if lay.recompute else 1 / 3)  # the forward is 1 of 3 (of 4) passes
     bwd = compute / micro - fwd
-    # ZeRO-3 gathers the blocks again for the backward only where it reads the fp32 parameters:
-    # fp32 (the CPU), or --recompute; under bf16 autocast it reads the bf16 copies the forward saved
-    comm = dp_comm_s(s, lay.zero, n, buckets, micro, fwd, bwd, s.cpu or lay.recompute, busbw_of(s, lay, "dp"))
+    # ZeRO-3 gathers the blocks again for the backward where it reads the parameters themselves: fp32
+    # (the CPU), --recompute, and a lean state's bf16 buckets (its gathers half the bytes: bf16)
+    comm = dp_comm_s(s, lay.zero, n, buckets, micro, fwd, bwd, True, busbw_of(s, lay, "dp"), lean[0] > 0)
     tp_comm = micro * tp_comm_s(s, lay)
     if lay.sp:  # the replicated parameters' partial gradients, this rank's ZeRO share, once a step
         owned = counts["replicated"] / (n if lay.zero >= 1 else 1)
@@ -79,7 +81,7 @@ def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float
     (HOST_STATE a owned element, and SLOTS fp32 staging buffers as wide as the widest owned shard --
     an untied head's or the embedding's bucket, for Llama -- per rank of the node); the step's added
     seconds: the copies' and the host update's (plan/timing.offload_s)."""
-    owned = state["optimizer"] / 8  # elements whose m and v this rank holds
+    owned = (state["optimizer"] - state["master"]) / 8  # elements whose m and v this rank holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
     widths = [k for _, k in bucket_numels(s.cfg, s.bucket_mb, lay.tp)]  # (a pipeline's: the whole model's)
     shards = lay.dp * lay.cp if lay.zero else 1
@@ -90,6 +92,24 @@ def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * held
     mem["total"] = sum(v for k, v in mem.items() if k != "total")
     return mem, host, offload_s(owned, ranks)["exposed"]
+
+
+def lean_of(s: Setup, lay: Candidate, n: int, matrices: int, expert_matrices: int) -> tuple[int, int]:
+    """(dense, expert) block matrices in a lean state's bf16 (parallel/buckets.py): a GPU run's (bf16)
+    where the fp32 master need not be whole on the GPU -- ZeRO 1-3 over more than one rank (the experts'
+    over n / ep), or --offload optimizer."""
+    sharded = lambda ranks: not s.cpu and (lay.offload or (lay.zero >= 1 and ranks > 1))
+    return (matrices if sharded(n) else 0, expert_matrices if sharded(n // lay.ep) else 0)
+
+
+def weights_kept(cfg, tp: int, P: int, block: int, head: bool, recompute: bool, lean: int, P8: int) -> int:
+    """The parameters whose autocast copies live from a forward to its backward (activation_bytes'
+    weights_bf16 counts 2 bytes each, P8 of them float8's 1): all P, or under --recompute one block's
+    and the head's (bf16_kept); a lean state (`lean` bf16 matrices) keeps only the fp32 head's bf16
+    copy, and --fp8's float8 copies of the matrices (P8)."""
+    if lean:
+        return bf16_kept(cfg, tp, P, block, head, lean) + P8
+    return bf16_kept(cfg, tp, P, block, head) if recompute else P
 
 
 SIM_MICRO = 2  # pipeline cycles simulated before the step is extrapolated (estimate_pipeline)
@@ -134,10 +154,11 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
     n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layer)) or 1
     rows = []
     for r, sim in enumerate(ranks):
-        P, experts, replicated, buckets = stage_counts(cfg, split, pp, r, tp, s.bucket_mb)
+        P, experts, replicated, buckets, lean = stage_counts(cfg, split, pp, r, tp, s.bucket_mb)
+        lean = lean_of(s, lay, n, *lean)
         blocks = [k for kind, k in buckets if kind == "block"]
         state = rank_state(P, experts, n, lay, max(blocks, default=0), sum(k for kind, k in buckets if kind != "block"),
-                           s.live)
+                           s.live, lean)
         if lay.schedule == "zb" and lay.zero == 2:  # W opens every block bucket's scratch at once (engine.py)
             extra = 4 * max(0, sum(blocks) - 2 * max(blocks, default=0))
             state = {**state, "grads": state["grads"] + extra, "transient": state["transient"] + extra}
@@ -145,11 +166,9 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         held = [i for c in mine for i in split[c]]
         rebuilt = terms["block_recomputed"] + (one_ring + moe * any(map(cfg.is_moe, held)) if lay.recompute else 0)
         held_p = P - experts + experts // lay.ep
-        if lay.recompute:
-            kept = bf16_kept(cfg, tp, held_p, param_counts(cfg, tp)["block"], chunks - 1 in mine)
-        else:
-            kept = held_p
         P8 = fp8_params(s, tp, held[:1] if lay.recompute else held)
+        kept = weights_kept(cfg, tp, held_p, param_counts(cfg, tp)["block"], chunks - 1 in mine, lay.recompute,
+                            lean[0] + lean[1] // lay.ep, P8)
         act = {"live": sim["peak"], "block_recomputed": rebuilt, "ring_scores": ring["ring_scores"],
                "weights_bf16": (0 if s.cpu else 2 * (kept - P8)) + P8}
         act["peak"] = sum(act.values())
@@ -163,7 +182,7 @@ def estimate_pipeline(s: Setup, lay: Candidate) -> dict:
         mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * allocated
         mem["total"] = sum(mem.values())
         dp = dp_comm_s(s, lay.zero, n, buckets, m, sum(f[c] for c in mine), sum(b[c] for c in mine), False,
-                       busbw_of(s, lay, "dp"))
+                       busbw_of(s, lay, "dp"), lean[0] > 0)
         rows.append({"mem": mem, "allocated": allocated, "state": state, "act": act, "end": sim["end"] + dp,
                      "blocks": len(held), "moe": sum(map(cfg.is_moe, held)),
                      "bubble": max(0.0, 1 - sim["busy"] / sim["end"]), "replicated": replicated})

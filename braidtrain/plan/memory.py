@@ -24,34 +24,55 @@ GB = 1e9  # what metrics.jsonl's mem_gb uses
 HOST_STATE = 12  # --offload, per element a rank owns: fp32 master + Adam m, v in host memory (parallel/offload.py)
 
 
-def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int, live: bool = False) -> dict:
+def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int, live: bool = False,
+                      lean: int = 0) -> dict:
     """Per-GPU bytes of parameters, gradients and optimizer state (docs/planner.md's table).
     P: parameters this rank holds before ZeRO (P_tp under tp); block_params: elements of the
     largest block bucket; embed_params: elements of wte + wpe + ln_f (all three this tp rank's).
+    lean: how many of the P are a bf16 run's block matrices (parallel/buckets.py's lean state: bf16
+    compute weights, 2 bytes, and an fp32 master apart, 4 bytes an owned element, counted with the
+    optimizer's m and v as Megatron-LM counts it); 0 in fp32 runs (the bucket is the master).
     `transient` is the part of params + grads that exists only during the forward/backward pass
-    (scratch S, working set W): a rank at rest, as measured between steps on the CPU, holds the
+    (scratch S, working set W; ZeRO-0/1's whole gradient, which exists from the backward to the
+    update: engine.py's _first_grad): a rank at rest, as measured between steps on the CPU, holds the
     rest. A group of one rank runs stage 0's mechanics, whatever the stage (buckets.zero_stage).
     live: live recovery's copy of the next rank's shard at ZeRO 1-3 -- its m and v, the gradient it
     receives, and at ZeRO-3 its parameters (parallel/mirror.py)."""
     zero = zero if n > 1 else 0
     scratch = 4 * (embed_params + 2 * block_params) if zero >= 2 else 0  # S
-    working = 4 * (2 * block_params + embed_params) if zero == 3 else 0
+    working = ((2 if lean else 4) * 2 * block_params + 4 * embed_params) if zero == 3 else 0  # (gathered in bf16)
     copy = live and zero >= 1
+    weights = 4 * P - 2 * lean  # the compute weights, whole: fp32, and the lean state's bf16 matrices
+    optimizer = 8 * P + 4 * lean  # m, v; the lean state's masters
     return {
-        "params": (4 * P // n) * (1 + copy) + working if zero == 3 else 4 * P,
+        "params": weights // n + copy * (4 * (P - lean) // n) + working if zero == 3 else weights,
         "grads": (4 * P // n + scratch if zero >= 2 else 4 * P) + copy * 4 * P // n,
-        "optimizer": (8 * P // n) * (1 + copy) if zero >= 1 else 8 * P,
-        "transient": scratch + working,
+        "optimizer": (optimizer // n) * (1 + copy) if zero >= 1 else optimizer,
+        "transient": scratch + working + (4 * P if zero <= 1 else 0),
+        "master": 4 * lean // n if zero >= 1 else 4 * lean,  # (the lean state's masters, in "optimizer")
     }
 
 
+def grads_at_peak(state: dict, zero: int, n: int, micro: int, activations: float, embed_params: int) -> float:
+    """The gradients a rank holds at its peak, the start of the backward. ZeRO-0/1 open a bucket's
+    gradient as the backward reaches it (engine.py), while the backward frees the activations: with
+    one micro-step, blocks of activations give way to blocks of gradients, so the peak holds the
+    larger of the two, and the head's and embedding group's gradients, opened first, beside the
+    activations; with more, the gradients live through the later micro-steps' forwards. ZeRO-2/3's
+    shards and scratch: as counted."""
+    if (zero if n > 1 else 0) >= 2 or micro > 1:
+        return state["grads"]
+    return max(4 * embed_params, state["grads"] - activations)
+
+
 def rank_state(P: int, experts: int, n: int, lay: Candidate, block_params: int, embed_params: int,
-               live: bool = False) -> dict:
+               live: bool = False, lean: tuple[int, int] = (0, 0)) -> dict:
     """model_state_bytes of a rank that holds P parameters before ep and ZeRO, `experts` of them
-    an expert's: those 1/ep of them, sharded over the n/ep replicas holding the same experts."""
-    state = model_state_bytes(P - experts, n, lay.zero, block_params, embed_params, live)
+    an expert's: those 1/ep of them, sharded over the n/ep replicas holding the same experts.
+    lean: (dense, expert) elements of a bf16 run's block matrices among them (param_counts)."""
+    state = model_state_bytes(P - experts, n, lay.zero, block_params, embed_params, live, lean[0])
     if experts:
-        expert = model_state_bytes(experts // lay.ep, n // lay.ep, lay.zero, 0, 0, live)
+        expert = model_state_bytes(experts // lay.ep, n // lay.ep, lay.zero, 0, 0, live, lean[1] // lay.ep)
         state = {k: state[k] + expert[k] for k in state}
     return state
 
@@ -62,14 +83,23 @@ def param_counts(cfg, tp: int = 1) -> dict:
     `replicated` (gpt2: wpe, ln_f, and per block ln_1, ln_2 and the two c_proj biases; llama: the
     norms) whole, `sharded` (the vocabulary padded to vocab_rows(tp), the projections) divided by tp;
     `block` and `embed` are one block's and the groups of no block's (the embedding, and an untied
-    head) share of `rank`, the sum."""
+    head) share of `rank`, the sum; `matrices` and `expert_matrices` the blocks' 2-D weights (an
+    expert's slices), which a bf16 run keeps in bf16 (parallel/buckets.lean)."""
     table = placement.for_config(cfg)
     count = lambda entries: sum(e.local_numel(tp) for e in entries)
     block = next(entries for module, entries in table.units if module is not None)
     embed = [e for module, entries in table.units if module is None for e in entries]
     return {"rank": count(table), "block": count(block), "embed": count(embed),
             "replicated": count(e for e in table if e.replicated),
-            "sharded": count(e for e in table if not e.replicated), "expert": count(e for e in table if e.expert)}
+            "sharded": count(e for e in table if not e.replicated), "expert": count(e for e in table if e.expert),
+            **lean_counts(table, tp)}
+
+
+def lean_counts(table, tp: int) -> dict:
+    """The blocks' matrices of a placement table (buckets.lean's bf16 ones), dense and experts'."""
+    matrices = [e for module, entries in table.units if module is not None for e in entries if e.decays]
+    return {"matrices": sum(e.local_numel(tp) for e in matrices if not e.expert),
+            "expert_matrices": sum(e.local_numel(tp) for e in matrices if e.expert)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -89,12 +119,14 @@ def bucket_numels(cfg, bucket_mb: float, tp: int = 1, table=None) -> tuple[tuple
 
 @functools.lru_cache(maxsize=1024)
 def stage_counts(cfg, split: tuple, pp: int, r: int, tp: int, bucket_mb: float) -> tuple:
-    """Pipeline rank r's parameters (placement.for_rank), its experts', its replicated ones, and
-    its buckets (cached: each (mesh, split) is weighed at many ZeRO stages, b and recompute)."""
+    """Pipeline rank r's parameters (placement.for_rank), its experts', its replicated ones, its
+    buckets, and its blocks' (dense, expert) matrices (cached: each (mesh, split) is weighed at many
+    ZeRO stages, b and recompute)."""
     table = placement.for_rank(cfg, split, pp, r)
     count = lambda keep: sum(e.local_numel(tp) for e in table if keep(e))
+    lean = lean_counts(table, tp)
     return (count(lambda e: True), count(lambda e: e.expert), count(lambda e: e.replicated),
-            bucket_numels(cfg, bucket_mb, tp, table))
+            bucket_numels(cfg, bucket_mb, tp, table), (lean["matrices"], lean["expert_matrices"]))
 
 
 def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False, fp8: str | None = None,
@@ -132,11 +164,15 @@ def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp
     return terms
 
 
-def bf16_kept(cfg, tp: int, P: int, block: int, head: bool) -> int:
+def bf16_kept(cfg, tp: int, P: int, block: int, head: bool, lean: int = 0) -> int:
     """Parameters whose bf16 (autocast) copies a rank keeps under --recompute: a block's forward
     keeps nothing for its backward but its input, so its copies go with it and come again one block
-    at a time; the head's (the fused loss keeps its weight's) stay. Without recompute, all P."""
-    return min(P, block + (cfg.vocab_rows(tp) // tp * cfg.n_embd if head else 0))
+    at a time; the head's (the fused loss keeps its weight's) stay. Without recompute, all P. A lean
+    state's bf16 matrices (`lean` of them, `block` among them) need no copy: the fp32 head's stays."""
+    head = cfg.vocab_rows(tp) // tp * cfg.n_embd if head else 0
+    if lean:
+        return min(P - lean, head)
+    return min(P, block + head)
 
 
 def fp8_params(s: Setup, tp: int, blocks) -> int:

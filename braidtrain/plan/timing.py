@@ -115,14 +115,15 @@ def tp_comm_s(s: Setup, lay: Candidate) -> float:
 
 
 def dp_comm_s(s: Setup, zero: int, n: int, buckets: list, micro: int, fwd: float, bwd: float, again: bool,
-              busbw: float) -> float:
-    """Exposed seconds of a rank's data-parallel collectives in a step: its buckets (fp32, in
-    launch order) reduced, and gathered, as each ZeRO stage does (docs/planner.md); fwd,
-    bwd: seconds of a micro-step's forward and backward that they can hide behind; again: ZeRO-3
-    gathers the blocks again for the backward; busbw: the replica group's."""
+              busbw: float, lean: bool = False) -> float:
+    """Exposed seconds of a rank's data-parallel collectives in a step: its buckets (in launch
+    order) reduced (fp32), and gathered (fp32; a lean state's block buckets bf16), as each ZeRO stage
+    does (docs/planner.md); fwd, bwd: seconds of a micro-step's forward and backward that they can
+    hide behind; again: ZeRO-3 gathers the blocks again for the backward; busbw: the replica group's."""
     msg = [4 * k for _, k in buckets]
-    ar, rs, ag = ([collective_s(s, kind, m, n, busbw) for m in msg]
-                  for kind in ("all_reduce", "reduce_scatter", "all_gather"))
+    gathered = [(2 if lean and kind == "block" else 4) * k for kind, k in buckets]
+    ar, rs = ([collective_s(s, kind, m, n, busbw) for m in msg] for kind in ("all_reduce", "reduce_scatter"))
+    ag = [collective_s(s, "all_gather", m, n, busbw) for m in gathered]
     if zero == 0:  # all-reduce on the last micro-step, overlapped with its backward
         return exposed(ar, bwd)
     if zero == 1:  # reduce-scatter likewise; then the updated parameters are all-gathered, exposed
