@@ -142,20 +142,25 @@ def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
 
     from braidtrain.optim import AdamW
 
-    class Bucket:
-        def __init__(self, index):
-            self.index, self.stage, self.modules, self.zero = index, 0, [], 0
+    class Bucket:  # a lean bucket: bf16 compute weights, its fp32 master apart (engine.owned yields the master)
+        def __init__(self, index, master):
+            self.index, self.stage, self.modules, self.zero, self.master = index, 0, [], 0, master
+            self.compute = master.bfloat16()
+
+        def compute_shard(self):
+            return self.compute
 
     gen = torch.Generator().manual_seed(0)
-    buckets = [Bucket(i) for i in range(6)]
-    params = [torch.randn(128, generator=gen).bfloat16() for _ in buckets]
+    buckets = [Bucket(i, torch.randn(128, generator=gen)) for i in range(6)]
+    params = [b.compute for b in buckets]
     grads = [torch.randn(128, generator=gen) for _ in buckets]
     part = nn.Module()
     part.stage, part.blocks = 0, lambda: []
     engine = SimpleNamespace(device=torch.device("cpu"), exact=True, parts=[part], pp=SimpleNamespace(size=1),
-                             updates=None, owned=lambda: zip(buckets, params, grads), decay_segments=lambda b: [(0, 64)])
+                             updates=None, owned=lambda: ((b, b.master, g) for b, g in zip(buckets, grads)),
+                             decay_segments=lambda b: [(0, 64)])
+    want = [b.master.clone() for b in buckets]
     opt = AdamW(engine, offload=True)
-    want = [p.float() for p in params]
     opt.prepare(1e-2)
     opt.apply(want, grads, [(torch.zeros(128), torch.zeros(128), [(0, 64)]) for _ in buckets])
     opt.update()

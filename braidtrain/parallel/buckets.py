@@ -94,6 +94,7 @@ class Bucket:
         self.zero = zero = zero_stage(zero, group)  # the mechanics this bucket runs
         self.dtype, self.lean = dtype, dtype != torch.float32  # the compute weights' dtype (module docstring)
         self.apart = self.lean  # the fp32 master is a tensor of its own (lean; --offload's on the host)
+        self.hosted = False  # that tensor is --offload's, in host memory (offload.py sets it)
         self.slices = slices or [1] * len(params)  # per parameter: its experts (a stack), else 1
         self.offsets, self.numel = place([p.numel() for _, p in params], self.slices)
         self.spans = [span(p.numel(), k) for (_, p), k in zip(params, self.slices)]

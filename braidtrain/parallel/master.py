@@ -50,6 +50,6 @@ def state_bytes(buckets) -> int:
     n = 0
     for b in buckets:
         n += b.data.nbytes + (b.full.untyped_storage().nbytes() if b.zero == 3 else 0)
-        n += b.master.nbytes if b.apart and b.master.device == b.data.device else 0
+        n += b.master.nbytes if b.apart and not b.hosted else 0  # (on the CPU the host is the device)
         n += (b.grad.nbytes if b.grad is not None else 0) + (b.shard_grad.nbytes if b.zero >= 2 else 0)
     return n

@@ -110,7 +110,7 @@ class Offload:
             torch.set_num_threads(host_threads())
         self.refresh()
         for master, b in zip(self.master, [b for b, _, _ in owned]):  # the master lives here now, once
-            b.master, b.apart = master, True
+            b.master, b.apart, b.hosted = master, True, True
 
     def refresh(self) -> None:
         """The master from the engine's fp32 master (never from bf16 compute weights): at the start;
