@@ -77,6 +77,9 @@ def main(argv):
            "step_s": secs / len(timed), "offload_s": sum(offload_s) / len(offload_s) if offload_s else None,
            "planned_host_gb": e["host"] / GB, "planned_offload_s": e["offload_s"], "planned_step_s": e["step_s"],
            "offload_update_s": sum(update_s) / len(update_s) if update_s else None}
+    if a.json:  # (first: a figure missing from the line below loses nothing)
+        Path(a.json).write_text(json.dumps(out) + "\n")
+    print(json.dumps(out), flush=True)  # (whatever the line below makes of it)
     mfu_text = "-" if mfu is None else f"{100 * mfu:.1f}%"
     print(f"{out['model']} {out['layout']} -t {cfg.seq_len} -d {lay.batch.total_tokens}: {tps:,.0f} tokens/s, MFU "
           f"{mfu_text}, host {100 * out['host_frac']:.0f}% of the step; peak {peak:.2f} GB measured, {est:.2f} GB "
@@ -85,8 +88,6 @@ def main(argv):
                                            f"it exposed (planned: host {out['planned_host_gb']:.1f} GB, "
                                            f"{e['offload_s']:.2f} s)" if offload_s else ""),
           flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps(out) + "\n")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,7 @@ class Offload:
         try:
             if self.cuda:
                 torch.cuda.set_device(self.e.device)
+                torch.set_num_threads(host_threads())  # (OpenMP's team size is each thread's own setting)
             if ready is not None:
                 ready.synchronize()
             t0 = time.time()
