@@ -21,7 +21,8 @@ every step, so --cuda-graph can capture it once and replay it.
 Exact mode writes the update as single elementwise operations instead (exact_adamw): each one
 IEEE-rounded, in its own kernel, so no multiply-add is contracted into one rounding -- the CPU's
 and the GPU's fused kernels differ there -- and the bias corrections computed once on the host in
-float64. The same operations then give the same bits on the GPU and on the host, which is what
+float64; the square root in float64, rounded once (torch's float32 sqrt is correctly rounded on
+CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
 promise. Default mode keeps the fused kernel on either side.
 """
@@ -139,7 +140,10 @@ def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=Non
         g = g * torch.reciprocal(grad_scale)
     m_new = m * beta1 + g * (1 - beta1)
     v_new = v * beta2 + (g * g) * (1 - beta2)
-    p_new = p - (m_new * c1) / (torch.sqrt(v_new) * c2 + eps)
+    # sqrt in float64, rounded once to float32: correctly rounded on every device. torch's float32 sqrt
+    # on the CPU is not (on the H200 machine's host 27,281 of 4M values differ from CUDA's, which is; on
+    # the 2-core VM 826,183 of 4M from numpy's) -- the one operation that broke --exact --offload on a GPU
+    p_new = p - (m_new * c1) / (torch.sqrt(v_new.double()).float() * c2 + eps)
     if skip is not None:  # a non-finite step changes nothing (decided on the device: no host wait)
         keep = skip > 0
         m_new, v_new, p_new = torch.where(keep, m, m_new), torch.where(keep, v, v_new), torch.where(keep, p, p_new)

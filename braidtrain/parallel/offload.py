@@ -152,8 +152,10 @@ class Offload:
             self.landed[k].clear()
             self.flying[k] = True
         self.asked = -1 if self.hold else len(self.order)
+        # (not a daemon: the interpreter joins it before its teardown, which aborts a process whose
+        # thread is still inside torch -- "terminate called without an active exception", seen on the H200)
         self.thread = threading.Thread(target=self._work, args=(ready, grad_scale is not None, skip is not None,
-                                                                scalars), name="offload", daemon=True)
+                                                                scalars), name="offload")
         self.thread.start()
 
     def ready(self, b, block: bool = True) -> bool:
