@@ -143,10 +143,12 @@ class Offload:
         if not self.started:
             self.start()
         self.started = False
-        if self.stream is not None:  # the norm, the clip scale and the skip flag come first
-            self.stream.wait_stream(torch.cuda.current_stream())
         none = torch.zeros((), device=self.e.device)
-        ready = self._copy(self.small, torch.stack([none if t is None else t for t in (grad_scale, skip)]))
+        small = torch.stack([none if t is None else t for t in (grad_scale, skip)])
+        if self.stream is not None:  # the norm, the clip scale and the skip flag (that stack too) come first,
+            self.stream.wait_stream(torch.cuda.current_stream())
+            small.record_stream(self.stream)  # and its memory is not reused before the copy has read it
+        ready = self._copy(self.small, small)
         scalars = tuple(s.clone() for s in self.opt.scalars["cpu"])  # (prepare() rewrites them for the next step)
         for k in range(len(self.buckets)):
             self.landed[k].clear()
