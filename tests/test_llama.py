@@ -137,8 +137,8 @@ def test_export_init_from_and_an_exact_resume_on_another_layout(tmp_path, shakes
     base = [*MODEL, "-i", shakespeare, "-d", 512, "--exact"]
     full = tmp_path / "full"
     p = braidtrain("train", *base, "-x", 6, "--ckpt-every", 3, "--out", full)
-    assert ("recipe: llama3 (lr 2.7e-5 (3e-4 at the recipe's 65536 tokens a step, x sqrt(512/65536)), warmup 3 of 6 "
-            "steps, scaled from 200, cosine to 10%, clip 1.0, AdamW 0.9/0.95 wd 0.1) from preset llama3-tiny\n"
+    assert ("recipe: braidtrain tiny (lr 2e-3 (4e-3 at the recipe's 2048 tokens a step, x sqrt(512/2048)), warmup 3 "
+            "of 6 steps, scaled from 50, cosine to 5%, clip 1.0, AdamW 0.9/0.95 wd 0.1) from preset llama3-tiny\n"
             ) in p.stdout  # (test_recipes.py: the recipe's resolution)
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
