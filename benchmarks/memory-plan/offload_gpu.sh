@@ -40,22 +40,7 @@ else
   free -g | head -2
 fi
 { cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'; } 2>/dev/null; date -u  # (a carried copy: its COMMIT file)
-if [ ! -f data/shakespeare_bytes/shakespeare_val_000000.bin ]; then  # (the corpus ships with braidtrain: offline)
-  python -m braidtrain data prepare --corpus shakespeare --tokenizer bytes --out data/shakespeare_bytes > /dev/null
-fi
-if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then  # Llama-3's 128,256 ids (as llama_gpu.sh builds them)
-  python - <<'PY'
-import numpy as np
-from pathlib import Path
-from braidtrain.io.data import LLAMA3_VOCAB, read_bin, write_bin
-src, dst = Path("data/shakespeare_bytes"), Path("data/shakespeare_128k")
-dst.mkdir(parents=True, exist_ok=True)
-for split in ("train", "val"):
-    b = np.concatenate([np.asarray(read_bin(f)) for f in sorted(src.glob(f"*_{split}_*.bin"))]).astype(np.int64)
-    pairs = b[: len(b) // 2 * 2].reshape(-1, 2) @ np.array([256, 1])
-    write_bin(dst / f"shakespeare_{split}_000000.bin", (pairs * (LLAMA3_VOCAB - 1) // 65535).astype(np.uint32), LLAMA3_VOCAB)
-PY
-fi
+python benchmarks/corpus/llama3_ids.py  # data/shakespeare_128k: Llama-3's ids from the bytes (offline)
 # fits N: the time left of BUDGET covers N seconds (what the part needs on an H200, estimated)
 fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
 # bounded CMD...: CMD, stopped once BUDGET is spent (exit 124)

@@ -40,21 +40,7 @@ t=$([ "${SMOKE:-0}" = 1 ] && echo 64 || echo 2048)
 # a part runs when the time left covers what it needs (seconds: estimates for an H200, not yet measured)
 fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
 
-if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then
-  python - <<'EOF'
-# Llama-3's layout (uint32, magic 20240801) and no tokenizer.json: braidtrain reads the ids as Llama-3's 128,256
-import numpy as np
-from pathlib import Path
-from braidtrain.io.data import LLAMA3_VOCAB, read_bin, write_bin
-src, dst = Path("data/shakespeare_bytes"), Path("data/shakespeare_128k")
-dst.mkdir(parents=True, exist_ok=True)
-for split in ("train", "val"):
-    b = np.concatenate([np.asarray(read_bin(f)) for f in sorted(src.glob(f"*_{split}_*.bin"))]).astype(np.int64)
-    pairs = b[: len(b) // 2 * 2].reshape(-1, 2) @ np.array([256, 1])  # 0 .. 65535, one id a byte pair
-    write_bin(dst / f"shakespeare_{split}_000000.bin", (pairs * (LLAMA3_VOCAB - 1) // 65535).astype(np.uint32), LLAMA3_VOCAB)
-    print(f"{dst}: {split} {len(pairs):,} tokens over {LLAMA3_VOCAB:,} ids")
-EOF
-fi
+python benchmarks/corpus/llama3_ids.py  # data/shakespeare_128k: Llama-3's ids from the bytes (offline)
 
 if [[ $parts == *" a "* ]]; then
   echo "== a. $m1 $bt -d $d1: braidtrain against transformers' LlamaForCausalLM + torch.compile"

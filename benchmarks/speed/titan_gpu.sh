@@ -29,20 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
 python -c "import torch, torchtitan; print('torch', torch.__version__, 'torchtitan', torchtitan.__version__)"
 cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'  # (a carried copy: COMMIT, written beside it)
 WIDE=data/shakespeare_128k
-if [ ! -f $WIDE/shakespeare_val_000000.bin ]; then
-  python - <<'EOF'
-# Llama-3's layout (uint32) and no tokenizer.json: braidtrain reads the ids as Llama-3's 128,256 (as llama_gpu.sh)
-import numpy as np
-from pathlib import Path
-from braidtrain.io.data import LLAMA3_VOCAB, read_bin, write_bin
-src, dst = Path("data/shakespeare_bytes"), Path("data/shakespeare_128k")
-dst.mkdir(parents=True, exist_ok=True)
-for split in ("train", "val"):
-    b = np.concatenate([np.asarray(read_bin(f)) for f in sorted(src.glob(f"*_{split}_*.bin"))]).astype(np.int64)
-    pairs = b[: len(b) // 2 * 2].reshape(-1, 2) @ np.array([256, 1])
-    write_bin(dst / f"shakespeare_{split}_000000.bin", (pairs * (LLAMA3_VOCAB - 1) // 65535).astype(np.uint32), LLAMA3_VOCAB)
-EOF
-fi
+python benchmarks/corpus/llama3_ids.py  # data/shakespeare_128k: Llama-3's ids from the bytes (offline)
 steps="--steps 12 --warmup 4"
 # pair PART MODEL "BENCH FLAGS" TORCH LAYOUT...: one bench train, each layout also with $LEVER
 pair() {
