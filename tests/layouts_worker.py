@@ -240,18 +240,14 @@ def matrix(rank, out):
     return results
 
 
-def lean_resumes(rank, out):
-    """Exact bf16 runs that stop midway and resume with the lean state switched (test_lean.py):
-    each, at its end, against the straight run of the old path ("ref-exact-old")."""
+def _switched(rank, out, kind, cases):
+    """Each case (name, first, second): an exact run of `first` saved at step 2, resumed as `second`
+    to the end; rank 0 keeps each resumed run's result, by name."""
     from pathlib import Path
 
     results = {}
-    old, lean, off = dict(bf16=True, lean=False), dict(bf16=True), dict(offload="optimizer")
-    for name, first, second in (("into-lean", dict(old, dp=2, zero=1), dict(lean, dp=2, zero=3)),
-                                ("out-of-lean", dict(lean, dp=2, zero=2), dict(old)),
-                                ("lean-into-offload", dict(lean, dp=4, zero=1), dict(lean, dp=2, zero=0, **off)),
-                                ("offload-out-of-lean", dict(lean, dp=2, zero=3, **off), dict(old, dp=4, zero=2))):
-        ckpt = Path(out) / "ckpt" / "lean" / name
+    for name, first, second in cases:
+        ckpt = Path(out) / "ckpt" / kind / name
         run(rank, name + "-first", dict(first, exact=True), 4, SHALLOW, save=(2, ckpt), until=2)
         dist.barrier()
         r = run(rank, name, dict(second, exact=True), 4, SHALLOW, resume=ckpt)
@@ -259,25 +255,25 @@ def lean_resumes(rank, out):
             results[name] = r
         dist.barrier()
     return results
+
+
+def lean_resumes(rank, out):
+    """Exact bf16 runs that stop midway and resume with the lean state switched (test_lean.py):
+    each, at its end, against the straight run of the old path ("ref-exact-old")."""
+    old, lean, off = dict(bf16=True, lean=False), dict(bf16=True), dict(offload="optimizer")
+    return _switched(rank, out, "lean", (
+        ("into-lean", dict(old, dp=2, zero=1), dict(lean, dp=2, zero=3)),
+        ("out-of-lean", dict(lean, dp=2, zero=2), dict(old)),
+        ("lean-into-offload", dict(lean, dp=4, zero=1), dict(lean, dp=2, zero=0, **off)),
+        ("offload-out-of-lean", dict(lean, dp=2, zero=3, **off), dict(old, dp=4, zero=2))))
 
 
 def offload_resumes(rank, out):
     """Exact runs that stop midway and resume with offload switched (test_offload.py): each, at
     its end, against the straight run without offload ("ref-exact")."""
-    from pathlib import Path
-
-    results = {}
     off = dict(offload="optimizer", hold=True)  # (a save that does not wait for the update saves stale state)
-    for name, first, second in (("into-offload", dict(dp=2, zero=1), dict(dp=2, zero=3, **off)),
-                                ("out-of-offload", dict(dp=2, zero=2, **off), dict(zero=0))):
-        ckpt = Path(out) / "ckpt" / "offload" / name
-        run(rank, name + "-first", dict(first, exact=True), 4, SHALLOW, save=(2, ckpt), until=2)
-        dist.barrier()
-        r = run(rank, name, dict(second, exact=True), 4, SHALLOW, resume=ckpt)
-        if rank == 0:
-            results[name] = r
-        dist.barrier()
-    return results
+    return _switched(rank, out, "offload", (("into-offload", dict(dp=2, zero=1), dict(dp=2, zero=3, **off)),
+                                            ("out-of-offload", dict(dp=2, zero=2, **off), dict(zero=0))))
 
 
 _made = {}  # (its ranks, axis, which such call of the mesh) -> process group
