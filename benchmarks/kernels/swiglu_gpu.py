@@ -4,9 +4,11 @@ autograd.Function whose backward is one pointwise pass) be faster? Issue #58's p
 "SwiGLU backward" at 4.9 ms of the 1B step (16 layers) against ~0.16 ms x 16 of traffic.
 
     python benchmarks/kernels/swiglu_gpu.py     # from the repo root; under a minute
+    TRITON_INTERPRET=1 python benchmarks/kernels/swiglu_gpu.py --check   # on the CPU: the kernels' maths
 
 Rows: the pointwise part alone (gate_up -> h, given dh) and the whole MLP (gate_up and down
-matmuls), each as braidtrain writes it today and with the candidate; median ms (do_bench), the
+matmuls), each as braidtrain writes it today and with two candidates (an autograd.Function that
+inductor compiles; a hand-written Triton kernel each way, an opaque custom op); median ms (do_bench), the
 kernels' sum by name from one profiled run, peak MB above the inputs, max rel err vs fp32.
 """
 
@@ -15,8 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -43,6 +46,77 @@ class _SwiGLU(torch.autograd.Function):
 
 def candidate(gate_up):
     return _SwiGLU.apply(gate_up)
+
+
+# The hand-written candidate: one program per BLOCK columns of one row of the (N, F) halves; each
+# loads gate, up (and dh) once and writes h (forward) or both halves of dgate_up (backward), in
+# fp32 inside. An opaque custom op, so that torch.compile keeps it whole (and a CUDA graph
+# captures it). Offsets in int64: N x 2F passes 2^31 at 1B b16.
+@triton.jit
+def _swiglu_fwd_kernel(GU, H, F, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    nb = tl.cdiv(F, BLOCK)
+    row, col = pid // nb, (pid % nb) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < F
+    g = tl.load(GU + row * 2 * F + col, mask=mask).to(tl.float32)
+    u = tl.load(GU + row * 2 * F + F + col, mask=mask).to(tl.float32)
+    tl.store(H + row * F + col, (g * tl.sigmoid(g) * u).to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(GU, DH, DGU, F, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    nb = tl.cdiv(F, BLOCK)
+    row, col = pid // nb, (pid % nb) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < F
+    g = tl.load(GU + row * 2 * F + col, mask=mask).to(tl.float32)
+    u = tl.load(GU + row * 2 * F + F + col, mask=mask).to(tl.float32)
+    d = tl.load(DH + row * F + col, mask=mask).to(tl.float32)
+    sg = tl.sigmoid(g)
+    tl.store(DGU + row * 2 * F + col, (d * u * sg * (1 + g * (1 - sg))).to(DGU.dtype.element_ty), mask=mask)
+    tl.store(DGU + row * 2 * F + F + col, (d * g * sg).to(DGU.dtype.element_ty), mask=mask)
+
+
+_BLOCK = 1024
+
+
+@torch.library.custom_op("swiglu_bench::fwd", mutates_args=())
+def _fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    gu = gate_up.contiguous()
+    F2 = gu.shape[-1] // 2
+    h = gu.new_empty(*gu.shape[:-1], F2)
+    _swiglu_fwd_kernel[(h.numel() // F2 * triton.cdiv(F2, _BLOCK),)](gu, h, F2, BLOCK=_BLOCK, num_warps=4)
+    return h
+
+
+@_fwd.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("swiglu_bench::bwd", mutates_args=())
+def _bwd(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    gu, dh = gate_up.contiguous(), dh.contiguous()
+    F2 = gu.shape[-1] // 2
+    dgu = torch.empty_like(gu)
+    _swiglu_bwd_kernel[(dh.numel() // F2 * triton.cdiv(F2, _BLOCK),)](gu, dh, dgu, F2, BLOCK=_BLOCK, num_warps=4)
+    return dgu
+
+
+@_bwd.register_fake
+def _(gate_up, dh):
+    return torch.empty_like(gate_up)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+_fwd.register_autograd(lambda ctx, dh: _bwd(ctx.saved_tensors[0], dh), setup_context=_setup)
+
+
+def hand(gate_up):
+    return _fwd(gate_up)
 
 
 def mlp(act):
@@ -72,6 +146,7 @@ def peak_mb(fn):
 
 
 def main():
+    from triton.testing import do_bench
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     for name, (N, C, Fw) in {"llama3.2-1b b4 t2048": (8192, 2048, 8192),
                              "llama3.2-3b b2 t2048": (4096, 3072, 8192)}.items():
@@ -86,7 +161,7 @@ def main():
         print(f"\n== {name}: N={N} C={C} F={Fw}; pointwise fwd+bwd traffic at 4.3 TB/s: {floor:.3f} ms")
         gref = gu.float().requires_grad_()
         ref_pw = torch.autograd.grad(today(gref), gref, dh.float())[0]
-        for label, act in (("today", today), ("candidate", candidate)):
+        for label, act in (("today", today), ("candidate", candidate), ("triton", hand)):
             pw = torch.compile(act)
             g = gu.detach().requires_grad_()
             err = ((torch.autograd.grad(pw(g), g, dh)[0].float() - ref_pw).norm() / ref_pw.norm()).item()
@@ -107,5 +182,21 @@ def main():
             print(f"  {label:9s} whole MLP f+b {t_mlp:.3f} ms (kernels {k_mlp:.3f}: {top_mlp})  peak {peak_mb(step_mlp):.0f} MB")
 
 
+def check():
+    """The Triton candidate against autograd's SwiGLU in float64 (fp32 tensors, ragged F)."""
+    torch.manual_seed(0)
+    for N, Fw in ((3, 5), (4, 1500)):
+        gu, dh = torch.randn(N, 2 * Fw), torch.randn(N, Fw)
+        ref_gu = gu.double().requires_grad_()
+        ref_h = today(ref_gu)
+        ref_d = torch.autograd.grad(ref_h, ref_gu, dh.double())[0]
+        g = gu.clone().requires_grad_()
+        h = hand(g)
+        d = torch.autograd.grad(h, g, dh)[0]
+        errs = [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in ((h, ref_h), (d, ref_d))]
+        print(f"N={N} F={Fw}: max rel err h {errs[0]:.1e}, dgate_up {errs[1]:.1e}")
+        assert max(errs) < 1e-5, errs
+
+
 if __name__ == "__main__":
-    main()
+    check() if "--check" in sys.argv[1:] else main()
