@@ -3,6 +3,7 @@ torch's flash SDPA: accuracy, bitwise repeatability, batch invariance, speed.
 
     python benchmarks/kernels/attention_gpu.py            # from the repo root; meant to take 1-2 minutes
     python benchmarks/kernels/attention_gpu.py --configs  # only: time a few other fixed block configs
+    python benchmarks/kernels/attention_gpu.py --llama    # only: torch's SDPA backends at the Llamas' shapes
 
 For bf16 (B=16, H=12, T=1024, D=64) and (B=4, H=25, T=1024, D=64):
   * relative error ||x - ref|| / ||ref|| of o, dq, dk, dv against torch's math SDPA on fp32
@@ -18,6 +19,7 @@ Exit status 1 if any of ours fails.
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -194,8 +196,64 @@ def configs():
             print(f"{name:28s} ERROR {type(e).__name__}: {str(e)[:200]}")
 
 
+def llama():
+    """torch's SDPA backends at the Llamas' training shapes (bf16, causal, grouped-query attention),
+    as braidtrain's non-exact CUDA path calls it (layers.attend: `enable_gqa`, no backend named) and
+    with each backend forced, k and v given as K heads (enable_gqa) or repeated to H: which backend
+    torch picks (the kernels a profiled call runs), fwd and fwd+bwd median ms and TFLOP/s (causal:
+    4 B H T^2 D / 2 forward, 2.5x that backward), and each backend's error against fp32 math."""
+    from torch.profiler import ProfilerActivity, profile
+    t_start = time.time()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuDNN {torch.backends.cudnn.version()}")
+    backends = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+    def sdpa(backend, gqa):
+        def fn(q, k, v):
+            if not gqa:
+                k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+            with sdpa_kernel(backend) if backend is not None else nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return fn
+
+    rows = []
+    for name, (B, H, K, T, D) in {"llama3.2-1b b4": (4, 32, 8, 2048, 64), "llama3.2-3b b2": (2, 24, 8, 2048, 128),
+                                  "llama3.1-8b b1": (1, 32, 8, 2048, 128)}.items():
+        torch.manual_seed(0)
+        q, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(B, K, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref = run(math_fp32, q.float(), k.float().repeat_interleave(H // K, 1), v.float().repeat_interleave(H // K, 1),
+                  do.float())
+        flops = 4 * B * H * T * T * D / 2
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(sdpa(None, True), q, k, v, do)
+            torch.cuda.synchronize()
+        picked = sorted({e.key[:60] for e in prof.key_averages() if e.device_type.name == "CUDA"
+                         and any(s in e.key.lower() for s in ("flash", "fmha", "cudnn", "attention", "sdpa"))})
+        print(f"\n== {name}: B={B} H={H} K={K} T={T} D={D}; the default call runs: {picked}")
+        for label, backend in backends.items():
+            for gqa in (True, False):
+                fn = sdpa(backend, gqa)
+                try:
+                    out = run(fn, q, k, v, do)
+                    err = max(rel(a, b) for a, b in zip(out[:2], ref[:2]))  # o, dq (dk, dv: summed over a group)
+                    err = max(err, *(rel(a, b.unflatten(1, (K, H // K)).sum(2)) for a, b in zip(out[2:], ref[2:])))
+                    t_f = do_bench(lambda: fn(q, k, v), return_mode="median")
+                    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+                    t_fb = do_bench(fwd_bwd(fn, qg, kg, vg, do), grad_to_none=[qg, kg, vg], return_mode="median")
+                    rows.append((name, label, gqa, t_f, t_fb, flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, err))
+                    print(f"  {label:9s} {'gqa   ' if gqa else 'repeat'} fwd {t_f:7.3f} ms ({rows[-1][5]:4.0f} TFLOP/s)  "
+                          f"fwd+bwd {t_fb:7.3f} ms ({rows[-1][6]:4.0f})  max rel err {err:.1e}")
+                except Exception as e:  # a backend that does not take this shape
+                    print(f"  {label:9s} {'gqa   ' if gqa else 'repeat'} ERROR {type(e).__name__}: {str(e)[:150]}")
+        del ref
+    print(f"\n({time.time() - t_start:.0f} s)")
+
+
 if __name__ == "__main__":
     if "--configs" in sys.argv[1:]:
         configs()
+    elif "--llama" in sys.argv[1:]:
+        llama()
     else:
         main()

@@ -4,6 +4,7 @@ accuracy, bitwise repeatability, speed, memory.
     python benchmarks/kernels/loss_gpu.py            # from the repo root; meant to take under a minute
     python benchmarks/kernels/loss_gpu.py --configs  # also: time the fused pass at other (block, warps)
     python benchmarks/kernels/loss_gpu.py --tokens 8192 --width 2048 --vocab 128256   # llama3.2-1b's head, b 4 x t 2048
+    ... --chunks 2 4 8   # also a chunked linear-cross-entropy (the logits a chunk of tokens at a time)
     TRITON_INTERPRET=1 python benchmarks/kernels/loss_gpu.py --smoke   # tiny, on CPU: checks this script
 
 By default gpt2's head at B=16, T=1024: h (16384, 768) bf16 -- as under autocast -- w (50304, 768)
@@ -43,6 +44,42 @@ HBM_TBPS = 4.8  # H200
 def torch_loss(h, w, t, V):
     """What GPT.loss did: the tied head in h's dtype, the loss in fp32 over the real vocabulary."""
     return F.cross_entropy(F.linear(h, w.to(h.dtype))[:, :V].float(), t, reduction="sum")
+
+
+class _Chunked(torch.autograd.Function):
+    """A candidate (issue #58): the linear cross-entropy chunk of tokens by chunk, never all the
+    logits at once -- per chunk the bf16 logits (N/k, Vp), ours's fused pass over them (the loss,
+    and softmax - onehot in place), dh's rows, and dw accumulated in fp32 by the matmul itself
+    (beta = 1). Both gradients are computed in the forward, scaled by g in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, t, V, k):
+        wc = w.to(h.dtype)
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device)
+        losses = []
+        for hc, tc, dhc in zip(h.chunk(k), t.chunk(k), dh.chunk(k)):
+            logits = torch.mm(hc, wc.t())
+            losses.append(L._fused_pass(logits, tc, V, True))
+            torch.mm(logits, wc, out=dhc)
+            if h.is_cuda:
+                torch.addmm(dw, logits.t(), hc, out_dtype=torch.float32, out=dw)
+            else:
+                dw.add_(torch.mm(logits.t(), hc).float())
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = w.dtype
+        return torch.cat(losses).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        dh, dw = ctx.saved_tensors
+        return dh * g, (dw * g).to(ctx.w_dtype), None, None, None
+
+
+def chunked(k):
+    def fn(h, w, t, V):
+        return _Chunked.apply(h, w, t, V, k)
+    return fn
 
 
 def run(fn, h, w, t, V, g):
@@ -92,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16384, help="rows of h: b x t (default gpt2's 16 x 1024)")
     ap.add_argument("--width", type=int, default=768, help="columns of h: n_embd (default gpt2's)")
     ap.add_argument("--vocab", type=int, default=50257, help="the real vocabulary (default gpt2's)")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[], help="also the chunked candidate at these chunk counts")
     a = ap.parse_args(argv)
     t_start = time.time()
     if a.smoke:
@@ -111,7 +149,8 @@ def main(argv=None):
     t = torch.randint(0, V, (N,), device=device)
     g = torch.tensor(1.0 / N, device=device)
     compiled = torch.compile(torch_loss)
-    fns = {"ours": head_loss, "torch eager": torch_loss, "torch.compile": compiled}
+    fns = {"ours": head_loss, "torch eager": torch_loss, "torch.compile": compiled,
+           **{f"chunked {k}": chunked(k) for k in a.chunks}}
 
     # 1. Accuracy against fp32 (true fp32 products: TF32 off for the reference only).
     tf32 = torch.backends.cuda.matmul.allow_tf32
