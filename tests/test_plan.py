@@ -82,7 +82,7 @@ def test_model_state_formulas_match_hand_arithmetic(n):
     for zero, (params, grads, opt) in want.items():
         got = model_state_bytes(P, n, zero, block, embed)
         assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((params, grads, opt), rel=1e-12), zero
-        # (ZeRO-0/1's gradient exists from the backward to the update: engine.py's _first_grad)
+        # (ZeRO-0/1's gradient exists from the backward to the update: parallel/grads.py)
         assert got["transient"] == (4 * P, 4 * P, scratch, scratch + working)[zero if n > 1 else 0]
 
 

@@ -48,9 +48,9 @@ class Redo:
         p.tokens, self.next_tokens = self.tokens, (None, None)
         p.__dict__.pop("train_step", None), p.__dict__.pop("validate", None)
         if e.exact:
-            e.trees = {b: TreeSum(e.recycle) for b in e.buckets}
+            e.trees = {b: TreeSum(e.grads.recycle) for b in e.buckets}
             if e.tied.head is not None:
-                e.tied.head = TreeSum(e.recycle)
+                e.tied.head = TreeSum(e.grads.recycle)
             e.__dict__.pop("exact_reduce", None)
 
     def divide(self) -> None:
@@ -80,9 +80,9 @@ class Redo:
         p.validate = self.validate
         if e.exact:
             self.pending, leaves = {}, self.leaves(self.rt.rank)
-            e.trees = {b: LiveTree(e, leaves, self.pending) for b in e.buckets}
+            e.trees = {b: LiveTree(e.grads, leaves, self.pending) for b in e.buckets}
             if e.tied.head is not None:
-                e.tied.head = LiveTree(e, leaves, self.pending)
+                e.tied.head = LiveTree(e.grads, leaves, self.pending)
             e.exact_reduce = self.exact_reduce
 
     def leaves(self, r: int, plan: dict | None = None, total: int | None = None) -> list[int]:
@@ -118,7 +118,7 @@ class Redo:
         reduce_forests(self.comm, group, list(group.ranks), self.keys, self.rt.rank, nodes, self.grid.cp * self.M, out,
                        whole=full)
         for t in nodes.values():
-            self.engine.recycle(t)
+            self.engine.grads.recycle(t)
         return _Done()
 
     @torch.no_grad()

@@ -158,7 +158,8 @@ class Replicas:
                 at = b.group.index * b.shard_size
                 b.lo, b.hi = min(b.padded, at), min(b.padded, at + b.shard_size)
                 b.grad = None if e.exact else torch.zeros(b.padded, device=e.device)
-        e.pending, e._pool = [], {}  # buffers the old group's threads may still write into are not reused
+        e.pending = []
+        e.grads.reset()  # buffers the old group's threads may still write into are not reused
         e.tied.handle = e.tied.head_sum = e.tied.head_out = None
         rt.world_size = n
         self.layout = self.built.layout = dataclasses.replace(lay, dp=n // (lay.pp * lay.cp * lay.tp))

@@ -106,7 +106,7 @@ class Bucket:
         self.grad = None  # ZeRO-0/1: the step's full gradient, from its first gradient to its update (Engine)
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0  # gradients still to come in this backward
-        self.open = False  # this backward's gradient buffer is open (Engine.open_grad; ZeRO-2/3 check it)
+        self.open = False  # this backward's gradient buffer is open (grads.Grads.open; ZeRO-2/3 check it)
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add; ZeRO-0/1: opens b.grad
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3

@@ -14,14 +14,13 @@ moment a bucket's last gradient of a backward is in, and that backward is the st
 reduction over the bucket's group is launched asynchronously while the backward pass goes on
 with earlier layers. ZeRO-0/1 accumulate micro-batches in the full gradient buffer and
 communicate once. ZeRO-2/3 hold no full gradient buffer, so they reduce-scatter after every
-backward from a bucket-sized scratch -- opened as the backward reaches the bucket (zero.py), the
-parameters' .grad views into it so that autograd adds into it in place, and freed as soon as
-the collective has read it -- and add the result into the persistent shard: M times the reduce-
-scatter traffic of ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory saved.
-(The other choice, accumulating locally and reducing once, needs the full gradient buffer ZeRO-2
-exists to remove.) Gradients are *summed*: the loss was already divided by the global token
-count, once. In exact mode each backward's gradient is a leaf of exact.py's tree, by micro-batch
-number: the order the backwards ran in does not change a bit.
+backward from a bucket-sized scratch and add the result into the persistent shard: M times the
+reduce-scatter traffic of ZeRO-1 for M micro-steps, against 4P(1 - 1/n) bytes of gradient memory
+saved. (The other choice, accumulating locally and reducing once, needs the full gradient buffer
+ZeRO-2 exists to remove.) Which gradient buffer lives when, and their pool: grads.py. Gradients
+are *summed*: the loss was already divided by the global token count, once. In exact mode each
+backward's gradient is a leaf of exact.py's tree, by micro-batch number: the order the backwards
+ran in does not change a bit.
 
 ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
 
@@ -49,6 +48,7 @@ from braidtrain.collective.flight import timing_events
 from braidtrain.parallel import buckets, expert, master, norm, placement, zb
 from braidtrain.parallel import exact as exact_sums
 from braidtrain.parallel.buckets import Bucket
+from braidtrain.parallel.grads import Grads
 from braidtrain.parallel.tied import Tied
 from braidtrain.parallel.zero import Zero
 
@@ -78,6 +78,7 @@ class Engine:
                                min(zero, top), stage, [len(self.table.held(e)) for e in es], dt)  # (experts: slices)
                         for i, (es, ms, reduce, stage, dt, top) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
+        self.grads = Grads(self.buckets, device)  # the gradient buffers' lifetime and their pool
         for b in self.buckets:
             master.lay_out(b, device)  # the values; a lean bucket's master apart
             for p, view in b.views(b.full):
@@ -85,11 +86,10 @@ class Engine:
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
                 if b.zero <= 1 and not exact:
-                    p.register_hook(partial(self._first_grad, b))
-        self.trees = {b: exact_sums.TreeSum(self.recycle) for b in self.buckets} if exact else {}
+                    p.register_hook(partial(self.grads.first, b))
+        self.trees = {b: exact_sums.TreeSum(self.grads.recycle) for b in self.buckets} if exact else {}
         self.scratch = ({b: torch.empty(b.padded, device=device) for b in self.buckets if b.group.size > 1} if exact
                         else {})
-        self._pool: dict[int, list[torch.Tensor]] = {}
         self.pending: list = []  # ZeRO-2/3: reductions of earlier backwards still in flight
         self.last_grad_time = 0.0
         self._exposed = 0.0  # seconds, or a pair of CUDA events (see finish_step)
@@ -112,7 +112,7 @@ class Engine:
         for b in self.buckets:
             if b.zero == 0:
                 yield b, b.master, b.grad
-            elif b.zero == 1:  # (no gradient outside a step: _first_grad)
+            elif b.zero == 1:  # (no gradient outside a step: grads.first)
                 yield b, b.master, None if b.grad is None else b.grad[b.lo : b.hi]
             else:
                 yield b, b.master, b.shard_grad
@@ -158,10 +158,10 @@ class Engine:
             if self.exact:
                 self.trees[b].clear()
                 if b.grad is not None:  # last step's gradient goes back to the pool
-                    self.recycle(b.grad)
+                    self.grads.recycle(b.grad)
                     b.grad = None
             # (ZeRO-0/1 accumulate the step's micro-batches in place, in a buffer opened by the step's
-            # first gradient of the bucket: _first_grad)
+            # first gradient of the bucket: grads.first)
         if self.updates is not None:  # (--offload optimizer: offload.py)
             self.updates.begin_step()
 
@@ -209,48 +209,12 @@ class Engine:
                 continue
             # a fresh buffer for this backward
             if (self.exact and b.zero <= 1) or (open_blocks and b.zero >= 2 and b.modules):
-                self.open_grad(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
+                self.grads.open(b)  # (else ZeRO-2/3's zero.py opens it as the backward reaches it)
         self.backward_phase = True
         try:
             work()
         finally:
             self.backward_phase = False
-
-    def open_grad(self, b, buf=None):
-        """Zero the bucket's gradient buffer `buf` (None: a fresh one) and point its parameters'
-        .grad at views into it: autograd then adds each gradient into it in place. ZeRO-2/3 open a
-        scratch as the backward reaches the bucket (zero.py) and hand it to the reduce-scatter
-        when it is complete. (Copying each gradient out in a hook instead cost host time a
-        parameter; the GPU now zeroes and adds: more bytes, less host time. docs/design-notes.md.)"""
-        b.grad = buf if buf is not None else self.take(b.padded)
-        b.grad.zero_()
-        for p, view in b.views(b.grad):
-            if b.lean:  # a bf16 parameter: its hook adds autograd's gradient here (module docstring)
-                p.main_grad = view
-            else:
-                p.grad = view
-        b.open = True
-
-    # -- for the helpers that keep gradients apart (tied.py, expert.py, zero.py, slots.py) ------------
-    def take(self, n: int) -> torch.Tensor:
-        """A gradient-sized buffer of n fp32 elements from the engine's pool (contents undefined)."""
-        pool = self._pool.setdefault(n, [])
-        return pool.pop() if pool else torch.empty(n, device=self.device)
-
-    def recycle(self, buf: torch.Tensor) -> None:
-        """Give a buffer from take() back to the pool, once nothing reads it any more."""
-        pool = self._pool.setdefault(buf.numel(), [])
-        if all(g is not buf for g in pool):  # (a failed step may have put it there already)
-            pool.append(buf)
-
-    def _first_grad(self, b, grad):
-        """ZeRO-0/1 (default mode): the step's first gradient of bucket b opens its buffer, afresh --
-        gradients exist from the backward that reaches them to the update (gather_params drops
-        them), not through the forward: as the backward frees activations it fills gradients."""
-        if b.first and not b.sourced:
-            b.first = False
-            self.open_grad(b, torch.empty(b.padded, device=self.device))
-        return grad
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
@@ -388,28 +352,18 @@ class Engine:
         ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass; so does --offload, each
         bucket once its update has landed (offload.py)."""
         if self.updates is not None:
-            self.drop_grads()  # (the host's update holds its own references until each has come down)
+            self.grads.drop()  # (the host's update holds its own references until each has come down)
             return
         handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
-        self.drop_grads()
+        self.grads.drop()
         for h in handles:
             h.wait()
-
-    def drop_grads(self) -> None:
-        """The step's update has read ZeRO-0/1's full gradients: they go (the next step's first
-        gradients open them again), so nothing of them lives through the next forward."""
-        for b in self.buckets:
-            if b.zero <= 1 and b.grad is not None:
-                b.grad = None
-                for _, p in b.params:
-                    p.grad = None
-                    if b.lean:
-                        p.main_grad = None
 
     def laid_out_again(self) -> None:
         """Live recovery re-laid the buckets out over another group (Bucket.relayout): the buffers
         sized by their padding, afresh."""
-        self._pool, self.pending = {}, []
+        self.pending = []
+        self.grads.reset()
         if self.exact:
             self.scratch = {b: torch.empty(b.padded, device=self.device) for b in self.buckets if b.group.size > 1}
             self.norm = norm.ExactNorm(self)

@@ -121,7 +121,7 @@ class Sourced:
         b, i = self.place[p]
         key = (b, source)
         if key not in self.leaves:
-            self.leaves[key] = leaf = e.take(b.padded)
+            self.leaves[key] = leaf = e.grads.take(b.padded)
             leaf.zero_()
             self.pending[key] = len(b.params)
         b.view(self.leaves[key], i).copy_(grad)

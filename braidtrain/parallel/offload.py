@@ -223,7 +223,7 @@ class Offload:
                 if self.copied[k] is not None:  # (and so every copy before it, the last step's up too)
                     self.copied[k].synchronize()
                 grad = self.slots[i % s][: self.grads[k].numel()]
-                self.grads[k] = None  # on the host now: the device's copy may go (engine.drop_grads)
+                self.grads[k] = None  # on the host now: the device's copy may go (grads.py)
                 self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars)
                 self.arrived[k] = self._copy(self.params[k], self._weights(i, k))
                 if i + 1 == n:

@@ -64,8 +64,8 @@ class LiveTree:
     by local number): siblings add as soon as both are here, as in TreeSum; total() leaves the
     complete subtrees (forest(micros)) for the reduction to fold with the other ranks'."""
 
-    def __init__(self, engine, micros: list[int], pending: dict):
-        self.e, self.micros, self.pending = engine, micros, pending
+    def __init__(self, pool, micros: list[int], pending: dict):  # (pool: the engine's grads.Grads)
+        self.e, self.micros, self.pending = pool, micros, pending
         self.nodes: dict[tuple[int, int], torch.Tensor] = {}
         self.leaves = 0
 

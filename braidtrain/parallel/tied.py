@@ -37,9 +37,9 @@ class Tied:
         self.partner = engine.pp.size - 1 - engine.pp.index if split else None  # first stage <-> last stage
         self.head = None  # exact mode, both uses here: the head's micro-batch gradients' tree
         if self.buckets and not split:
-            self.head = exact_sums.TreeSum(engine.recycle)
+            self.head = exact_sums.TreeSum(engine.grads.recycle)
             b = self.buckets[0]  # the exact reduction's all-to-all needs a scratch of its own
-            self.scratch = engine.take(b.padded) if b in engine.scratch else None
+            self.scratch = engine.grads.take(b.padded) if b in engine.scratch else None
             for part in engine.parts:
                 part.use_head_sink(self.sink)
         self.handle = self.head_sum = self.head_out = None
@@ -48,7 +48,7 @@ class Tied:
         """(Engine.laid_out_again) the head's reduction scratch, sized by the bucket's new padding."""
         if self.head is not None:
             b = self.buckets[0]
-            self.scratch = self.e.take(b.padded) if b in self.e.scratch else None
+            self.scratch = self.e.grads.take(b.padded) if b in self.e.scratch else None
 
     def begin_step(self):
         if self.head is not None:
@@ -58,7 +58,7 @@ class Tied:
         """One micro-batch's head gradient of wte (the model's TiedHead calls this), as a leaf laid
         out like wte's bucket."""
         b = self.buckets[0]
-        leaf = self.e.take(b.padded)
+        leaf = self.e.grads.take(b.padded)
         n = grad.numel()
         leaf[:n].copy_(grad.reshape(-1))
         leaf[n:].zero_()
@@ -83,7 +83,7 @@ class Tied:
             if self.head is not None:
                 self.handle.wait()
                 mine.add_(self.head_out)
-                self.e.recycle(self.head_sum)
+                self.e.grads.recycle(self.head_sum)
                 self.handle = self.head_sum = self.head_out = None
             else:
                 other = mine.new_empty(mine.numel())

@@ -116,7 +116,7 @@ class Zero:
 
     def _open_on_first_grad(self, b, _grad):
         if not b.open:
-            self.e.open_grad(b)
+            self.e.grads.open(b)
 
     def _install(self):
         for chain in self.chains:
@@ -168,7 +168,7 @@ class Zero:
                     if prev is not None and (prev.needs_full or (prev in self.kept and not e.last)):
                         self._gather(prev, wait=False)
                 if not b.sourced:
-                    e.open_grad(b)
+                    e.grads.open(b)
                 return grad
 
             if out.requires_grad:

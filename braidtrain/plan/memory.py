@@ -34,7 +34,7 @@ def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params
     optimizer's m and v as Megatron-LM counts it); 0 in fp32 runs (the bucket is the master).
     `transient` is the part of params + grads that exists only during the forward/backward pass
     (scratch S, working set W; ZeRO-0/1's whole gradient, which exists from the backward to the
-    update: engine.py's _first_grad): a rank at rest, as measured between steps on the CPU, holds the
+    update: parallel/grads.py): a rank at rest, as measured between steps on the CPU, holds the
     rest. A group of one rank runs stage 0's mechanics, whatever the stage (buckets.zero_stage).
     live: live recovery's copy of the next rank's shard at ZeRO 1-3 -- its m and v, the gradient it
     receives, and at ZeRO-3 its parameters (parallel/mirror.py)."""
