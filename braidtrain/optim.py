@@ -25,8 +25,8 @@ float64; the square root in float64, rounded once (torch's float32 sqrt is corre
 CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
 promise. Default mode keeps the fused kernel on either side. On a GPU exact_adamw's operations
-run as one kernel a shard, with the same bits (optim_exact.py): exact mode's update costs about
-what the fused kernel does.
+run as one kernel a shard, with the same bits (optim_exact.py): one pass over memory, as the
+fused kernel's.
 """
 
 from __future__ import annotations
