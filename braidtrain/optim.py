@@ -24,7 +24,9 @@ and the GPU's fused kernels differ there -- and the bias corrections computed on
 float64; the square root in float64, rounded once (torch's float32 sqrt is correctly rounded on
 CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
-promise. Default mode keeps the fused kernel on either side.
+promise. Default mode keeps the fused kernel on either side. On a GPU exact_adamw's operations
+run as one kernel a shard, with the same bits (optim_exact.py): one pass over memory, as the
+fused kernel's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from braidtrain import optim_exact
 
 
 def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, final_frac: float) -> float:
@@ -122,8 +126,9 @@ class AdamW:
             if decayed:
                 torch._foreach_mul_(decayed, keep if skip is None else torch.where(skip > 0, 1.0, keep))
         if self.exact:
+            update = optim_exact.exact_adamw if optim_exact.usable(params[0]) else exact_adamw
             for p, g, (m, v, _) in zip(params, grads, groups):
-                exact_adamw(p, g, m, v, self.beta1, self.beta2, self.eps, c1, c2, grad_scale, skip)
+                update(p, g, m, v, self.beta1, self.beta2, self.eps, c1, c2, grad_scale, skip)
             return
         torch._fused_adamw_(params, grads, [m for m, _, _ in groups], [v for _, v, _ in groups], [],
                             [step] * len(params), lr=lr, beta1=self.beta1, beta2=self.beta2,

@@ -2,7 +2,8 @@
 # One call on one GPU for issues #39 and #40 (from the repo root, data/shakespeare_gpt2 and
 # data/shakespeare_bytes carried):
 #   1. GPT-2's exact bits on this GPU: --config gpt2 -b 16 -t 1024 -d 131072 -x 3 --exact --compile
-#      (on an H200 with torch 2.11: 6c5770d7f6b0b497... before the model protocol, 2026-12-02)
+#      (on an H200 with torch 2.11: 6c5770d7f6b0b497... from before the model protocol to 2026-12-02;
+#      f58d1ce944463aba... since exact mode's update became optim.exact_adamw, 2026-12-03)
 #   2. a run directory belongs to one run: a second run into a working run's directory, and then
 #      into the finished run's, each stop in one line (exit 2); --start-over moves it aside and trains
 #   3. Llama-3 on one GPU (llama3.2-1b's shape on the byte corpus): eager, --compile, --cuda-graph,

@@ -1,0 +1,106 @@
+"""Exact mode's AdamW in one pass on a GPU: optim.exact_adamw's IEEE operations, in its order, each
+rounded once, in one Triton kernel a shard -- the same bits as exact_adamw (and so as the host's
+update under --offload optimizer) at about the cost of torch's fused AdamW.
+
+exact_adamw writes the update as about fifteen torch kernels a shard, each a pass over memory with
+a temporary (the float64 square root's twice as wide): 58.55 ms over Llama-3.2-1B's 1.24 B
+parameters on an H200, against fused AdamW's 11.61. Here each element is loaded once and its p, m, v
+stored once, with the same operations -- 8.35 ms (docs/performance.md, "exact mode's update in one pass"):
+
+    r = 1 / grad_scale             div.rn (torch.reciprocal: 1.0f / x, correctly rounded on CUDA)
+    g = g * r
+    m' = m * b1 + g * (1 - b1)      the scalars rounded to float32 on the host, as torch rounds a
+    v' = v * b2 + (g * g) * (1 - b2)   Python scalar for a float32 tensor's operation
+    p' = p - (m' * c1) / (sqrt(v') * c2 + eps)
+    none of it stored where skip > 0
+
+Why the bits are exact_adamw's: every product and sum is its own IEEE operation because the kernel
+is compiled with `enable_fp_fusion=False` (no multiply-add contracted into one rounding: LLVM's
+contraction and ptxas's --fmad are both off); the quotients are tl.div_rn (div.rn.f32: correctly
+rounded; fp32 `/` in Triton is an approximate division); the square root is tl.sqrt_rn (sqrt.rn.f32,
+correctly rounded), which equals exact_adamw's float64 square root rounded once to float32: double
+rounding through a wider format is innocuous for sqrt when that format has at least 2p + 2 bits
+(p = 24 for float32; float64 has 53 >= 50), so sqrt64 rounded to float32 is the correctly rounded
+float32 sqrt. Neither div.rn nor sqrt.rn flushes subnormals (no .ftz: Triton 3.6 lowers the precise
+forms to the NVVM intrinsics without it; tests/test_optim_exact.py and the GPU check in
+benchmarks/kernels/exact_adamw_gpu.py compare subnormal moments bit for bit). Addition being
+commutative, the operand order of a sum moves no bit.
+
+Used for CUDA shards only (optim.AdamW.apply); the CPU, and the host under --offload, keep
+exact_adamw, the reference. Without triton this module imports and `usable` says False. With
+TRITON_INTERPRET=1 set before triton's first import, exact_adamw runs on CPU tensors (the tests).
+"""
+
+from __future__ import annotations  # the kernel's annotations stay strings until triton is imported
+
+import torch
+
+triton = tl = None  # bound by _load(), on first use: importing braidtrain does not import triton
+_kernel = None
+BLOCK = 1024  # elements a program: 8 a thread at 4 warps, two 16-byte loads of each tensor
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernel runs for t: t is on a GPU and triton imports."""
+    if not t.is_cuda:
+        return False
+    try:
+        _load()
+    except ImportError:  # a CPU-only install: optim keeps exact_adamw
+        return False
+    return True
+
+
+def _load() -> None:
+    """Import triton (ImportError if absent) and jit the kernel, once. Whether it compiles for the
+    GPU or runs in Triton's interpreter is fixed by TRITON_INTERPRET at triton's first import."""
+    global triton, tl, _kernel
+    if _kernel is not None:
+        return
+    import triton as _triton
+    import triton.language as _tl
+
+    tl = _tl
+    _kernel = _triton.jit(_update)
+    triton = _triton
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (to nearest), as torch rounds a Python scalar for a float32 operation."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=None) -> None:
+    """optim.exact_adamw's update of p, m, v (float32, contiguous, one length) in one kernel; the
+    same arguments, and the same bits."""
+    n = p.numel()
+    for t in (p, g, m, v):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n, "flat float32 shards"
+    if n == 0:
+        return
+    _load()
+    _kernel[(triton.cdiv(n, BLOCK),)](
+        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, n,
+        _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2), _f32(eps),
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK, num_warps=4,
+        enable_fp_fusion=False)  # no multiply-add contraction: see the module docstring
+
+
+def _update(P, G, M, V, C1, C2, SCALE, SKIP, n, b1, omb1, b2, omb2, eps,
+            HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_SKIP:  # a non-finite step changes nothing: nothing is stored
+        mask = mask & ((tl.load(SKIP) > 0) == 0)  # where(skip > 0, old, new)
+    g = tl.load(G + offs, mask=mask)
+    m = tl.load(M + offs, mask=mask)
+    v = tl.load(V + offs, mask=mask)
+    p = tl.load(P + offs, mask=mask)
+    if HAS_SCALE:
+        g = g * tl.div_rn(1.0, tl.load(SCALE))
+    m = m * b1 + g * omb1
+    v = v * b2 + (g * g) * omb2
+    p = p - tl.div_rn(m * tl.load(C1), tl.sqrt_rn(v) * tl.load(C2) + eps)
+    tl.store(M + offs, m, mask=mask)
+    tl.store(V + offs, v, mask=mask)
+    tl.store(P + offs, p, mask=mask)
