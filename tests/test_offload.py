@@ -136,8 +136,10 @@ def test_a_non_finite_step_is_skipped_on_the_host_too(tmp_path, shakespeare):
 def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
     """Device weights narrower than the master (bf16, as the lean state makes them; an engine of
     six one-bucket shards on the CPU): each bucket's update lands converted on the host through the
-    pinned slots of their dtype (reused after the 4th), the fp32 master keeps the update; and a host
-    update that fails is raised at the next wait, not lost with its thread."""
+    pinned slots of their dtype (reused after the 4th), the fp32 master keeps the update -- bit for
+    bit the update of whole shards, in exact and default mode, though the worker takes each bucket
+    in chunks (of 64 here; a decayed range across the chunks' border); and a host update that fails
+    is raised at the next wait, not lost with its thread."""
     import torch.nn as nn
 
     from braidtrain.optim import AdamW
@@ -150,23 +152,27 @@ def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
         def compute_shard(self):
             return self.compute
 
-    gen = torch.Generator().manual_seed(0)
-    buckets = [Bucket(i, torch.randn(128, generator=gen)) for i in range(6)]
-    params = [b.compute for b in buckets]
-    grads = [torch.randn(128, generator=gen) for _ in buckets]
-    part = nn.Module()
-    part.stage, part.blocks = 0, lambda: []
-    engine = SimpleNamespace(device=torch.device("cpu"), exact=True, parts=[part], pp=SimpleNamespace(size=1),
-                             updates=None, owned=lambda: ((b, b.master, g) for b, g in zip(buckets, grads)),
-                             decay_segments=lambda b: [(0, 64)])
-    want = [b.master.clone() for b in buckets]
-    opt = AdamW(engine, offload=True)
-    opt.prepare(1e-2)
-    opt.apply(want, grads, [(torch.zeros(128), torch.zeros(128), [(0, 64)]) for _ in buckets])
-    opt.update()
-    opt.wait()
-    assert opt.offload.up and all(torch.equal(m, w) for m, w in zip(opt.offload.master, want))
-    assert all(p.dtype == torch.bfloat16 and torch.equal(p, w.bfloat16()) for p, w in zip(params, want))
+    for exact in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        buckets = [Bucket(i, torch.randn(192, generator=gen)) for i in range(6)]
+        params = [b.compute for b in buckets]
+        grads = [torch.randn(192, generator=gen) for _ in buckets]
+        part = nn.Module()
+        part.stage, part.blocks = 0, lambda: []
+        engine = SimpleNamespace(device=torch.device("cpu"), exact=exact, parts=[part], pp=SimpleNamespace(size=1),
+                                 updates=None, owned=lambda: ((b, b.master, g) for b, g in zip(buckets, grads)),
+                                 decay_segments=lambda b: [(32, 100)])
+        want = [b.master.clone() for b in buckets]
+        opt = AdamW(engine, offload=True)
+        opt.offload.chunk = 64
+        scale, ref = torch.tensor(1.5), [(torch.zeros(192), torch.zeros(192), [(32, 100)]) for _ in buckets]
+        for _ in range(2):  # (the second step: moments not zero)
+            opt.prepare(1e-2)
+            opt.apply(want, [g.clone() for g in grads], ref, scale)  # (the fused kernel unscales its gradient in place)
+            opt.update(scale)
+            opt.wait()
+        assert opt.offload.up and all(torch.equal(m, w) for m, w in zip(opt.offload.master, want)), exact
+        assert all(p.dtype == torch.bfloat16 and torch.equal(p, w.bfloat16()) for p, w in zip(params, want))
     opt.apply = lambda *a: 1 / 0
     opt.prepare(1e-2)
     opt.update()

@@ -62,12 +62,20 @@ import time
 import torch
 
 SLOTS = 4  # gradient staging slots (each the largest owned shard): copies in flight beside the update
+# elements a bucket's update takes at a time: decay, AdamW and the conversion to the device's dtype
+# one chunk after the other, so that the conversion reads a master still in cache (a multiple of 64:
+# the fused kernel's vector path covers each chunk whole, as it covers the whole shard -- the same bits)
+CHUNK = 1 << 20
 
 
-def host_threads() -> int:
-    """The cores this rank's host update may use: the process's, shared among the node's ranks."""
+def host_threads(spare: int = 0) -> int:
+    """The cores this rank's host update may use: the process's, shared among the node's ranks, less
+    `spare` left to the main thread (an OpenMP team one of whose threads is descheduled stalls at
+    every barrier). BRAIDTRAIN_HOST_THREADS overrides it (a measurement's knob: offload_gpu.sh)."""
+    if os.environ.get("BRAIDTRAIN_HOST_THREADS"):
+        return int(os.environ["BRAIDTRAIN_HOST_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - spare)
 
 
 class Offload:
@@ -95,6 +103,7 @@ class Offload:
         self.copied = [None] * n  # (GPU) the event after bucket k's gradient came down
         self.flying = [False] * n  # (main thread) an update of bucket k not waited for yet
         self.params = self.grads = None  # the step's owned shards, taken when the reductions are done
+        self.chunk = int(os.environ.get("BRAIDTRAIN_OFFLOAD_CHUNK", CHUNK)) // 64 * 64  # (0: whole buckets)
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
         self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
@@ -222,10 +231,14 @@ class Offload:
                 self._gate(i)
                 if self.copied[k] is not None:  # (and so every copy before it, the last step's up too)
                     self.copied[k].synchronize()
-                grad = self.slots[i % s][: self.grads[k].numel()]
+                master, grad = self.master[k], self.slots[i % s][: self.grads[k].numel()]
                 self.grads[k] = None  # on the host now: the device's copy may go (grads.py)
-                self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars)
-                self.arrived[k] = self._copy(self.params[k], self._weights(i, k))
+                up = self._up_slot(i, k)
+                for lo, hi in self._chunks(master.numel()):
+                    self.opt.apply([master[lo:hi]], [grad[lo:hi]], [self._group(k, lo, hi)], scale, flag, scalars)
+                    if up is not None:  # converted while the chunk is in cache
+                        up[lo:hi].copy_(master[lo:hi])
+                self.arrived[k] = self._copy(self.params[k], master if up is None else up)
                 if i + 1 == n:
                     self.update_s = time.time() - t0
                 self.landed[k].set()
@@ -245,20 +258,28 @@ class Offload:
             with self.cond:
                 self.cond.wait_for(lambda: self.asked >= i)
 
-    def _weights(self, i: int, k: int):
-        """Bucket k's master in the device weights' dtype: itself, or converted here into a pinned
-        slot (the slot's previous copy up waited for first)."""
-        p, master = self.params[k], self.master[k]
-        if p.dtype == master.dtype:
-            return master
+    def _chunks(self, n: int):
+        """[lo, hi) spans of a bucket of n elements, CHUNK at a time (whole where chunk is 0)."""
+        step = self.chunk or n
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    def _group(self, k: int, lo: int, hi: int):
+        """Bucket k's (m, v, decay ranges) over its elements [lo, hi), the ranges relative to lo."""
+        m, v, decay = self.opt.groups[k]
+        return m[lo:hi], v[lo:hi], [(max(a, lo) - lo, min(e, hi) - lo) for a, e in decay if max(a, lo) < min(e, hi)]
+
+    def _up_slot(self, i: int, k: int):
+        """The pinned slot bucket k's master is converted into where the device weights are narrower
+        (bf16), its previous copy up waited for first; None where the master goes up itself."""
+        p = self.params[k]
+        if p.dtype == self.master[k].dtype:
+            return None
         if p.dtype not in self.up:
             self.up[p.dtype] = [torch.empty(t.numel(), dtype=p.dtype, pin_memory=self.cuda) for t in self.slots]
         s = len(self.slots)
         if i >= s and self.arrived[self.order[i - s]] is not None:
             self.arrived[self.order[i - s]].synchronize()
-        slot = self.up[p.dtype][i % s][: p.numel()]
-        slot.copy_(master)
-        return slot
+        return self.up[p.dtype][i % s][: p.numel()]
 
     def _down(self, i: int) -> None:
         """The gradient of the i-th bucket in order into slot i % S."""
