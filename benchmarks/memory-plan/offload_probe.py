@@ -139,14 +139,14 @@ def loop(a) -> dict:
     L = Loop(a.buckets, a.bucket_elements)
     total = a.buckets * a.bucket_elements
     rows = [("adam", dict(decay=False, convert=False, copies=False), cores, False),
-            ("adam+decay", dict(convert=False, copies=False), cores, False),
-            ("adam+decay+bf16", dict(copies=False), cores, False),
-            ("adam+bf16", dict(decay=False, copies=False), cores, False),
             ("loop", {}, cores, False),
-            ("loop, main busy", {}, cores, True)]
-    rows += [(f"loop, {t} threads", {}, t, False) for t in (cores - 1, cores - 2) if t >= 1]
-    rows += [(f"loop, {t} threads, main busy", {}, t, True) for t in (cores - 1,) if t >= 1]
-    rows += [(f"loop chunked {c >> 20}M", dict(chunk=c), cores, False) for c in (1 << 20, 1 << 22)]
+            ("loop, main busy", {}, cores, True),
+            (f"loop, {cores - 1} threads, main busy", {}, max(1, cores - 1), True)]
+    rows += [(f"loop chunked {c >> 20}M", dict(chunk=c), cores, False) for c in (1 << 22, 1 << 24, 1 << 26)]
+    rows += [("adam+decay", dict(convert=False, copies=False), cores, False),
+             ("adam+decay+bf16", dict(copies=False), cores, False),
+             ("adam+bf16", dict(decay=False, copies=False), cores, False),
+             (f"loop, {cores - 1} threads", {}, max(1, cores - 1), False)]
     out = {"cores": cores, "buckets": a.buckets, "bucket_elements": a.bucket_elements}
     print(f"loop: {a.buckets} buckets of {a.bucket_elements / 1e6:.0f} M elements, {cores} cores"
           f"{', copies on the GPU' if L.cuda else ''}", flush=True)

@@ -62,10 +62,12 @@ import time
 import torch
 
 SLOTS = 4  # gradient staging slots (each the largest owned shard): copies in flight beside the update
-# elements a bucket's update takes at a time: decay, AdamW and the conversion to the device's dtype
-# one chunk after the other, so that the conversion reads a master still in cache (a multiple of 64:
-# the fused kernel's vector path covers each chunk whole, as it covers the whole shard -- the same bits)
-CHUNK = 1 << 20
+# elements a bucket's update takes at a time: AdamW and the conversion to the device's dtype one chunk
+# after the other, so that the conversion reads a master still in cache (a multiple of 64: the fused
+# kernel's vector path covers each chunk whole; exact mode's operations are elementwise -- its bits
+# do not move)
+CHUNK = 1 << 24
+FOLD = True  # default mode: the decay inside the fused kernel, not a pass of its own (optim.AdamW.apply)
 
 
 def host_threads(spare: int = 0) -> int:
@@ -104,6 +106,7 @@ class Offload:
         self.flying = [False] * n  # (main thread) an update of bucket k not waited for yet
         self.params = self.grads = None  # the step's owned shards, taken when the reductions are done
         self.chunk = int(os.environ.get("BRAIDTRAIN_OFFLOAD_CHUNK", CHUNK)) // 64 * 64  # (0: whole buckets)
+        self.fold = FOLD
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
         self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
@@ -235,7 +238,8 @@ class Offload:
                 self.grads[k] = None  # on the host now: the device's copy may go (grads.py)
                 up = self._up_slot(i, k)
                 for lo, hi in self._chunks(master.numel()):
-                    self.opt.apply([master[lo:hi]], [grad[lo:hi]], [self._group(k, lo, hi)], scale, flag, scalars)
+                    self.opt.apply([master[lo:hi]], [grad[lo:hi]], [self._group(k, lo, hi)], scale, flag, scalars,
+                                   decay_in_kernel=self.fold)
                     if up is not None:  # converted while the chunk is in cache
                         up[lo:hi].copy_(master[lo:hi])
                 self.arrived[k] = self._copy(self.params[k], master if up is None else up)
