@@ -20,8 +20,9 @@ conversion of the master to bf16 into a pinned slot; the whole loop with its cop
 gradients down into S = 4 pinned slots and weights up on one side stream, with the worker's
 waits); the loop with the OpenMP team one or two threads short of the cores; the loop while the
 main thread keeps a core busy (as it does launching the next forward, or spinning in a CUDA
-synchronisation); and the loop done in chunks (decay, AdamW, conversion per chunk, so that the
-master is still in cache when converted). G elements/s each.
+synchronisation); the loop with the decay inside the fused kernel (weight_decay on the decayed
+ranges' call) and done in chunks (AdamW and conversion per chunk, so that the master is still in
+cache when converted). G elements/s each.
 """
 
 import argparse
@@ -78,7 +79,7 @@ class Loop:
             done.record()
         return done
 
-    def run(self, decay=True, convert=True, copies=True, chunk=0) -> None:
+    def run(self, decay=True, convert=True, copies=True, chunk=0, fold=False) -> None:
         """One pass of the worker's loop over every bucket (parallel/offload.py's _work)."""
         nb, s = len(self.master), self.s
         copied, arrived = [None] * nb, [None] * nb
@@ -95,13 +96,17 @@ class Loop:
             p, g, up = self.master[k], self.slots[k % s], self.up[k % s]
             spans = [(a, min(a + chunk, self.n)) for a in range(0, self.n, chunk)] if chunk else [(0, self.n)]
             for lo, hi in spans:
-                if decay:
-                    views = [p[max(a, lo):min(e, hi)] for a, e in self.decay if max(a, lo) < min(e, hi)]
-                    if views:
-                        torch._foreach_mul_(views, self.keep)
-                torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [self.m[k][lo:hi]], [self.v[k][lo:hi]], [],
-                                    [self.step], lr=self.lr, beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-8,
-                                    amsgrad=False, maximize=False, grad_scale=self.scale, found_inf=self.flag)
+                cuts = [(max(a, lo), min(e, hi)) for a, e in self.decay if max(a, lo) < min(e, hi)]
+                if decay and not fold:
+                    torch._foreach_mul_([p[a:e] for a, e in cuts], self.keep)
+                # fold: the decay inside the kernel, the decayed ranges in one call, the rest in another
+                for wd, ranges in ((0.1, cuts), (0.0, gaps(cuts, lo, hi))) if fold else ((0.0, [(lo, hi)]),):
+                    if ranges:
+                        torch._fused_adamw_([p[a:e] for a, e in ranges], [g[a:e] for a, e in ranges],
+                                            [self.m[k][a:e] for a, e in ranges], [self.v[k][a:e] for a, e in ranges],
+                                            [], [self.step] * len(ranges), lr=self.lr, beta1=0.9, beta2=0.95,
+                                            weight_decay=wd, eps=1e-8, amsgrad=False, maximize=False,
+                                            grad_scale=self.scale, found_inf=self.flag)
                 if convert:
                     up[lo:hi].copy_(p[lo:hi])
             if copies:
@@ -110,6 +115,16 @@ class Loop:
                     copied[k + s] = self._copy(self.slots[(k + s) % s], self.grads[k + s])
         if copies:
             self.stream.synchronize()
+
+
+def gaps(ranges, lo, hi):
+    """[lo, hi) less the sorted, disjoint ranges."""
+    out, at = [], lo
+    for a, e in ranges:
+        if at < a:
+            out.append((at, a))
+        at = e
+    return out + ([(at, hi)] if at < hi else [])
 
 
 def in_worker(fn, threads: int, busy: bool = False):
@@ -142,7 +157,9 @@ def loop(a) -> dict:
             ("loop", {}, cores, False),
             ("loop, main busy", {}, cores, True),
             (f"loop, {cores - 1} threads, main busy", {}, max(1, cores - 1), True)]
-    rows += [(f"loop chunked {c >> 20}M", dict(chunk=c), cores, False) for c in (1 << 22, 1 << 24, 1 << 26)]
+    rows += [("loop, decay in kernel", dict(fold=True), cores, False)]
+    rows += [(f"loop, decay in kernel, chunked {c >> 20}M", dict(chunk=c, fold=True), cores, False)
+             for c in (1 << 22, 1 << 24, 1 << 26)]
     rows += [("adam+decay", dict(convert=False, copies=False), cores, False),
              ("adam+decay+bf16", dict(copies=False), cores, False),
              ("adam+bf16", dict(decay=False, copies=False), cores, False),
