@@ -6,7 +6,8 @@ under ZeRO-1 -- and keeps m and v for exactly those elements (in a bf16 run's le
 is apart from the bf16 compute weights, which the engine's publish() writes after the update:
 parallel/buckets.py). The update is torch's fused AdamW
 kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
-shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
+shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`; the
+host's update under --offload takes the decay inside the kernel instead: apply's decay_in_kernel).
 Every operation is elementwise, so the update of an element does not depend on where the shard
 boundaries fall -- provided each element takes the same code path: torch's CPU kernel treats the
 last len % SIMD-width elements of each tensor with scalar code, which rounds differently, so the

@@ -138,8 +138,8 @@ def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
     six one-bucket shards on the CPU): each bucket's update lands converted on the host through the
     pinned slots of their dtype (reused after the 4th), the fp32 master keeps the update -- that of
     whole shards, though the worker takes each bucket in chunks (of 64 here; a decayed range across
-    the chunks' border): bit for bit in exact mode, to 1e-6 in default mode (the decay inside the
-    fused kernel, over views that end at other places); and a host update that fails
+    the chunks' border): bit for bit in exact mode, to 1e-6 in default mode (the host's decay inside
+    the fused kernel, the device's a pass of its own); and a host update that fails
     is raised at the next wait, not lost with its thread."""
     import torch.nn as nn
 
@@ -169,15 +169,15 @@ def test_narrower_weights_come_back_converted_and_a_failed_update_is_raised():
         scale, ref = torch.tensor(1.5), [(torch.zeros(192), torch.zeros(192), [(32, 100)]) for _ in buckets]
         for _ in range(2):  # (the second step: moments not zero)
             opt.prepare(1e-2)
-            # (the fused kernel unscales its gradient in place; the host's takes the decay inside it)
-            opt.apply(want, [g.clone() for g in grads], ref, scale, decay_in_kernel=True)
+            # (the fused kernel unscales its gradient in place) -- the device's update, the decay a pass of its own
+            opt.apply(want, [g.clone() for g in grads], ref, scale)
             opt.update(scale)
             opt.wait()
         assert opt.offload.up
         for m, w, p in zip(opt.offload.master, want, params):
             if exact:
                 assert torch.equal(m, w) and torch.equal(p, w.bfloat16())
-            else:  # (the decayed ranges' views cut at the chunks: other scalar tails, the last bit)
+            else:  # the host's decay inside the fused kernel, over views cut at the chunks: roundings may differ
                 torch.testing.assert_close(m, w, rtol=1e-6, atol=0)
             assert p.dtype == torch.bfloat16 and torch.equal(p, m.bfloat16())
     opt.apply = lambda *a, **kw: 1 / 0

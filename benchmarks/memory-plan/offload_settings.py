@@ -2,12 +2,12 @@
 (one model build, one compilation): `braidtrain train`'s flags run through the Trainer, --warmup
 steps, then --steps steps under each setting THREADS:CHUNK[:FOLD] -- the worker's OpenMP team
 (BRAIDTRAIN_HOST_THREADS), the elements a bucket's update takes at a time (Offload.chunk; 0:
-whole buckets) and whether the weight decay is done inside the fused kernel (Offload.fold, 1 by
-default; 0 with chunk 0: the worker as before 2026-12-03's fix). Prints, per setting, the step's seconds, the host
+whole buckets) and whether the weight decay is done inside the fused kernel (Offload.fold, 1 when
+left out, as in a run; 0 with chunk 0: the worker as before 2026-12-03's fix). Prints, per setting, the step's seconds, the host
 update's seconds (offload_update_s) and its rate in elements a second, and how much of it stayed
 exposed (offload_s). No checkpoint is written.
 
-    python benchmarks/memory-plan/offload_settings.py --settings 16:0:0,16:0,16:16777216 TRAIN_FLAGS ...
+    python benchmarks/memory-plan/offload_settings.py --settings 16:0:0,16:0 TRAIN_FLAGS ...
 """
 
 import argparse

@@ -23,6 +23,11 @@ then block by block), and each forward waits only for its own bucket's weights:
     backward, the update held until the norm is known -- needs a full fp32 gradient in host
     memory (llama3.1-8b: 32 GB beside the 96 of master, m and v: more than the GPU machine's 128).
     Staging stays bounded: a slot takes the next gradient as soon as its update has read it.
+  - The update. optim.AdamW.apply on the bucket's master, gradient slot, m and v -- in default mode
+    with the weight decay inside torch's fused kernel (decay_in_kernel: the decayed ranges in one
+    call, the rest in another), not as a pass of its own over the master: on the H200 host that pass
+    cost a fifth of the update's time (offload_probe.py --loop), the host's memory bandwidth being
+    what the update is bound by.
   - Up. A bucket's master is copied into the device's weights in their dtype, converted on the
     host first where they are narrower (bf16: a pinned slot of that dtype, 2 bytes an element
     moved). Then `landed[k]` is set (on a GPU after `arrived[k]`, a CUDA event, is recorded).
@@ -62,22 +67,22 @@ import time
 import torch
 
 SLOTS = 4  # gradient staging slots (each the largest owned shard): copies in flight beside the update
-# elements a bucket's update takes at a time: AdamW and the conversion to the device's dtype one chunk
-# after the other, so that the conversion reads a master still in cache (a multiple of 64: the fused
-# kernel's vector path covers each chunk whole; exact mode's operations are elementwise -- its bits
-# do not move)
-CHUNK = 1 << 24
-FOLD = True  # default mode: the decay inside the fused kernel, not a pass of its own (optim.AdamW.apply)
+# elements a bucket's update may take at a time, AdamW then the conversion to the device's dtype chunk
+# by chunk (a multiple of 64: the fused kernel's vector path covers each chunk whole; exact mode's
+# operations are elementwise -- its bits do not move). 0: whole buckets -- 1 Mi-element chunks made
+# the 3B run's update 15% slower on the H200 host (docs/performance.md); BRAIDTRAIN_OFFLOAD_CHUNK
+# sets it for offload_settings.py's measurements
+CHUNK = 0
 
 
-def host_threads(spare: int = 0) -> int:
-    """The cores this rank's host update may use: the process's, shared among the node's ranks, less
-    `spare` left to the main thread (an OpenMP team one of whose threads is descheduled stalls at
-    every barrier). BRAIDTRAIN_HOST_THREADS overrides it (a measurement's knob: offload_gpu.sh)."""
+def host_threads() -> int:
+    """The cores this rank's host update may use: the process's, shared among the node's ranks (all
+    of them: one fewer ran the 3B run's update 3% slower on the H200 host, docs/performance.md).
+    BRAIDTRAIN_HOST_THREADS overrides it (a measurement's knob: offload_settings.py)."""
     if os.environ.get("BRAIDTRAIN_HOST_THREADS"):
         return int(os.environ["BRAIDTRAIN_HOST_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - spare)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 class Offload:
@@ -106,7 +111,7 @@ class Offload:
         self.flying = [False] * n  # (main thread) an update of bucket k not waited for yet
         self.params = self.grads = None  # the step's owned shards, taken when the reductions are done
         self.chunk = int(os.environ.get("BRAIDTRAIN_OFFLOAD_CHUNK", CHUNK)) // 64 * 64  # (0: whole buckets)
-        self.fold = FOLD
+        self.fold = True  # default mode: the decay inside the fused kernel, no pass of its own (module docstring)
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
         self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
