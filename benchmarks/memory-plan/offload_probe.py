@@ -21,8 +21,8 @@ gradients down into S = 4 pinned slots and weights up on one side stream, with t
 waits); the loop with the OpenMP team one or two threads short of the cores; the loop while the
 main thread keeps a core busy (as it does launching the next forward, or spinning in a CUDA
 synchronisation); the loop with the decay inside the fused kernel (weight_decay on the decayed
-ranges' call) and done in chunks (AdamW and conversion per chunk, so that the master is still in
-cache when converted). G elements/s each.
+ranges' call), and with the master's rounding to bf16 on the GPU (fp32 up into a device slot:
+offload.py since 2026-12-03). G elements/s each.
 """
 
 import argparse
@@ -66,6 +66,7 @@ class Loop:
         dev = "cuda" if cuda else "cpu"
         self.grads = [torch.full((n,), 1e-3, device=dev) for _ in range(buckets)] if cuda else None
         self.weights = [torch.empty(n, dtype=torch.bfloat16, device=dev) for _ in range(buckets)] if cuda else None
+        self.staging = torch.empty(n, device=dev) if cuda else None
         self.stream = torch.cuda.Stream() if cuda else None
         self.scale, self.flag = torch.ones(()), torch.zeros(())
         self.lr, self.keep, self.step = torch.tensor(1e-4), torch.tensor(1 - 1e-5), torch.tensor(1.0)
@@ -79,8 +80,10 @@ class Loop:
             done.record()
         return done
 
-    def run(self, decay=True, convert=True, copies=True, chunk=0, fold=False) -> None:
-        """One pass of the worker's loop over every bucket (parallel/offload.py's _work)."""
+    def run(self, decay=True, convert="host", copies=True, fold=False) -> None:
+        """One pass of the worker's loop over every bucket (parallel/offload.py's _work). convert:
+        "host" (the master rounded to bf16 into a pinned slot, 2 bytes an element up, as before
+        2026-12-03's fix), "gpu" (fp32 up into a device slot, rounded there: offload.py now) or None."""
         nb, s = len(self.master), self.s
         copied, arrived = [None] * nb, [None] * nb
         copies = copies and self.cuda
@@ -91,28 +94,30 @@ class Loop:
         for k in range(nb):
             if copied[k] is not None:
                 copied[k].synchronize()
-            if copies and k >= s and arrived[k - s] is not None:
+            if copies and convert == "host" and k >= s and arrived[k - s] is not None:
                 arrived[k - s].synchronize()
             p, g, up = self.master[k], self.slots[k % s], self.up[k % s]
-            spans = [(a, min(a + chunk, self.n)) for a in range(0, self.n, chunk)] if chunk else [(0, self.n)]
-            for lo, hi in spans:
-                cuts = [(max(a, lo), min(e, hi)) for a, e in self.decay if max(a, lo) < min(e, hi)]
-                if decay and not fold:
-                    torch._foreach_mul_([p[a:e] for a, e in cuts], self.keep)
-                # fold: the decay inside the kernel, the decayed ranges in one call, the rest in another
-                for wd, ranges in ((0.1, cuts), (0.0, gaps(cuts, lo, hi))) if fold else ((0.0, [(lo, hi)]),):
-                    if ranges:
-                        torch._fused_adamw_([p[a:e] for a, e in ranges], [g[a:e] for a, e in ranges],
-                                            [self.m[k][a:e] for a, e in ranges], [self.v[k][a:e] for a, e in ranges],
-                                            [], [self.step] * len(ranges), lr=self.lr, beta1=0.9, beta2=0.95,
-                                            weight_decay=wd, eps=1e-8, amsgrad=False, maximize=False,
-                                            grad_scale=self.scale, found_inf=self.flag)
-                if convert:
-                    up[lo:hi].copy_(p[lo:hi])
-            if copies:
-                arrived[k] = self._copy(self.weights[k], up if convert else p)
-                if k + s < nb:
-                    copied[k + s] = self._copy(self.slots[(k + s) % s], self.grads[k + s])
+            if decay and not fold:
+                torch._foreach_mul_([p[a:e] for a, e in self.decay], self.keep)
+            # fold: the decay inside the kernel, the decayed ranges in one call, the rest in another
+            for wd, ranges in ((0.1, self.decay), (0.0, gaps(self.decay, 0, self.n))) if fold else ((0.0, [(0, self.n)]),):
+                torch._fused_adamw_([p[a:e] for a, e in ranges], [g[a:e] for a, e in ranges],
+                                    [self.m[k][a:e] for a, e in ranges], [self.v[k][a:e] for a, e in ranges],
+                                    [], [self.step] * len(ranges), lr=self.lr, beta1=0.9, beta2=0.95,
+                                    weight_decay=wd, eps=1e-8, amsgrad=False, maximize=False,
+                                    grad_scale=self.scale, found_inf=self.flag)
+            if convert == "host":
+                up.copy_(p)
+            if copies and convert == "gpu":
+                with torch.cuda.stream(self.stream):
+                    self.staging.copy_(p, non_blocking=True)
+                    self.weights[k].copy_(self.staging)
+                    arrived[k] = torch.cuda.Event()
+                    arrived[k].record()
+            elif copies and convert == "host":
+                arrived[k] = self._copy(self.weights[k], up)
+            if copies and k + s < nb:
+                copied[k + s] = self._copy(self.slots[(k + s) % s], self.grads[k + s])
         if copies:
             self.stream.synchronize()
 
@@ -153,14 +158,13 @@ def loop(a) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     L = Loop(a.buckets, a.bucket_elements)
     total = a.buckets * a.bucket_elements
-    rows = [("adam", dict(decay=False, convert=False, copies=False), cores, False),
+    rows = [("adam", dict(decay=False, convert=None, copies=False), cores, False),
             ("loop", {}, cores, False),
             ("loop, main busy", {}, cores, True),
             (f"loop, {cores - 1} threads, main busy", {}, max(1, cores - 1), True)]
-    rows += [("loop, decay in kernel", dict(fold=True), cores, False)]
-    rows += [(f"loop, decay in kernel, chunked {c >> 20}M", dict(chunk=c, fold=True), cores, False)
-             for c in (1 << 22, 1 << 24, 1 << 26)]
-    rows += [("adam+decay", dict(convert=False, copies=False), cores, False),
+    rows += [("loop, decay in kernel", dict(fold=True), cores, False),
+             ("loop, decay in kernel, rounded on the GPU", dict(fold=True, convert="gpu"), cores, False)]
+    rows += [("adam+decay", dict(convert=None, copies=False), cores, False),
              ("adam+decay+bf16", dict(copies=False), cores, False),
              ("adam+bf16", dict(decay=False, copies=False), cores, False),
              (f"loop, {cores - 1} threads", {}, max(1, cores - 1), False)]
@@ -170,7 +174,7 @@ def loop(a) -> dict:
     for name, kw, threads, busy in rows:
         sec = in_worker(lambda kw=kw: L.run(**kw), threads, busy)
         out[name] = total / sec
-        print(f"  {name:<34}{total / sec / 1e9:6.2f} G elements/s  ({sec:.3f} s)", flush=True)
+        print(f"  {name:<44}{total / sec / 1e9:6.2f} G elements/s  ({sec:.3f} s)", flush=True)
     return out
 
 

@@ -28,9 +28,13 @@ then block by block), and each forward waits only for its own bucket's weights:
     call, the rest in another), not as a pass of its own over the master: on the H200 host that pass
     cost a fifth of the update's time (offload_probe.py --loop), the host's memory bandwidth being
     what the update is bound by.
-  - Up. A bucket's master is copied into the device's weights in their dtype, converted on the
-    host first where they are narrower (bf16: a pinned slot of that dtype, 2 bytes an element
-    moved). Then `landed[k]` is set (on a GPU after `arrived[k]`, a CUDA event, is recorded).
+  - Up. A bucket's master is copied into the device's weights; where they are narrower (bf16), in
+    fp32 into a device slot as wide as the widest owned shard and rounded there, on the copy
+    stream (each copy and rounding after the one before: one slot serves them all). Rounding on the
+    host instead was a pass of its own over the master, a sixth of the worker's time on the H200
+    host; the copy stream moves twice the bytes up for it, which it has to spare (a 218 M-element
+    bucket's gradient came down in ~16 ms against ~60 ms of its update). Then `landed[k]` is set
+    (on a GPU after `arrived[k]`, a CUDA event, is recorded).
   - Waiting (ready(b)). A forward pre-hook on each bucket's first block (a bucket of no block: on
     its chunk) waits for that bucket only; on a GPU the compute stream then waits for `arrived[k]`
     (an event the host must know was recorded: hence the host's wait). ZeRO-1/2's all-gather of
@@ -67,12 +71,6 @@ import time
 import torch
 
 SLOTS = 4  # gradient staging slots (each the largest owned shard): copies in flight beside the update
-# elements a bucket's update may take at a time, AdamW then the conversion to the device's dtype chunk
-# by chunk (a multiple of 64: the fused kernel's vector path covers each chunk whole; exact mode's
-# operations are elementwise -- its bits do not move). 0: whole buckets -- 1 Mi-element chunks made
-# the 3B run's update 15% slower on the H200 host (docs/performance.md); BRAIDTRAIN_OFFLOAD_CHUNK
-# sets it for offload_settings.py's measurements
-CHUNK = 0
 
 
 def host_threads() -> int:
@@ -101,7 +99,10 @@ class Offload:
         self.master = [torch.empty(p.numel(), pin_memory=self.cuda) for _, p, _ in owned]
         width = max(p.numel() for _, p, _ in owned)
         self.slots = [torch.empty(width, pin_memory=self.cuda) for _ in range(min(slots, len(owned)))]
-        self.up: dict = {}  # dtype -> pinned slots of the device weights' dtype, where it is not the master's
+        # (GPU) where the device's weights are narrower than the master (bf16): the master goes up in
+        # fp32 through this device slot and is rounded there (module docstring, "Up")
+        narrow = self.cuda and any(b.compute_shard().dtype != torch.float32 for b in self.buckets)
+        self.staging = torch.empty(width, device=engine.device) if narrow else None
         self.small = torch.empty(2, pin_memory=self.cuda)  # the clip scale and the skip flag
         self.stream = torch.cuda.Stream(engine.device) if self.cuda else None  # one: each copy after the one before
         n = len(owned)
@@ -110,7 +111,6 @@ class Offload:
         self.copied = [None] * n  # (GPU) the event after bucket k's gradient came down
         self.flying = [False] * n  # (main thread) an update of bucket k not waited for yet
         self.params = self.grads = None  # the step's owned shards, taken when the reductions are done
-        self.chunk = int(os.environ.get("BRAIDTRAIN_OFFLOAD_CHUNK", CHUNK)) // 64 * 64  # (0: whole buckets)
         self.fold = True  # default mode: the decay inside the fused kernel, no pass of its own (module docstring)
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
@@ -133,6 +133,8 @@ class Offload:
         """The master from the engine's fp32 master (never from bf16 compute weights): at the start;
         after a checkpoint wrote it (then it is this very tensor: nothing to copy)."""
         self.wait()
+        if self.stream is not None:  # the last copies up read the master itself (_up): done before it is written
+            self.stream.synchronize()
         for master, (_, p, _) in zip(self.master, self.e.owned()):
             if p is not master:
                 master.copy_(p.detach())
@@ -239,15 +241,11 @@ class Offload:
                 self._gate(i)
                 if self.copied[k] is not None:  # (and so every copy before it, the last step's up too)
                     self.copied[k].synchronize()
-                master, grad = self.master[k], self.slots[i % s][: self.grads[k].numel()]
+                grad = self.slots[i % s][: self.grads[k].numel()]
                 self.grads[k] = None  # on the host now: the device's copy may go (grads.py)
-                up = self._up_slot(i, k)
-                for lo, hi in self._chunks(master.numel()):
-                    self.opt.apply([master[lo:hi]], [grad[lo:hi]], [self._group(k, lo, hi)], scale, flag, scalars,
-                                   decay_in_kernel=self.fold)
-                    if up is not None:  # converted while the chunk is in cache
-                        up[lo:hi].copy_(master[lo:hi])
-                self.arrived[k] = self._copy(self.params[k], master if up is None else up)
+                self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars,
+                               decay_in_kernel=self.fold)
+                self.arrived[k] = self._up(k)
                 if i + 1 == n:
                     self.update_s = time.time() - t0
                 self.landed[k].set()
@@ -267,28 +265,18 @@ class Offload:
             with self.cond:
                 self.cond.wait_for(lambda: self.asked >= i)
 
-    def _chunks(self, n: int):
-        """[lo, hi) spans of a bucket of n elements, CHUNK at a time (whole where chunk is 0)."""
-        step = self.chunk or n
-        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
-
-    def _group(self, k: int, lo: int, hi: int):
-        """Bucket k's (m, v, decay ranges) over its elements [lo, hi), the ranges relative to lo."""
-        m, v, decay = self.opt.groups[k]
-        return m[lo:hi], v[lo:hi], [(max(a, lo) - lo, min(e, hi) - lo) for a, e in decay if max(a, lo) < min(e, hi)]
-
-    def _up_slot(self, i: int, k: int):
-        """The pinned slot bucket k's master is converted into where the device weights are narrower
-        (bf16), its previous copy up waited for first; None where the master goes up itself."""
-        p = self.params[k]
-        if p.dtype == self.master[k].dtype:
-            return None
-        if p.dtype not in self.up:
-            self.up[p.dtype] = [torch.empty(t.numel(), dtype=p.dtype, pin_memory=self.cuda) for t in self.slots]
-        s = len(self.slots)
-        if i >= s and self.arrived[self.order[i - s]] is not None:
-            self.arrived[self.order[i - s]].synchronize()
-        return self.up[p.dtype][i % s][: p.numel()]
+    def _up(self, k: int):
+        """Bucket k's master into the device's weights (module docstring, "Up"); the event after it."""
+        p, master = self.params[k], self.master[k]
+        if self.staging is None or p.dtype == master.dtype:
+            return self._copy(p, master)  # (on the CPU the copy converts)
+        with torch.cuda.stream(self.stream):  # each after the one before: the slot is free again
+            staging = self.staging[: master.numel()]
+            staging.copy_(master, non_blocking=True)
+            p.copy_(staging)  # rounded to nearest even, as publish() rounds without offload
+            done = torch.cuda.Event()
+            done.record()
+        return done
 
     def _down(self, i: int) -> None:
         """The gradient of the i-th bucket in order into slot i % S."""
