@@ -6,7 +6,8 @@ under ZeRO-1 -- and keeps m and v for exactly those elements (in a bf16 run's le
 is apart from the bf16 compute weights, which the engine's publish() writes after the update:
 parallel/buckets.py). The update is torch's fused AdamW
 kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
-shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
+shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`; the
+host's update under --offload takes the decay inside the kernel instead: apply's decay_in_kernel).
 Every operation is elementwise, so the update of an element does not depend on where the shard
 boundaries fall -- provided each element takes the same code path: torch's CPU kernel treats the
 last len % SIMD-width elements of each tensor with scalar code, which rounds differently, so the
@@ -115,12 +116,28 @@ class AdamW:
         self.engine.publish()  # a lean state's compute weights follow their fp32 masters
 
     @torch.no_grad()
-    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None) -> None:
+    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False) -> None:
         """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
         scalars (or `scalars`, a copy of them), on the device where the shards are (the host's under
         --offload) -- also how live recovery's buddy copy follows its neighbour's shard
-        (parallel/mirror.py): the same kernels, arguments and shard lengths give the same bits."""
+        (parallel/mirror.py): the same kernels, arguments and shard lengths give the same bits.
+        `decay_in_kernel` (default mode; the host's update under --offload): the decay inside the
+        fused kernel, over the decayed ranges and the rest apart, not a pass of its own over the
+        weights (a fifth of the host update's time) -- other roundings (p - lr*wd*p), and scalar tails
+        where a range ends off the vector width."""
         step, lr, keep, c1, c2 = scalars or self.scalars[params[0].device.type]
+        if decay_in_kernel and self.weight_decay and not self.exact:
+            by_wd = {self.weight_decay: ([], [], [], []), 0.0: ([], [], [], [])}
+            for p, g, (m, v, decay) in zip(params, grads, groups):
+                for a, e, decayed in spans(decay, p.numel()):
+                    for out, t in zip(by_wd[self.weight_decay if decayed else 0.0], (p, g, m, v)):
+                        out.append(t[a:e])
+            for wd, (ps, gs, ms, vs) in by_wd.items():
+                if ps:
+                    torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=lr, beta1=self.beta1,
+                                        beta2=self.beta2, weight_decay=wd, eps=self.eps, amsgrad=False,
+                                        maximize=False, grad_scale=grad_scale, found_inf=skip)
+            return
         if self.weight_decay:  # decoupled: p *= 1 - lr * wd on 2-D weights, before the update
             decayed = [p[a:e] for p, (_, _, decay) in zip(params, groups) for a, e in decay]
             if decayed:
@@ -134,6 +151,19 @@ class AdamW:
                             [step] * len(params), lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=skip)
+
+
+def spans(decay, n: int) -> list[tuple[int, int, bool]]:
+    """[0, n) cut at the sorted, disjoint decay ranges: (start, end, decayed) in order."""
+    out, at = [], 0
+    for a, e in decay:
+        if at < a:
+            out.append((at, a, False))
+        out.append((a, e, True))
+        at = e
+    if at < n:
+        out.append((at, n, False))
+    return out
 
 
 def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=None) -> None:

@@ -23,9 +23,18 @@ then block by block), and each forward waits only for its own bucket's weights:
     backward, the update held until the norm is known -- needs a full fp32 gradient in host
     memory (llama3.1-8b: 32 GB beside the 96 of master, m and v: more than the GPU machine's 128).
     Staging stays bounded: a slot takes the next gradient as soon as its update has read it.
-  - Up. A bucket's master is copied into the device's weights in their dtype, converted on the
-    host first where they are narrower (bf16: a pinned slot of that dtype, 2 bytes an element
-    moved). Then `landed[k]` is set (on a GPU after `arrived[k]`, a CUDA event, is recorded).
+  - The update. optim.AdamW.apply on the bucket's master, gradient slot, m and v -- in default mode
+    with the weight decay inside torch's fused kernel (decay_in_kernel: the decayed ranges in one
+    call, the rest in another), not as a pass of its own over the master: on the H200 host that pass
+    cost a fifth of the update's time (offload_probe.py --loop), the host's memory bandwidth being
+    what the update is bound by.
+  - Up. A bucket's master is copied into the device's weights; where they are narrower (bf16), in
+    fp32 into a device slot as wide as the widest owned shard and rounded there, on the copy
+    stream (each copy and rounding after the one before: one slot serves them all). Rounding on the
+    host instead was a pass of its own over the master, a sixth of the worker's time on the H200
+    host; the copy stream moves twice the bytes up for it, which it has to spare (a 218 M-element
+    bucket's gradient came down in ~16 ms against ~60 ms of its update). Then `landed[k]` is set
+    (on a GPU after `arrived[k]`, a CUDA event, is recorded).
   - Waiting (ready(b)). A forward pre-hook on each bucket's first block (a bucket of no block: on
     its chunk) waits for that bucket only; on a GPU the compute stream then waits for `arrived[k]`
     (an event the host must know was recorded: hence the host's wait). ZeRO-1/2's all-gather of
@@ -65,7 +74,11 @@ SLOTS = 4  # gradient staging slots (each the largest owned shard): copies in fl
 
 
 def host_threads() -> int:
-    """The cores this rank's host update may use: the process's, shared among the node's ranks."""
+    """The cores this rank's host update may use: the process's, shared among the node's ranks (all
+    of them: one fewer ran the 3B run's update 3% slower on the H200 host, docs/performance.md).
+    BRAIDTRAIN_HOST_THREADS overrides it (a measurement's knob: offload_settings.py)."""
+    if os.environ.get("BRAIDTRAIN_HOST_THREADS"):
+        return int(os.environ["BRAIDTRAIN_HOST_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
@@ -86,7 +99,10 @@ class Offload:
         self.master = [torch.empty(p.numel(), pin_memory=self.cuda) for _, p, _ in owned]
         width = max(p.numel() for _, p, _ in owned)
         self.slots = [torch.empty(width, pin_memory=self.cuda) for _ in range(min(slots, len(owned)))]
-        self.up: dict = {}  # dtype -> pinned slots of the device weights' dtype, where it is not the master's
+        # (GPU) where the device's weights are narrower than the master (bf16): the master goes up in
+        # fp32 through this device slot and is rounded there (module docstring, "Up")
+        narrow = self.cuda and any(b.compute_shard().dtype != torch.float32 for b in self.buckets)
+        self.staging = torch.empty(width, device=engine.device) if narrow else None
         self.small = torch.empty(2, pin_memory=self.cuda)  # the clip scale and the skip flag
         self.stream = torch.cuda.Stream(engine.device) if self.cuda else None  # one: each copy after the one before
         n = len(owned)
@@ -95,6 +111,7 @@ class Offload:
         self.copied = [None] * n  # (GPU) the event after bucket k's gradient came down
         self.flying = [False] * n  # (main thread) an update of bucket k not waited for yet
         self.params = self.grads = None  # the step's owned shards, taken when the reductions are done
+        self.fold = True  # default mode: the decay inside the fused kernel, no pass of its own (module docstring)
         self.thread, self.error, self.started = None, None, False
         self.hold, self.asked, self.cond = False, n, threading.Condition()  # the test hook (_gate)
         self.update_s = self.waited_s = 0.0  # the last update's seconds on the host; the main thread's waits
@@ -116,6 +133,8 @@ class Offload:
         """The master from the engine's fp32 master (never from bf16 compute weights): at the start;
         after a checkpoint wrote it (then it is this very tensor: nothing to copy)."""
         self.wait()
+        if self.stream is not None:  # the last copies up read the master itself (_up): done before it is written
+            self.stream.synchronize()
         for master, (_, p, _) in zip(self.master, self.e.owned()):
             if p is not master:
                 master.copy_(p.detach())
@@ -224,8 +243,9 @@ class Offload:
                     self.copied[k].synchronize()
                 grad = self.slots[i % s][: self.grads[k].numel()]
                 self.grads[k] = None  # on the host now: the device's copy may go (grads.py)
-                self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars)
-                self.arrived[k] = self._copy(self.params[k], self._weights(i, k))
+                self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars,
+                               decay_in_kernel=self.fold)
+                self.arrived[k] = self._up(k)
                 if i + 1 == n:
                     self.update_s = time.time() - t0
                 self.landed[k].set()
@@ -245,20 +265,18 @@ class Offload:
             with self.cond:
                 self.cond.wait_for(lambda: self.asked >= i)
 
-    def _weights(self, i: int, k: int):
-        """Bucket k's master in the device weights' dtype: itself, or converted here into a pinned
-        slot (the slot's previous copy up waited for first)."""
+    def _up(self, k: int):
+        """Bucket k's master into the device's weights (module docstring, "Up"); the event after it."""
         p, master = self.params[k], self.master[k]
-        if p.dtype == master.dtype:
-            return master
-        if p.dtype not in self.up:
-            self.up[p.dtype] = [torch.empty(t.numel(), dtype=p.dtype, pin_memory=self.cuda) for t in self.slots]
-        s = len(self.slots)
-        if i >= s and self.arrived[self.order[i - s]] is not None:
-            self.arrived[self.order[i - s]].synchronize()
-        slot = self.up[p.dtype][i % s][: p.numel()]
-        slot.copy_(master)
-        return slot
+        if self.staging is None or p.dtype == master.dtype:
+            return self._copy(p, master)  # (on the CPU the copy converts)
+        with torch.cuda.stream(self.stream):  # each after the one before: the slot is free again
+            staging = self.staging[: master.numel()]
+            staging.copy_(master, non_blocking=True)
+            p.copy_(staging)  # rounded to nearest even, as publish() rounds without offload
+            done = torch.cuda.Event()
+            done.record()
+        return done
 
     def _down(self, i: int) -> None:
         """The gradient of the i-th bucket in order into slot i % S."""

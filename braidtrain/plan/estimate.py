@@ -67,7 +67,7 @@ def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, t
     host = offload_s = 0.0
     if lay.offload:  # the optimizer's state leaves the GPU for the host, and its update costs host time
         mem, host, offload_s = offloaded(s, lay, mem, state)
-        allocated -= state["optimizer"]
+        allocated += mem["optimizer"] - state["optimizer"]  # (what stays on the GPU: the slot the weights come up by)
     step = compute + comm + offload_s
     return {"layout": lay, "micro_steps": micro, "mem": mem, "allocated": allocated, "state": state,
             "activations": act, "compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
@@ -77,17 +77,18 @@ def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, t
 
 
 def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float]:
-    """--offload optimizer: the GPU's memory less the optimizer's state; the host's bytes a node
-    (HOST_STATE a owned element, and SLOTS fp32 staging buffers as wide as the widest owned shard --
+    """--offload optimizer: the GPU's memory less the optimizer's state but one fp32 slot as wide as
+    the widest owned shard, through which the bf16 weights come up (parallel/offload.py); the host's
+    bytes a node (HOST_STATE a owned element, and SLOTS fp32 staging buffers as wide as that shard --
     an untied head's or the embedding's bucket, for Llama -- per rank of the node); the step's added
     seconds: the copies' and the host update's (plan/timing.offload_s)."""
     owned = (state["optimizer"] - state["master"]) / 8  # elements whose m and v this rank holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
     widths = [k for _, k in bucket_numels(s.cfg, s.bucket_mb, lay.tp)]  # (a pipeline's: the whole model's)
     shards = lay.dp * lay.cp if lay.zero else 1
-    staging = 4 * min(SLOTS, len(widths)) * -(-max(widths) // shards)
-    host = ranks * (HOST_STATE * owned + staging)
-    mem = {**mem, "optimizer": 0}
+    widest = -(-max(widths) // shards)
+    host = ranks * (HOST_STATE * owned + 4 * min(SLOTS, len(widths)) * widest)
+    mem = {**mem, "optimizer": 0 if s.cpu else 4 * widest}  # (on the CPU the copy rounds: no slot)
     held = mem["params"] + mem["grads"] + mem["activations"]
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * held
     mem["total"] = sum(v for k, v in mem.items() if k != "total")

@@ -14,7 +14,8 @@ from braidtrain.plan.space import Candidate, Setup
 # 2026-12-03): pinned copies between the GPU and the host, GB/s, device to host (the gradients) and host
 # to device (the weights) -- offload_probe.py's 55.1 and 55.2 (PCIe Gen5 x16); and the host's update,
 # parameters a second on a node: the 8B run's own, 8.03e9 elements in 4.36 s on 16 cores (the fused
-# AdamW alone ran 4.1e9 in the probe; the conversion to bf16 and the copies' waits are on the same path)
+# AdamW alone ran 4.1e9 in the probe; the decay's own pass -- inside the fused kernel since, not yet
+# measured in a run --, the conversion to bf16 and the copies' waits are on the same path)
 PCIE_D2H_GBPS = 55.1
 PCIE_H2D_GBPS = 55.2
 HOST_ADAM_PPS = 1.84e9
