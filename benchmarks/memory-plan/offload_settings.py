@@ -35,7 +35,7 @@ def main(argv):
     cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
     tmp = tempfile.mkdtemp(prefix="braidtrain-settings-")
     total = a.warmup + a.steps * len(settings)
-    cfg = dataclasses.replace(cfg, out=tmp, max_steps=total, val_every=0, sample_tokens=0, progress=False)
+    cfg = dataclasses.replace(cfg, out=tmp, max_steps=total, val_every=0, sample_tokens=0, progress=False, save=False)
     trainer = Trainer(cfg)
     off = trainer.opt.offload
     assert off is not None, "--offload optimizer"

@@ -42,7 +42,8 @@ def main(argv):
     assert a.steps > a.warmup >= 0, "--steps must exceed --warmup"
     cfg = train_config(train_parser(Parser().add_subparsers(parser_class=Parser)).parse_args(flags))
     tmp = None if cfg.out else tempfile.mkdtemp(prefix="braidtrain-fit-")
-    cfg = dataclasses.replace(cfg, out=cfg.out or tmp, max_steps=a.steps, val_every=0, sample_tokens=0, progress=False)
+    cfg = dataclasses.replace(cfg, out=cfg.out or tmp, max_steps=a.steps, val_every=0, sample_tokens=0, progress=False,
+                              save=False)
     trainer = Trainer(cfg)
     lay = trainer.layout
     assert lay.tp == lay.pp == lay.cp == 1 and trainer.rt.world_size == 1, "one GPU: tp, pp, cp = 1, one process"

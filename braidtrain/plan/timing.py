@@ -13,12 +13,12 @@ from braidtrain.plan.space import Candidate, Setup
 # --offload optimizer, measured on the H200 machine (docs/performance.md, "Optimizer offload",
 # 2026-12-03): pinned copies between the GPU and the host, GB/s, device to host (the gradients) and host
 # to device (the weights) -- offload_probe.py's 55.1 and 55.2 (PCIe Gen5 x16); and the host's update,
-# parameters a second on a node: the 8B run's own, 8.03e9 elements in 4.36 s on 16 cores (the fused
-# AdamW alone ran 4.1e9 in the probe; the decay's own pass -- inside the fused kernel since, not yet
-# measured in a run --, the conversion to bf16 and the copies' waits are on the same path)
+# parameters a second on a node: llama3.2-3b's run at 7634611, 3.21e9 elements in 0.96 s on 16 cores
+# (the decay inside the fused kernel, the bf16 rounding on the GPU: docs/performance.md; the fused
+# AdamW alone ran 4.1e9 in the probe, the 8B run's old worker 1.84e9)
 PCIE_D2H_GBPS = 55.1
 PCIE_H2D_GBPS = 55.2
-HOST_ADAM_PPS = 1.84e9
+HOST_ADAM_PPS = 3.35e9
 OFFLOAD_GRAD_BYTES = OFFLOAD_WEIGHT_BYTES = 4  # an owned element's fp32 gradient down, its weight up (offload.py)
 TP_LOW, TP_HIGH = 2, 4  # tp message bytes per element: bf16 matmul outputs; fp32 LayerNorm outputs, embeddings
 # --fp8: torch._scaled_mm (e4m3) over bf16's matmul, the forward product of M = 16384 tokens on an
