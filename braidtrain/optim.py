@@ -6,18 +6,22 @@ under ZeRO-1 -- and keeps m and v for exactly those elements (in a bf16 run's le
 is apart from the bf16 compute weights, which the engine's publish() writes after the update:
 parallel/buckets.py). The update is torch's fused AdamW
 kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
-shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`; the
-host's update under --offload takes the decay inside the kernel instead: apply's decay_in_kernel).
+shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
 Every operation is elementwise, so the update of an element does not depend on where the shard
 boundaries fall -- provided each element takes the same code path: torch's CPU kernel treats the
 last len % SIMD-width elements of each tensor with scalar code, which rounds differently, so the
 kernel is given whole shards only (multiples of 64 elements, 64-aligned: no scalar tail), never
-parameter-sized pieces (checked bitwise by the exact-mode tests, at an n_embd that is not a
-multiple of 16). Gradient clipping divides the gradient inside the same kernel (its
-`grad_scale`), with the scale computed on the device: the step needs no host synchronisation.
-The learning rate, the decay factor and the step count are device scalars too, written by
-`prepare` before the step's GPU work: `update` launches the same kernels with the same arguments
-every step, so --cuda-graph can capture it once and replay it.
+parameter-sized pieces (checked bitwise in default mode by test_engine.py's
+test_adamw_bits_do_not_depend_on_shard_or_parameter_boundaries, at an n_embd that is not a multiple
+of 16). The host's update under --offload takes the decay inside the kernel instead (apply's
+decay_in_kernel: two launches, the decayed ranges and the rest, cut at the 2-D weights' edges): a
+pass over host memory less, for scalar tails at those edges -- its bits may then depend on the
+layout, within default mode's tolerance; exact mode never takes that path. Gradient clipping
+divides the gradient inside the same kernel (its `grad_scale`), with the scale computed on the
+device: the step needs no host synchronisation. The learning rate, the decay factor and the step
+count are device scalars too, written by `prepare` before the step's GPU work: `update` launches
+the same kernels with the same arguments every step, so --cuda-graph can capture it once and
+replay it.
 
 Exact mode writes the update as single elementwise operations instead (exact_adamw): each one
 IEEE-rounded, in its own kernel, so no multiply-add is contracted into one rounding -- the CPU's

@@ -37,16 +37,19 @@ import torch
 
 triton = tl = None  # bound by _load(), on first use: importing braidtrain does not import triton
 _kernel = None
+_missing = False  # triton failed to import: usable() stops asking
 BLOCK = 1024  # elements a program: 8 a thread at 4 warps, two 16-byte loads of each tensor
 
 
 def usable(t: torch.Tensor) -> bool:
     """Whether the kernel runs for t: t is on a GPU and triton imports."""
-    if not t.is_cuda:
+    global _missing
+    if not t.is_cuda or _missing:
         return False
     try:
         _load()
-    except ImportError:  # a CPU-only install: optim keeps exact_adamw
+    except ImportError:  # a CPU-only install: optim keeps exact_adamw (asked once, not every step)
+        _missing = True
         return False
     return True
 

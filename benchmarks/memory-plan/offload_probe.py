@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from braidtrain.optim import spans  # noqa: E402
+
 
 def best(fn, repeat: int, sync=lambda: None) -> float:
     """The fastest of `repeat` timed calls of fn, after one untimed (first touch, thread start)."""
@@ -100,7 +103,8 @@ class Loop:
             if decay and not fold:
                 torch._foreach_mul_([p[a:e] for a, e in self.decay], self.keep)
             # fold: the decay inside the kernel, the decayed ranges in one call, the rest in another
-            for wd, ranges in ((0.1, self.decay), (0.0, gaps(self.decay, 0, self.n))) if fold else ((0.0, [(0, self.n)]),):
+            rest = [(a, e) for a, e, decayed in spans(self.decay, self.n) if not decayed]
+            for wd, ranges in ((0.1, self.decay), (0.0, rest)) if fold else ((0.0, [(0, self.n)]),):
                 torch._fused_adamw_([p[a:e] for a, e in ranges], [g[a:e] for a, e in ranges],
                                     [self.m[k][a:e] for a, e in ranges], [self.v[k][a:e] for a, e in ranges],
                                     [], [self.step] * len(ranges), lr=self.lr, beta1=0.9, beta2=0.95,
@@ -120,16 +124,6 @@ class Loop:
                 copied[k + s] = self._copy(self.slots[(k + s) % s], self.grads[k + s])
         if copies:
             self.stream.synchronize()
-
-
-def gaps(ranges, lo, hi):
-    """[lo, hi) less the sorted, disjoint ranges."""
-    out, at = [], lo
-    for a, e in ranges:
-        if at < a:
-            out.append((at, a))
-        at = e
-    return out + ([(at, hi)] if at < hi else [])
 
 
 def in_worker(fn, threads: int, busy: bool = False):

@@ -8,8 +8,9 @@ What lives when:
     forward: as the backward frees activations it fills gradients.
   - ZeRO-2/3: no full gradient buffer. A bucket-sized scratch from the pool is opened as each
     backward reaches the bucket (zero.py), the parameters' .grad views into it so that autograd
-    adds into it in place, and it goes to the reduce-scatter when complete and back to the pool
-    once the collective has read it; the result is added into the persistent shard (b.shard_grad).
+    adds into it in place, and it goes to the reduce-scatter when complete and is freed once the
+    collective has read it (on CUDA: record_stream on the collective's stream; only exact mode's
+    tree gives buffers back to the pool); the result is added into the persistent shard (b.shard_grad).
   - Exact mode: each backward's gradient is a fresh buffer from the pool, a leaf of exact.py's
     tree; the tree gives leaves back (recycle) as it adds them, and the step's root lives to the
     update and goes back at the next step's start (Engine.begin_step).

@@ -29,7 +29,7 @@ then block by block), and each forward waits only for its own bucket's weights:
     cost a fifth of the update's time (offload_probe.py --loop), the host's memory bandwidth being
     what the update is bound by.
   - Up. A bucket's master is copied into the device's weights; where they are narrower (bf16), in
-    fp32 into a device slot as wide as the widest owned shard and rounded there, on the copy
+    fp32 into a device slot as wide as the widest such shard and rounded there, on the copy
     stream (each copy and rounding after the one before: one slot serves them all). Rounding on the
     host instead was a pass of its own over the master, a sixth of the worker's time on the H200
     host; the copy stream moves twice the bytes up for it, which it has to spare (a 218 M-element
@@ -78,7 +78,7 @@ def host_threads() -> int:
     of them: one fewer ran the 3B run's update 3% slower on the H200 host, docs/performance.md).
     BRAIDTRAIN_HOST_THREADS overrides it (a measurement's knob: offload_settings.py)."""
     if os.environ.get("BRAIDTRAIN_HOST_THREADS"):
-        return int(os.environ["BRAIDTRAIN_HOST_THREADS"])
+        return max(1, int(os.environ["BRAIDTRAIN_HOST_THREADS"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
@@ -101,8 +101,9 @@ class Offload:
         self.slots = [torch.empty(width, pin_memory=self.cuda) for _ in range(min(slots, len(owned)))]
         # (GPU) where the device's weights are narrower than the master (bf16): the master goes up in
         # fp32 through this device slot and is rounded there (module docstring, "Up")
-        narrow = self.cuda and any(b.compute_shard().dtype != torch.float32 for b in self.buckets)
-        self.staging = torch.empty(width, device=engine.device) if narrow else None
+        # (the buckets of no block stay fp32, buckets.lean: so as wide as the widest bf16 shard)
+        narrow = [p.numel() for b, p, _ in owned if self.cuda and b.compute_shard().dtype != torch.float32]
+        self.up_slot = torch.empty(max(narrow), device=engine.device) if narrow else None
         self.small = torch.empty(2, pin_memory=self.cuda)  # the clip scale and the skip flag
         self.stream = torch.cuda.Stream(engine.device) if self.cuda else None  # one: each copy after the one before
         n = len(owned)
@@ -268,12 +269,12 @@ class Offload:
     def _up(self, k: int):
         """Bucket k's master into the device's weights (module docstring, "Up"); the event after it."""
         p, master = self.params[k], self.master[k]
-        if self.staging is None or p.dtype == master.dtype:
+        if self.up_slot is None or p.dtype == master.dtype:
             return self._copy(p, master)  # (on the CPU the copy converts)
         with torch.cuda.stream(self.stream):  # each after the one before: the slot is free again
-            staging = self.staging[: master.numel()]
-            staging.copy_(master, non_blocking=True)
-            p.copy_(staging)  # rounded to nearest even, as publish() rounds without offload
+            slot = self.up_slot[: master.numel()]
+            slot.copy_(master, non_blocking=True)
+            p.copy_(slot)  # rounded to nearest even, as publish() rounds without offload
             done = torch.cuda.Event()
             done.record()
         return done

@@ -78,17 +78,20 @@ def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, t
 
 def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float]:
     """--offload optimizer: the GPU's memory less the optimizer's state but one fp32 slot as wide as
-    the widest owned shard, through which the bf16 weights come up (parallel/offload.py); the host's
-    bytes a node (HOST_STATE a owned element, and SLOTS fp32 staging buffers as wide as that shard --
-    an untied head's or the embedding's bucket, for Llama -- per rank of the node); the step's added
-    seconds: the copies' and the host update's (plan/timing.offload_s)."""
+    the widest owned shard of the blocks' (bf16) buckets, through which their weights come up
+    (parallel/offload.py); the host's bytes a node (HOST_STATE a owned element, and SLOTS fp32
+    staging buffers as wide as the widest owned shard -- an untied head's or the embedding's
+    bucket, for Llama -- per rank of the node); the step's added seconds: the copies' and the host
+    update's (plan/timing.offload_s)."""
     owned = (state["optimizer"] - state["master"]) / 8  # elements whose m and v this rank holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
-    widths = [k for _, k in bucket_numels(s.cfg, s.bucket_mb, lay.tp)]  # (a pipeline's: the whole model's)
+    widths = bucket_numels(s.cfg, s.bucket_mb, lay.tp)  # (a pipeline's: the whole model's)
     shards = lay.dp * lay.cp if lay.zero else 1
-    widest = -(-max(widths) // shards)
+    widest = -(-max(k for _, k in widths) // shards)
     host = ranks * (HOST_STATE * owned + 4 * min(SLOTS, len(widths)) * widest)
-    mem = {**mem, "optimizer": 0 if s.cpu else 4 * widest}  # (on the CPU the copy rounds: no slot)
+    # the device slot: as wide as the widest block (bf16) shard; on the CPU the copy rounds: no slot
+    narrow = -(-max((k for kind, k in widths if kind == "block"), default=0) // shards)
+    mem = {**mem, "optimizer": 0 if s.cpu else 4 * narrow}
     held = mem["params"] + mem["grads"] + mem["activations"]
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * held
     mem["total"] = sum(v for k, v in mem.items() if k != "total")
