@@ -182,16 +182,24 @@ def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref)
     before it applied it: ranks 0 and 2 applied it and fail in the step's next collective (ZeRO-1/2:
     the parameters' all-gather; else the loss's). Rank 1 applies the update with the clip scale and
     skip flag they report, step 4 is not done again -- logged without its loss -- and the weights are
-    still the uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too)."""
+    still the uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too).
+    Before it, at step 2, rank 2 judged rank 3 lost although it beats (as a stall just over the
+    heartbeat's timeout makes a verdict that proves false): every member says it is here, so the four
+    make their world again and do step 2 again -- no restart, no rank lost."""
     d = draw("late", zero=range(4))
     run = tmp_path / "run"
-    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run],
-                                    {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4"}, tmp_path)
+    faults = {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4", 2: "misjudge:rank=2:step=2"}
+    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], faults, tmp_path)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
     assert "a lost peer's error before the update at step 4" in err, err[-3000:]
+    assert "live recovery at step 2: no rank lost (rank 3 sent no heartbeat for 3.0 s" in out, out
     assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
+    first, second = membership(run)
+    assert (first["step"], first["members"], first["lost"], second["step"]) == (2, [0, 1, 2, 3], {}, 4)
+    assert {int(r): p for r, p in first["pids"].items()} == {r: pids[r] for r in range(4)}
     recs, want = metrics(run), metrics(ref)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]
+    assert [r["step"] for r in recs if "rebuilt_s" in r] == [2] and [r["step"] for r in recs if "recover_s" in r] == [4]
     assert [r["loss"] for i, r in enumerate(recs) if i != 3] == [r["loss"] for i, r in enumerate(want) if i != 3]
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
