@@ -194,17 +194,23 @@ def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref)
     still the uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too).
     Before it, at step 2, rank 2 judged rank 3 lost although it beats (as a stall just over the
     heartbeat's timeout makes a verdict that proves false): every member says it is here, so the four
-    make their world again and do step 2 again -- no restart, no rank lost."""
+    make their world again and do step 2 again -- no restart, no rank lost. And after the last step, in
+    the final save, rank 0 judges rank 1 lost the same way: the three make their world again and save,
+    validate and hash again -- a finished run is not turned into a restart."""
     d = draw("late", zero=range(4))
     run = tmp_path / "run"
-    faults = {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4", 2: "misjudge:rank=2:step=2"}
+    faults = {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4", 2: "misjudge:rank=2:step=2",
+              0: f"misjudge:rank=0:step={STEPS + 1}"}
     pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], faults, tmp_path)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
     assert "a lost peer's error before the update at step 4" in err, err[-3000:]
     assert "live recovery at step 2: no rank lost (rank 3 sent no heartbeat for 3.0 s" in out, out
     assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
-    first, second = membership(run, rebuilt=True)
+    assert f"live recovery at step {STEPS}: no rank lost (rank 1 sent no heartbeat for 3.0 s" in out and \
+        "(the last: the final save and validation done again)" in out, out
+    first, second, last = membership(run, rebuilt=True)
     assert (first["step"], first["members"], first["lost"], second["step"]) == (2, [0, 1, 2, 3], {}, 4)
+    assert (last["step"], last["members"], last["lost"]) == (STEPS, [0, 1, 2], {})
     assert {int(r): p for r, p in first["pids"].items()} == {r: pids[r] for r in range(4)}
     recs, want = metrics(run), metrics(ref)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]

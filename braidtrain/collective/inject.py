@@ -21,7 +21,8 @@ FAULT_KINDS = {
     "fail-update": "fail this rank's wait as if a peer were lost just before it applies the step's update: a "
                    "survivor left one update behind (--live-recovery)",
     "misjudge": "at the start of that step this rank's heartbeat judges the next member lost although it beats: a "
-                "verdict that proves false, as a stall just over --heartbeat-timeout makes one (--live-recovery)",
+                "verdict that proves false, as a stall just over --heartbeat-timeout makes one; step -x + 1: after the "
+                "last step, in the final save (--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",

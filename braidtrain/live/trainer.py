@@ -146,11 +146,12 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         return rec
 
     def misjudge(self, step: int) -> None:
-        """(The test hook "misjudge", collective/inject.py: once, in the job's first world.) This rank's
-        heartbeat judges the next member lost, and this rank's first wait of the step is given up."""
-        if self.fault and self.fault.kind == "misjudge" and step + 1 == self.fault.step and self.epoch == 0:
+        """(The test hook "misjudge", collective/inject.py, once; step -x is the part after the last step.)
+        This rank's heartbeat judges the next member lost, and its first wait of the step is given up."""
+        if self.fault and self.fault.kind == "misjudge" and step + 1 == self.fault.step:
             peer = self.ids[(self.ids.index(self.rt.rank) + 1) % len(self.ids)]
             self.fault._announce(f"rank {peer} judged lost although it beats")
+            self.fault = None
             self.peer_lost(f"rank {peer} sent no heartbeat for {self.cfg.heartbeat_timeout:.1f} s (dead or frozen)")
             raise Aborted("a peer was lost: this collective was abandoned")
 
@@ -183,18 +184,49 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
                         self.rt.store.set(f"live/joined/{r}", json.dumps({"refused": f"the run ended at step "
                                                                                      f"{self.cfg.max_steps}"}))
             return summary
-        except Exception as e:  # outside a step (a checkpoint save, validation): no live recovery there
+        except Exception as e:  # between steps (a checkpoint save, a validation): no live recovery there
             if self.on and is_transport(e):
                 self.fall_back(f"a peer was lost outside a training step ({first_line(e)})")
             raise
+
+    def finish(self, *last) -> dict:
+        """After the last step, a peer lost -- or a verdict that proves false -- in the final save,
+        validation or the weights' hash is recovered as in a step: every member has done every step
+        (each took part in the last one's final collective), so the state is level; that part is done
+        again over the members. A finished run does not fall back to a restart."""
+        while True:
+            try:
+                self.misjudge(self.cfg.max_steps)
+                return super().finish(*last)
+            except Exception as e:
+                if not self.on or not is_transport(e):
+                    raise
+                self.recover(self.cfg.max_steps - 1, e, finished=True)
+
+    def end(self) -> None:
+        """A peer lost in the run's last barrier: every member took part in every collective before it
+        (the final checkpoint published, the summary written), so the run is complete -- one line, the
+        silent peer ended as the heartbeat ends one, and exit 0."""
+        try:
+            super().end()
+        except Exception as e:
+            if not self.on or not is_transport(e):
+                raise
+            self.recovering = True  # (nothing to recover: the heartbeat's threads stand down)
+            why = self.cause or first_line(e)
+            print(f"braidtrain: rank {self.rt.rank}: a peer was lost after the run was complete ({why}); nothing to "
+                  f"recover", file=sys.stderr, flush=True)
+            self.guard._end_frozen()
+            self.guard.close(clean=True)
 
     def check_shared(self, ckpt_dir) -> None:
         if not self.degraded:  # (after a change, the ranks' markers are not 0..n-1)
             super().check_shared(ckpt_dir)
 
-    def recover(self, step: int, err: BaseException) -> int:
+    def recover(self, step: int, err: BaseException, finished: bool = False) -> int:
         """Agree on the survivors, rebuild the world over them, bring them to one state; returns
-        the number of steps that state has done (step: redo it; step + 1: it was done)."""
+        the number of steps that state has done (step: redo it; step + 1: it was done). `finished`:
+        after the last step, `step` its index (every member has applied it)."""
         t0, me, e = time.time(), self.rt.rank, self.epoch
         self.recovering = True
         cause = (self.cause if isinstance(err, Aborted) else None) or f"rank {me}: {first_line(err)}"
@@ -236,7 +268,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         leaving = [p for p in here if p not in ids]
         if me in leaving:
             self.leave(lost, ids)
-        if target > step:  # the update was applied by some: the others apply it too
+        if target > step and not finished:  # the update was applied by some: the others apply it too
             if self.applied is None:
                 self.catch_up(step, decision["update"])
             if decision["update"]["skip"]:  # (a skipped step does not count in Adam's steps)
@@ -248,7 +280,8 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
             self.reshard(old, held)
         secs = time.time() - t0
         retired = "" if self.grid.alone else self.retired(lost, leaving) + "; "
-        again = f"step {step + 1} done again" if target == step else f"step {step + 1} already applied"
+        again = (f"step {step + 1} done again" if target == step else f"step {step + 1} already applied"
+                 + (" (the last: the final save and validation done again)" if finished else ""))
         if lost:
             what = (f"{ranks(lost)} lost ({'; '.join(lost.values())}); {retired}ranks {','.join(map(str, ids))} go "
                     f"on, world {len(old)} -> {len(ids)}" + ("" if self.grid.alone else f" (dp {dp} -> "
