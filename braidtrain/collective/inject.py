@@ -6,11 +6,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 import time
 
 import torch
 
+from braidtrain.collective.fault import say
 from braidtrain.errors import UserError
 
 FAULT_KINDS = {
@@ -62,8 +62,7 @@ class Fault:
         return fault if attempt == 0 and fault.rank in (None, rank) else None
 
     def _announce(self, what: str) -> None:
-        print(f"braidtrain: fault injected: {what} at step {self.step} "
-              f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+        say(f"braidtrain: fault injected: {what} at step {self.step} (t={time.time():.3f})")
 
     def mid_step(self, step: int) -> None:
         if step == self.step and self.kind == "oom":

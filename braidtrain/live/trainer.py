@@ -20,7 +20,7 @@ import torch
 
 from braidtrain.collective.flight import Aborted
 from braidtrain.errors import UserError
-from braidtrain.collective.fault import EXIT_PEER_LOST
+from braidtrain.collective.fault import EXIT_PEER_LOST, say
 from braidtrain.live import members
 from braidtrain.live.join import build_joiner
 from braidtrain.live.members import first_line, is_transport, ranks
@@ -214,8 +214,8 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
                 raise
             self.recovering = True  # (nothing to recover: the heartbeat's threads stand down)
             why = self.cause or first_line(e)
-            print(f"braidtrain: rank {self.rt.rank}: a peer was lost after the run was complete ({why}); nothing to "
-                  f"recover", file=sys.stderr, flush=True)
+            say(f"braidtrain: rank {self.rt.rank}: a peer was lost after the run was complete ({why}); nothing to "
+                f"recover")
             self.guard._end_frozen()
             self.guard.close(clean=True)
 
@@ -245,8 +245,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         ids, lost = decision["members"], {int(k): v for k, v in decision["lost"].items()}
         here = sorted(int(p) for p in decision["pids"])  # (the members, and a retired replica's ranks)
         if me not in here:
-            print(f"braidtrain: rank {me}: the others went on without this rank (judged lost); exiting",
-                  file=sys.stderr, flush=True)
+            say(f"braidtrain: rank {me}: the others went on without this rank (judged lost); exiting")
             os._exit(EXIT_PEER_LOST)
         failed = {int(p): why for p, why in decision["errors"].items() if why}
         if not lost and failed:  # everyone is here: a collective failed, and not for a lost peer
