@@ -334,11 +334,14 @@ class Trainer:
             if isinstance(e, torch.OutOfMemoryError):
                 raise UserError(outcome.out_of_memory(self)) from None
             raise
-        # Past the last collective: peers may stop watching us (and we them), so that ranks that
-        # finish at different times -- or rank 0 taking the store down with it -- are no alarm.
+        self.end()
+        return summary
+
+    def end(self) -> None:
+        """Past the last collective: peers may stop watching us (and we them), so that ranks that
+        finish at different times -- or rank 0 taking the store down with it -- are no alarm."""
         self.comm.barrier(self.mesh.groups["world"])
         self.guard.close(clean=True)
-        return summary
 
     def _run(self) -> dict:
         cfg, rt, batch = self.cfg, self.rt, self.batch
@@ -390,6 +393,10 @@ class Trainer:
         self.drop_graph()
         if self.stop_sig:
             outcome.stop(self, self.stop_sig, done, saved=rec.get("save_s") is not None)
+        return self.finish(rec, val, ev, skipped, bubbles)
+
+    def finish(self, rec, val, ev, skipped: int, bubbles: list) -> dict:
+        """After the last step: the final save, validation and summary (outcome.finish)."""
         return outcome.finish(self, rec, val, ev, skipped, bubbles)
 
 

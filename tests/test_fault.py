@@ -394,6 +394,25 @@ def test_a_crash_after_a_peer_was_lost_names_the_peer(tmp_path):
         guard.close(clean=True)
 
 
+def test_a_fatal_line_is_one_write(tmp_path):
+    """Guard.fatal's line reaches stderr in one write, its newline with it: where stderr is
+    unbuffered (PYTHONUNBUFFERED, python -u) print's text and newline are two writes, and two ranks'
+    lines given at once ran together on a shared stream ("...; exitingbraidtrain: rank 3: ...", a
+    live test's two survivors falling back under load)."""
+    code = ("import os, sys\n"
+            "from types import SimpleNamespace as S\n"
+            "from braidtrain.collective.fault import Guard\n"
+            "class Writes:\n"
+            "    def write(self, s): os.write(1, (repr(s) + '\\n').encode())\n"
+            "    def flush(self): pass\n"
+            "sys.stderr = Writes()\n"
+            "guard = Guard(S(rank=3, world_size=4, attempt=0), S(step=5, seq=0, dump=lambda p, h: None), '.', 0.0, 0)\n"
+            "guard.fatal('peer lost: a test', 75)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 75, p.stderr
+    assert p.stdout.splitlines() == [repr("braidtrain: rank 3: peer lost: a test; flight log rank_00003.jsonl; exiting\n")]
+
+
 def test_doctor_says_when_all_is_well(tmp_path):
     from braidtrain.collective.doctor import diagnose
 

@@ -83,8 +83,17 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
     return {r: pid for r, (_, _, pid) in ranks.items()}, codes, out.read_text(), err.read_text()
 
 
-def membership(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "flight" / "membership.jsonl").read_text().splitlines() if line.strip()]
+def membership(run: Path, rebuilt: bool = False) -> list[dict]:
+    """The membership log's changes of members -- and with `rebuilt` the worlds made again over the same
+    members after a heartbeat verdict that proved false, which a stall of a loaded machine can cause
+    at any step (the rebuilt world's epoch counts in doctor's numbers: changed())."""
+    changes = [json.loads(line) for line in (run / "flight" / "membership.jsonl").read_text().splitlines() if line.strip()]
+    return [c for c in changes if rebuilt or c["lost"] or c.get("joined")]
+
+
+def changed(report: str, step: int, what: str) -> bool:
+    """doctor's report names a change at `step` that begins with `what` (whatever its epoch)."""
+    return re.search(rf"membership change \d+ at step {step}: {re.escape(what)}", report) is not None
 
 
 def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, zero: int, joined: int | None = None) -> None:
@@ -108,7 +117,7 @@ def check_went_on(run: Path, ref: Path, pids: dict, lost: int, step: int, zero: 
     assert summary(run)["step"] == STEPS
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
     report = braidtrain("doctor", run).stdout
-    assert f"membership change 1 at step {step}: rank {lost} lost" in report, report
+    assert changed(report, step, f"rank {lost} lost"), report
     assert f"rank {lost} stopped after collective #" in report and "wrote no flight log" in report, report
 
 
@@ -182,16 +191,30 @@ def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref)
     before it applied it: ranks 0 and 2 applied it and fail in the step's next collective (ZeRO-1/2:
     the parameters' all-gather; else the loss's). Rank 1 applies the update with the clip scale and
     skip flag they report, step 4 is not done again -- logged without its loss -- and the weights are
-    still the uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too)."""
+    still the uninterrupted run's (ZeRO 1-3: rank 2's copy of rank 3's shard had that update too).
+    Before it, at step 2, rank 2 judged rank 3 lost although it beats (as a stall just over the
+    heartbeat's timeout makes a verdict that proves false): every member says it is here, so the four
+    make their world again and do step 2 again -- no restart, no rank lost. And after the last step, in
+    the final save, rank 0 judges rank 1 lost the same way: the three make their world again and save,
+    validate and hash again -- a finished run is not turned into a restart."""
     d = draw("late", zero=range(4))
     run = tmp_path / "run"
-    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run],
-                                    {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4"}, tmp_path)
+    faults = {3: "kill-late:rank=3:step=4", 1: "fail-update:rank=1:step=4", 2: "misjudge:rank=2:step=2",
+              0: f"misjudge:rank=0:step={STEPS + 1}"}
+    pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], faults, tmp_path)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
     assert "a lost peer's error before the update at step 4" in err, err[-3000:]
+    assert "live recovery at step 2: no rank lost (rank 3 sent no heartbeat for 3.0 s" in out, out
     assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
+    assert f"live recovery at step {STEPS}: no rank lost (rank 1 sent no heartbeat for 3.0 s" in out and \
+        "(the last: the final save and validation done again)" in out, out
+    first, second, last = membership(run, rebuilt=True)
+    assert (first["step"], first["members"], first["lost"], second["step"]) == (2, [0, 1, 2, 3], {}, 4)
+    assert (last["step"], last["members"], last["lost"]) == (STEPS, [0, 1, 2], {})
+    assert {int(r): p for r, p in first["pids"].items()} == {r: pids[r] for r in range(4)}
     recs, want = metrics(run), metrics(ref)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]
+    assert [r["step"] for r in recs if "rebuilt_s" in r] == [2] and [r["step"] for r in recs if "recover_s" in r] == [4]
     assert [r["loss"] for i, r in enumerate(recs) if i != 3] == [r["loss"] for i, r in enumerate(want) if i != 3]
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
@@ -213,7 +236,7 @@ def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
     assert "live: rank 2 joined (pid" in out and f"the ZeRO-{d['zero']} state re-sharded over 4 ranks" in out, out
     check_went_on(run, ref, pids, lost=2, step=3, zero=d["zero"], joined=6)
     assert (run / "checkpoints" / f"step_{STEPS:08d}" / "rank_00002.safetensors").is_file()  # the joiner's part
-    assert "membership change 2 at step 6: rank 2 joined" in braidtrain("doctor", run).stdout
+    assert changed(braidtrain("doctor", run).stdout, 6, "rank 2 joined")
 
 
 def test_plan_counts_the_copies_and_refuses_expert_parallelism():
@@ -325,7 +348,7 @@ def test_a_rank_lost_with_its_buddy_falls_back_in_one_line(tmp_path, shakespeare
     assert len(said) == 2 and all(x.startswith("braidtrain: rank ") for x in said), err[-3000:]
     (change,) = membership(run)
     assert change["fallback"] and change["step"] == 3 and f"rank {r - 1}, lost with it" in change["what"]
-    assert f"membership change 1 at step 3: ranks {r - 1},{r} lost; rank {r}'s shard" in braidtrain("doctor", run).stdout
+    assert changed(braidtrain("doctor", run).stdout, 3, f"ranks {r - 1},{r} lost; rank {r}'s shard")
     cfg = registry.model_config("tiny", 256, n_layer=2, n_embd=64, n_head=2)
     s = Setup(cfg, 4, 80, 64, D, cpu=True, live=True, bucket_mb=COMMON[COMMON.index("--bucket-mb") + 1])
     state = estimate(s, Candidate(4, d["zero"], 2, False))["state"]
@@ -352,7 +375,7 @@ def check_retired(run: Path, ref: Path, pids: dict, codes: dict, err: str, lost:
     assert {int(r): p for r, p in change["pids"].items()} == {r: pids[r] for r in left}
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
     report = braidtrain("doctor", run).stdout
-    assert f"membership change 1 at step {step}: rank {lost} lost" in report, report
+    assert changed(report, step, f"rank {lost} lost"), report
     assert f"replica 1 retired (rank {partner} leaves); ranks {','.join(map(str, left))} go on, world 4 -> 2 " \
            f"(dp 2 -> 1)" in report, report
 
@@ -395,4 +418,4 @@ def test_a_loss_in_rank_0s_replica_falls_back_in_one_line(tmp_path, shakespeare)
     assert sorted(x.split(":")[1] for x in err.splitlines() if line in x) == [" rank 0", " rank 2", " rank 3"], err
     (change,) = membership(run)
     assert change["fallback"] and change["step"] == 2
-    assert "membership change 1 at step 2: rank 1 lost; it retires replica 0" in braidtrain("doctor", run).stdout
+    assert changed(braidtrain("doctor", run).stdout, 2, "rank 1 lost; it retires replica 0")

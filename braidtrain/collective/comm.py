@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import threading
 import time
 from collections import deque
@@ -189,6 +190,9 @@ class Comm:
         return out
 
     def barrier(self, group: Group) -> None:
+        if self.abort is not None and not self.cuda:  # (live recovery: gloo's barrier cannot be abandoned)
+            self.all_reduce(torch.zeros(1), group).wait()
+            return
         # (NCCL would otherwise guess the GPU from the rank, and warn about it)
         kw = {"device_ids": [self.device.index]} if self.cuda and group.pg is dist.group.WORLD else {}
         self._sync("barrier", group, lambda: dist.barrier(group=group.pg, **kw))
@@ -204,6 +208,11 @@ class Comm:
 
     def all_gather_object(self, obj, group: Group) -> list:
         """Every member's (picklable) obj, in group order."""
+        if self.abort is not None and not self.cuda and group.pg is not None:  # (live recovery: abandonable)
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            sizes = self.gather_rows(torch.tensor([data.numel()]), group).flatten().tolist()
+            rows = self.gather_rows(torch.cat([data, data.new_zeros(max(sizes) - data.numel())]), group)
+            return [pickle.loads(row[:n].numpy().tobytes()) for row, n in zip(rows, sizes)]
         out = [obj] * group.size
         self._sync("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=group.pg))
         return out

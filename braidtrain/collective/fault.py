@@ -62,6 +62,14 @@ def _noop(_signum, _frame):
     pass  # see "signals" above: the watch thread does the work
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write: ranks share a stream (torchrun's, a log file), and print's
+    text and newline are two writes where stderr is unbuffered (python -u, PYTHONUNBUFFERED) --
+    two ranks' lines given at once would run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class Guard:
     """Heartbeat, signal handling and flight-log dumps for one rank (see the module docstring).
     `comm.step` tells the dumps which step the rank was in."""
@@ -162,7 +170,7 @@ class Guard:
                 where = f"flight log {self.dump(reason)}"
             except OSError as e:
                 where = f"could not write the flight log: {e}"
-            print(f"braidtrain: rank {self.rt.rank}: {reason}; {where}; exiting", file=sys.stderr, flush=True)
+            say(f"braidtrain: rank {self.rt.rank}: {reason}; {where}; exiting")
             sys.stdout.flush()
             os._exit(code)
 
@@ -237,9 +245,8 @@ class Guard:
         if self.signalled is None:
             self.signalled, self.deadline = (signum, now), now + self.budget
             if self.rt.is_main:
-                print(f"braidtrain: {name}: stopping after the step in progress and saving it (within "
-                      f"--preempt-budget {self.budget:g} s); a second signal stops at once", file=sys.stderr,
-                      flush=True)
+                say(f"braidtrain: {name}: stopping after the step in progress and saving it (within "
+                    f"--preempt-budget {self.budget:g} s); a second signal stops at once")
         elif now - self.signalled[1] > DUPLICATE_S:
             self.fatal(f"signal {name} (a second one: stopped at once)", 128 + signum)
 
@@ -296,8 +303,8 @@ class Guard:
             if p not in self.done and now - t > self.timeout and self.where.get(p, ("", 0))[0] == host:
                 try:
                     os.kill(self.where[p][1], signal.SIGKILL)
-                    print(f"braidtrain: rank {self.rt.rank}: ended rank {p} (pid {self.where[p][1]}), silent for "
-                          f"{now - t:.1f} s", file=sys.stderr, flush=True)
+                    say(f"braidtrain: rank {self.rt.rank}: ended rank {p} (pid {self.where[p][1]}), silent for "
+                        f"{now - t:.1f} s")
                 except OSError:
                     pass
 

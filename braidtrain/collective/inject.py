@@ -6,11 +6,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 import time
 
 import torch
 
+from braidtrain.collective.fault import say
 from braidtrain.errors import UserError
 
 FAULT_KINDS = {
@@ -20,6 +20,9 @@ FAULT_KINDS = {
                  "(--live-recovery)",
     "fail-update": "fail this rank's wait as if a peer were lost just before it applies the step's update: a "
                    "survivor left one update behind (--live-recovery)",
+    "misjudge": "at the start of that step this rank's heartbeat judges the next member lost although it beats: a "
+                "verdict that proves false, as a stall just over --heartbeat-timeout makes one; step -x + 1: after the "
+                "last step, in the final save (--live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",
@@ -59,8 +62,7 @@ class Fault:
         return fault if attempt == 0 and fault.rank in (None, rank) else None
 
     def _announce(self, what: str) -> None:
-        print(f"braidtrain: fault injected: {what} at step {self.step} "
-              f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+        say(f"braidtrain: fault injected: {what} at step {self.step} (t={time.time():.3f})")
 
     def mid_step(self, step: int) -> None:
         if step == self.step and self.kind == "oom":

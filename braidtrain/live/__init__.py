@@ -20,7 +20,8 @@ Ranks keep their number (the heartbeat's keys, the checkpoint's file names, the 
 the process group numbers the members 0..n-1 in rank order. The store lives in rank 0's process
 (-pi tcp / -pi fs), so rank 0 is the one rank whose loss cannot be recovered live: the survivors
 find the store gone and fall back to the restart path (exit 75), as they do when the main thread is
-stuck where it cannot be interrupted (a checkpoint save's barrier), no agreement comes in time, a
+stuck where it cannot be interrupted, a peer is lost between two steps (a checkpoint save, a
+validation; after the last step the final save and validation are recovered), no agreement comes in time, a
 rank of rank 0's replica is lost (pp, tp, cp), or -- ZeRO 1-3 -- a rank is lost with its buddy, or
 one rank (one replica) would be left.
 

@@ -27,7 +27,8 @@ TRANSPORT = ("connection closed", "connection reset", "broken pipe", "timed out"
 
 def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeout: float,
           replica=lambda r: r) -> dict:
-    """Epoch e's decision: {"members", "lost": {rank: why}, "done": {rank: steps}, "pids", "update"}
+    """Epoch e's decision: {"members", "lost": {rank: why}, "done": {rank: steps}, "pids", "update",
+    "errors": {rank: its error, None where it gave up a wait}}
     ("update": what a member that applied the step's update reported, or None). A lost rank takes
     its replica out (`replica`: a rank's, live/replicas.py): the members are the ranks here of the
     other replicas; "pids" has every rank here, those of a retired replica too."""
@@ -45,6 +46,7 @@ def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeou
             retired = {replica(p) for p in lost}
             decision = {"members": [p for p in ids if p in here and replica(p) not in retired], "lost": lost,
                         "done": {p: h["done"] for p, h in here.items()}, "pids": {p: h["pid"] for p, h in here.items()},
+                        "errors": {p: h["error"] for p, h in here.items()},
                         "update": applied[0] if applied else None}
             store.compare_set(key, "", json.dumps(decision))
             continue

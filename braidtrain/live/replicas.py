@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from braidtrain.build import ring
+from braidtrain.collective.fault import say
 from braidtrain.collective.mesh import build_mesh
 from braidtrain.live.members import ranks
 from braidtrain.parallel import mirror
@@ -122,9 +123,8 @@ class Replicas:
         me, g = self.rt.rank, self.grid
         d = g.replica(me)
         why = [r for r in lost if g.replica(r) == d]
-        print(f"braidtrain: rank {me}: its replica (data-parallel index {d}) was retired because {ranks(why)} "
-              f"{'was' if len(why) == 1 else 'were'} lost; ranks {','.join(map(str, ids))} go on without it; "
-              f"exiting", file=sys.stderr, flush=True)
+        say(f"braidtrain: rank {me}: its replica (data-parallel index {d}) was retired because {ranks(why)} "
+            f"{'was' if len(why) == 1 else 'were'} lost; ranks {','.join(map(str, ids))} go on without it; exiting")
         sys.stdout.flush()
         self.guard.close(clean=True)  # (hb/RANK = done: its peers stop watching it)
         os._exit(EXIT_RETIRED)

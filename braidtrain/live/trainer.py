@@ -20,7 +20,7 @@ import torch
 
 from braidtrain.collective.flight import Aborted
 from braidtrain.errors import UserError
-from braidtrain.collective.fault import EXIT_PEER_LOST
+from braidtrain.collective.fault import EXIT_PEER_LOST, say
 from braidtrain.live import members
 from braidtrain.live.join import build_joiner
 from braidtrain.live.members import first_line, is_transport, ranks
@@ -106,8 +106,10 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
     def poll(self, client) -> None:
         """(The heartbeat thread, every beat.) Another member began a recovery: abort our waits too."""
         e = self.epoch
-        late = self.noticed is not None and time.monotonic() - self.noticed > 2 * self.cfg.heartbeat_timeout
-        if late and not self.recovering:
+        with self.lock:  # (rebuild clears both at once)
+            late = not self.recovering and self.noticed is not None and \
+                time.monotonic() - self.noticed > 2 * self.cfg.heartbeat_timeout
+        if late:
             self.fall_back("this rank did not get back from where it waited (not a collective it can abandon)")
         if not self.comm.abort.is_set() and client.check([f"live/{e}/abort"]):
             cause = client.get(f"live/{e}/abort").decode()
@@ -123,6 +125,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         while True:
             count, self.applied = self.opt.step_count, None
             try:
+                self.misjudge(step)
                 rec = super().step(step)
                 break
             except Exception as e:
@@ -141,6 +144,16 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
                       f"(t={time.time():.3f})", flush=True)
             self.report = None
         return rec
+
+    def misjudge(self, step: int) -> None:
+        """(The test hook "misjudge", collective/inject.py, once; step -x is the part after the last step.)
+        This rank's heartbeat judges the next member lost, and its first wait of the step is given up."""
+        if self.fault and self.fault.kind == "misjudge" and step + 1 == self.fault.step:
+            peer = self.ids[(self.ids.index(self.rt.rank) + 1) % len(self.ids)]
+            self.fault._announce(f"rank {peer} judged lost although it beats")
+            self.fault = None
+            self.peer_lost(f"rank {peer} sent no heartbeat for {self.cfg.heartbeat_timeout:.1f} s (dead or frozen)")
+            raise Aborted("a peer was lost: this collective was abandoned")
 
     def reduced(self) -> None:
         if self.mirror is not None:  # the next member's reduced gradient shards, for the copy
@@ -171,18 +184,49 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
                         self.rt.store.set(f"live/joined/{r}", json.dumps({"refused": f"the run ended at step "
                                                                                      f"{self.cfg.max_steps}"}))
             return summary
-        except Exception as e:  # outside a step (a checkpoint save, validation): no live recovery there
+        except Exception as e:  # between steps (a checkpoint save, a validation): no live recovery there
             if self.on and is_transport(e):
                 self.fall_back(f"a peer was lost outside a training step ({first_line(e)})")
             raise
+
+    def finish(self, *last) -> dict:
+        """After the last step, a peer lost -- or a verdict that proves false -- in the final save,
+        validation or the weights' hash is recovered as in a step: every member has done every step
+        (each took part in the last one's final collective), so the state is level; that part is done
+        again over the members. A finished run does not fall back to a restart."""
+        while True:
+            try:
+                self.misjudge(self.cfg.max_steps)
+                return super().finish(*last)
+            except Exception as e:
+                if not self.on or not is_transport(e):
+                    raise
+                self.recover(self.cfg.max_steps - 1, e, finished=True)
+
+    def end(self) -> None:
+        """A peer lost in the run's last barrier: every member took part in every collective before it
+        (the final checkpoint published, the summary written), so the run is complete -- one line, the
+        silent peer ended as the heartbeat ends one, and exit 0."""
+        try:
+            super().end()
+        except Exception as e:
+            if not self.on or not is_transport(e):
+                raise
+            self.recovering = True  # (nothing to recover: the heartbeat's threads stand down)
+            why = self.cause or first_line(e)
+            say(f"braidtrain: rank {self.rt.rank}: a peer was lost after the run was complete ({why}); nothing to "
+                f"recover")
+            self.guard._end_frozen()
+            self.guard.close(clean=True)
 
     def check_shared(self, ckpt_dir) -> None:
         if not self.degraded:  # (after a change, the ranks' markers are not 0..n-1)
             super().check_shared(ckpt_dir)
 
-    def recover(self, step: int, err: BaseException) -> int:
+    def recover(self, step: int, err: BaseException, finished: bool = False) -> int:
         """Agree on the survivors, rebuild the world over them, bring them to one state; returns
-        the number of steps that state has done (step: redo it; step + 1: it was done)."""
+        the number of steps that state has done (step: redo it; step + 1: it was done). `finished`:
+        after the last step, `step` its index (every member has applied it)."""
         t0, me, e = time.time(), self.rt.rank, self.epoch
         self.recovering = True
         cause = (self.cause if isinstance(err, Aborted) else None) or f"rank {me}: {first_line(err)}"
@@ -191,7 +235,9 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
             store.compare_set(f"live/{e}/abort", "", cause)  # wake the members still waiting
             self.guard.dump(f"live recovery: {cause}", self.out / "flight" / f"live-{e}" / f"rank_{me:05d}.jsonl")
             done = step + 1 if self.applied else step
-            store.set(f"live/{e}/here/{me}", json.dumps({"done": done, "pid": os.getpid(), "update": self.applied}))
+            error = None if isinstance(err, Aborted) else first_line(err)  # (Aborted: this rank gave up a wait)
+            store.set(f"live/{e}/here/{me}", json.dumps({"done": done, "pid": os.getpid(), "update": self.applied,
+                                                         "error": error}))
             decision = members.agree(store, e, self.ids, self.guard, self.cfg.timeout, self.cfg.heartbeat_timeout,
                                      self.grid.replica)
         except Exception as x:  # the store is gone with rank 0, or never agreed
@@ -199,11 +245,16 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         ids, lost = decision["members"], {int(k): v for k, v in decision["lost"].items()}
         here = sorted(int(p) for p in decision["pids"])  # (the members, and a retired replica's ranks)
         if me not in here:
-            print(f"braidtrain: rank {me}: the others went on without this rank (judged lost); exiting",
-                  file=sys.stderr, flush=True)
+            say(f"braidtrain: rank {me}: the others went on without this rank (judged lost); exiting")
             os._exit(EXIT_PEER_LOST)
-        if not lost:  # everyone is here: the error was not a lost peer
-            raise err
+        failed = {int(p): why for p, why in decision["errors"].items() if why}
+        if not lost and failed:  # everyone is here: a collective failed, and not for a lost peer
+            self.fall_back(f"{ranks(failed)}: a collective failed in step {step + 1} although no rank was lost "
+                           f"({'; '.join(failed.values())})")
+        # (No rank lost and none failed: a heartbeat verdict that proved false -- a member silent for the
+        # timeout, a stall of its whole process, was back in time to say it is here. The waits it cost were
+        # abandoned, which leaves the group unusable: it is rebuilt over the same members below, the step done
+        # again, as after a loss.)
         old, target = self.ids, max(decision["done"].values())
         why = self.unrecoverable(old, ids, lost)
         if why:
@@ -216,7 +267,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         leaving = [p for p in here if p not in ids]
         if me in leaving:
             self.leave(lost, ids)
-        if target > step:  # the update was applied by some: the others apply it too
+        if target > step and not finished:  # the update was applied by some: the others apply it too
             if self.applied is None:
                 self.catch_up(step, decision["update"])
             if decision["update"]["skip"]:  # (a skipped step does not count in Adam's steps)
@@ -228,17 +279,23 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
             self.reshard(old, held)
         secs = time.time() - t0
         retired = "" if self.grid.alone else self.retired(lost, leaving) + "; "
-        what = (f"{ranks(lost)} lost ({'; '.join(lost.values())}); {retired}ranks {','.join(map(str, ids))} go on, "
-                f"world {len(old)} -> {len(ids)}" + ("" if self.grid.alone else f" (dp {dp} -> {self.layout.dp})")
-                + ", " + self.promoted(old, lost)
-                + (f"step {step + 1} done again" if target == step else f"step {step + 1} already applied"))
+        again = (f"step {step + 1} done again" if target == step else f"step {step + 1} already applied"
+                 + (" (the last: the final save and validation done again)" if finished else ""))
+        if lost:
+            what = (f"{ranks(lost)} lost ({'; '.join(lost.values())}); {retired}ranks {','.join(map(str, ids))} go "
+                    f"on, world {len(old)} -> {len(ids)}" + ("" if self.grid.alone else f" (dp {dp} -> "
+                                                                                        f"{self.layout.dp})")
+                    + ", " + self.promoted(old, lost) + again)
+        else:
+            what = (f"no rank lost ({cause}, but every member said it is here); ranks {','.join(map(str, ids))} go "
+                    f"on in a world made again, {again}")
         if self.rt.is_main:
             members.record(self.out, {"epoch": e + 1, "step": step + 1, "members": ids, "lost": lost, "what": what,
                                       "pids": {p: decision["pids"][p] for p in map(str, ids)}, "cause": cause,
                                       "time": time.time(), "recover_s": secs, **({} if self.grid.alone else {
                                           "retired": sorted({self.grid.replica(r) for r in lost}), "left": leaving})})
             print(f"braidtrain: live recovery at step {step + 1}: {what} ({secs:.1f} s)", flush=True)
-        self.report = {"world_size": len(ids), "recover_s": secs}
+        self.report = {"world_size": len(ids), "recover_s" if lost else "rebuilt_s": secs}
         return target
 
     def fall_back(self, why: str) -> None:
