@@ -22,6 +22,10 @@ import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from loss_gpu import peak_mb  # noqa: E402  (this folder is sys.path[0]: a sibling script)
+
+
+CUDA = torch.device("cuda")
 
 
 def today(gate_up):
@@ -135,16 +139,6 @@ def kernels_ms(fn):
         f"{e.key[:40]} {e.self_device_time_total / 1e3:.3f}" for e in top)
 
 
-def peak_mb(fn):
-    fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def main():
     from triton.testing import do_bench
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -178,8 +172,8 @@ def main():
             k_pw, top_pw = kernels_ms(step_pw)
             k_mlp, top_mlp = kernels_ms(step_mlp)
             print(f"  {label:9s} pointwise f+b {t_pw:.3f} ms (kernels {k_pw:.3f}: {top_pw})  rel err {err:.1e}"
-                  f"  peak {peak_mb(step_pw):.0f} MB")
-            print(f"  {label:9s} whole MLP f+b {t_mlp:.3f} ms (kernels {k_mlp:.3f}: {top_mlp})  peak {peak_mb(step_mlp):.0f} MB")
+                  f"  peak {peak_mb(step_pw, CUDA):.0f} MB")
+            print(f"  {label:9s} whole MLP f+b {t_mlp:.3f} ms (kernels {k_mlp:.3f}: {top_mlp})  peak {peak_mb(step_mlp, CUDA):.0f} MB")
 
 
 def check():
