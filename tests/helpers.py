@@ -121,17 +121,23 @@ def launch(*target, nproc: int = 1, cwd=ROOT, environ: dict | None = None, timeo
     writes. Past `timeout`, every rank is killed (subprocess.TimeoutExpired)."""
     target = [str(a) for a in target]
     base = dict(env() if environ is None else environ)
-    for _ in range(3):
+    with hold_port() as held:
         if nproc > 1:
-            with socket.socket() as s:  # a free port for rank 0's store
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        p = _launch(target, nproc, cwd, base, timeout, fsize)
-        # (between the port's pick and rank 0's bind, another process may have taken it: pick again)
-        if nproc == 1 or f"could not serve the rendezvous on 127.0.0.1:{port}" not in p.stderr:
-            return p
-    return p
+            base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(held.getsockname()[1]))
+        return _launch(target, nproc, cwd, base, timeout, fsize)
+
+
+def hold_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 (getsockname()[1]), for rank 0's store: keep it open
+    until the ranks are done. Held -- bound with SO_REUSEADDR, not listening -- the port is given to no
+    other bind(0) nor outgoing connection of a busy machine, so nothing takes it between the pick and
+    rank 0's bind (TCPStore binds with SO_REUSEADDR too, which a held port lets through), and no rank
+    of this launch meets another run's store on it. A port picked and released has both races."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedProcess:

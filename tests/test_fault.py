@@ -24,7 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from braidtrain.collective.fault import Guard
-from helpers import ROOT, SMALL, braidtrain, env, metrics, summary
+from helpers import ROOT, SMALL, braidtrain, env, hold_port, metrics, summary
 
 D = 512
 COMMON = [*SMALL, "-d", D, "-x", 8, "--exact"]
@@ -189,11 +189,8 @@ def test_frozen_pipeline_stage_is_named_and_the_pipeline_resumes_exactly(tmp_pat
 def test_frozen_store_host_is_detected(tmp_path, shakespeare):
     """Started by hand (-pi tcp), rank 0 hosts the store; freezing it freezes the store too, which
     can block a store call forever. Rank 1 must still give up within its heartbeat timeout."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    held = hold_port()
+    port = held.getsockname()[1]
     run, e = tmp_path / "run", dict(env(), BRAIDTRAIN_FAULT="stop:rank=0:step=3")
     procs = [subprocess.Popen([sys.executable, "-m", "braidtrain", "train", *map(str, COMMON), "-i", str(shakespeare),
                                "--out", str(run), "-pi", "tcp", "-ps", f"127.0.0.1:{port}", "-pn", "2", "-pr", str(r),
@@ -204,6 +201,7 @@ def test_frozen_store_host_is_detected(tmp_path, shakespeare):
     finally:
         procs[0].kill()  # frozen: only SIGKILL ends it
         procs[0].communicate()
+        held.close()
     assert procs[1].returncode == 75, err
     # Which silence the judge saw first -- the store's or rank 0's heartbeat (its beat thread may have
     # been starved of the CPU just before it froze, while the store's own thread still answered) -- is timing.

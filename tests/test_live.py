@@ -17,7 +17,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, SMALL, _start, braidtrain, env, metrics, summary
+from helpers import ROOT, SMALL, _start, braidtrain, env, hold_port, metrics, summary
 
 D, STEPS = 2048, 8  # 4 micro-batches of b 2 x t 64 per rank at dp 4: a lost rank's 4 go 2, 1, 1 to three
 COMMON = [*SMALL, "-d", D, "-x", STEPS, "--exact", "--heartbeat-timeout", 3, "--timeout", 60, "--bucket-mb", 0.01]
@@ -55,9 +54,8 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
     (tests/forkserver.py) -- `fault`: BRAIDTRAIN_FAULT, or each rank's -- and with `join` a process
     asking to join in place of that rank (key "join"), and with `bad` flags one asking to join for
     rank 3 with them too (key "bad"); returns ({rank: pid}, {rank: exit code}, stdout, stderr)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    held = hold_port()  # closed when the ranks are done
+    port = held.getsockname()[1]
     out, err = tmp / "out.txt", tmp / "err.txt"
     out.touch(), err.touch()
     target = ["-m", "braidtrain", "train", *map(str, args), "--live-recovery", "-pi", "tcp", "-ps", f"127.0.0.1:{port}",
@@ -80,6 +78,7 @@ def by_hand(nproc: int, args: list, fault: str | dict, tmp: Path, join: int | No
                 except ProcessLookupError:
                     pass
             f.close(), conn.close()
+        held.close()
     return {r: pid for r, (_, _, pid) in ranks.items()}, codes, out.read_text(), err.read_text()
 
 

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import ROOT, SMALL, _start, braidtrain, env, metrics, summary
+from helpers import ROOT, SMALL, _start, braidtrain, env, hold_port, metrics, summary
 
 X = 8
 COMMON = [*SMALL, "-d", 512, "-x", X, "--exact"]
@@ -39,14 +39,10 @@ class Ranks:
         self.out, self.err = os.path.join(self.tmp, "out"), os.path.join(self.tmp, "err")
         open(self.out, "w").close(), open(self.err, "w").close()
         base = dict(environ or env())
+        self.held = hold_port()  # closed in wait()
         if nproc > 1:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port))
+                        MASTER_PORT=str(self.held.getsockname()[1]))
         target = ["-m", "braidtrain", "train", *map(str, args)]
         self.ranks = [_start(dict(target=target, cwd=str(ROOT), out=self.out, err=self.err, fsize=None,
                                   env=dict(base, **({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc > 1 else {}))))
@@ -72,6 +68,7 @@ class Ranks:
                 codes.append(int(f.readline() or -9))
             f.close()
             conn.close()
+        self.held.close()
         out, err = Path(self.out).read_text(), Path(self.err).read_text()
         shutil.rmtree(self.tmp, ignore_errors=True)
         return codes, out, err

@@ -17,10 +17,11 @@ import pytest
 import torch.distributed as dist
 
 from braidtrain.errors import UserError
-from braidtrain.collective.rendezvous import FS_FILE
+from braidtrain.collective.rendezvous import FS_FILE, check_in
 from braidtrain.collective.comm import Comm
 from braidtrain.collective.mesh import build_mesh
 from braidtrain.collective.runtime import init_runtime
+from helpers import hold_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,10 +62,11 @@ print(f"LEFT {{rt.rank}} {{threads() - before}}", flush=True)
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def port():
+    """A free port, held for the test (helpers.hold_port)."""
+    with hold_port() as held:
+        yield held.getsockname()[1]
 
 
 @pytest.fixture
@@ -129,16 +131,16 @@ def by_hand(worker, kwargs_per_rank):
 
 # ------------------------------------------------------------------ the four init methods
 
-def test_env_under_torchrun(worker):
+def test_env_under_torchrun(worker, port):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), worker, json.dumps({"device": "cpu"})]
+           "--master-addr", "127.0.0.1", "--master-port", str(port), worker, json.dumps({"device": "cpu"})]
     (rc, out), = run_all([cmd], timeout=90)
     assert rc == 0, out
     check_two_ranks(results([(rc, out)]))
 
 
-def test_tcp_by_hand(worker):
-    server = f"127.0.0.1:{free_port()}"
+def test_tcp_by_hand(worker, port):
+    server = f"127.0.0.1:{port}"
     kws = [dict(init_method="tcp", num_processes=2, process_rank=r, gpus_per_node=2, server=server,
                 device="cpu", timeout_s=60) for r in (1, 0)]  # rank 1 first: it must wait for rank 0
     check_two_ranks(results(run_all(by_hand(worker, kws))))
@@ -235,10 +237,10 @@ def test_default_env_yields_to_the_user_and_ends_with_close(monkeypatch):
 
 # ------------------------------------------------------------------ bad launches
 
-def test_unreachable_server_fails_in_time():
+def test_unreachable_server_fails_in_time(port):
     t0 = time.monotonic()
     with pytest.raises(UserError) as e:
-        init_runtime("tcp", num_processes=2, process_rank=1, server=f"127.0.0.1:{free_port()}",
+        init_runtime("tcp", num_processes=2, process_rank=1, server=f"127.0.0.1:{port}",
                      device="cpu", timeout_s=3)
     assert time.monotonic() - t0 < 9
     msg = str(e.value)
@@ -271,10 +273,10 @@ def test_server_that_is_not_a_rendezvous():
     assert time.monotonic() - t0 < 9
 
 
-def test_missing_rank_is_counted():
+def test_missing_rank_is_counted(port):
     t0 = time.monotonic()
     with pytest.raises(UserError, match=r"only 1 of 2 processes reached the rendezvous"):
-        init_runtime("tcp", num_processes=2, process_rank=0, server=f"127.0.0.1:{free_port()}",
+        init_runtime("tcp", num_processes=2, process_rank=0, server=f"127.0.0.1:{port}",
                      device="cpu", timeout_s=3)
     assert time.monotonic() - t0 < 9
 
@@ -306,8 +308,8 @@ def test_mpi_without_mpi4py(monkeypatch):
     assert str(e.value) == "-pi mpi needs mpi4py (pip install mpi4py) and an MPI launcher (mpirun)"
 
 
-def test_mismatched_num_processes(worker):
-    server = f"127.0.0.1:{free_port()}"
+def test_mismatched_num_processes(worker, port):
+    server = f"127.0.0.1:{port}"
     kws = [dict(init_method="tcp", num_processes=n, process_rank=r, server=server, device="cpu", timeout_s=20)
            for r, n in ((0, 2), (1, 3))]
     for rc, out in run_all(by_hand(worker, kws), timeout=40):
@@ -318,9 +320,9 @@ def test_mismatched_num_processes(worker):
         assert float(re.search(r"INIT_S (\S+)", out).group(1)) < 15, out
 
 
-def test_duplicate_rank():
+def test_duplicate_rank(port):
     # Two callers claim rank 1 of 3 while rank 0 waits: all three must fail, the store never hangs.
-    server, errors = f"127.0.0.1:{free_port()}", []
+    server, errors = f"127.0.0.1:{port}", []
 
     def call(rank):
         try:
@@ -335,6 +337,27 @@ def test_duplicate_rank():
     for t in threads:
         t.join(20)
     assert len(errors) == 3 and all("started as rank 1" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("rank, world, says", [
+    (1, 2, "two processes were started as rank 1 at this rendezvous"),
+    (2, 3, "rank 2 was started with -pn 3 but rank 0 with -pn 2"),
+])
+def test_a_latecomer_to_a_finished_check_in_is_told_what_it_found(rank, world, says):
+    """A process that reaches a store after its world of 2 checked in (verdict "ok") -- a second process
+    with a rank, or a rank of another run whose store holds that port -- fails with what it found: never
+    the verdict "ok" itself (a loaded round once printed `braidtrain: error: ok`)."""
+    store, deadline = dist.HashStore(), time.monotonic() + 20
+    store.set_timeout(timedelta(seconds=20))
+    world_of_two = [threading.Thread(target=check_in, args=(store, r, 2, deadline, 20)) for r in (0, 1)]
+    for th in world_of_two:
+        th.start()
+    for th in world_of_two:
+        th.join(30)
+    assert store.get("verdict") == b"ok"
+    with pytest.raises(UserError) as e:
+        check_in(store, rank, world, deadline, 20)
+    assert says in str(e.value), str(e.value)
 
 
 def test_exact_cublas_variable_goes_once_checked_on_compute_capability_9_0(monkeypatch):

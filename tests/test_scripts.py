@@ -5,13 +5,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, SMALL, env
+from helpers import ROOT, SMALL, env, hold_port
 
 # Stand-ins for Slurm's tools: a job's "nodes" are all this machine. Only the first node's name
 # resolves (127.0.0.1): a script that looked for rank 0 anywhere else would not find it.
@@ -53,12 +52,6 @@ TRAIN = list(map(str, [*SMALL, "-x", 1, "-d", 256, "--device", "cpu", "--exact",
 SCRIPTS = ("torchrun.sbatch", "tcp.sbatch", "fs.sbatch", "mpirun.sh")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mpi_missing():
     import importlib.util
     missing = [w for w, ok in (("mpirun", shutil.which("mpirun")), ("mpi4py", importlib.util.find_spec("mpi4py"))) if not ok]
@@ -77,11 +70,17 @@ def launched(tmp_path_factory, shakespeare):
     base = {k: v for k, v in env().items() if not k.startswith(("SLURM_", "MASTER_", "WORLD_SIZE", "LOCAL_RANK"))}
     base.update(PATH=f"{bin_dir}{os.pathsep}{base['PATH']}", PYTHON=sys.executable, CONFIG="tiny",
                 DATA=str(shakespeare))
+    held = []  # each launch's port and the stale file's, held until the jobs are done (helpers.hold_port)
+
+    def port():
+        held.append(hold_port())
+        return str(held[-1].getsockname()[1])
+
     # A stale rendezvous file in the fs script's folder, naming a dead port: rank 1 (started first)
     # may read it, and must wait for the one rank 0 writes instead.
     fs_dir = tmp / "shared"
     fs_dir.mkdir()
-    (fs_dir / "braidtrain_rendezvous.txt").write_text(f"127.0.0.1:{free_port()} braidtrain/0123456789ab\n")
+    (fs_dir / "braidtrain_rendezvous.txt").write_text(f"127.0.0.1:{port()} braidtrain/0123456789ab\n")
     script = lambda name: str(ROOT / "scripts" / name)
     two_nodes = ["sbatch", "--nodes=2", "--ntasks-per-node=1"]
     jobs = {  # name: (command, extra environment)
@@ -97,7 +96,7 @@ def launched(tmp_path_factory, shakespeare):
     procs, found = {}, {}
     try:
         for name, (cmd, extra) in jobs.items():
-            e = dict(base, OUT=str(tmp / f"run_{name}"), PORT=str(free_port()), **extra)
+            e = dict(base, OUT=str(tmp / f"run_{name}"), PORT=port(), **extra)
             procs[name] = subprocess.Popen([*cmd, *TRAIN], cwd=tmp, env=e, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for name, p in procs.items():
@@ -109,6 +108,8 @@ def launched(tmp_path_factory, shakespeare):
             except ProcessLookupError:
                 pass
             p.wait()
+        for s in held:
+            s.close()
     return {name: (procs[name].returncode, out, run) for name, (out, run) in found.items()} | {"fs_dir": fs_dir}
 
 

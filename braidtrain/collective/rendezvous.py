@@ -162,12 +162,15 @@ def check_in(store, rank, world, deadline, timeout_s):
     def fail(msg):
         verdict = store.compare_set("verdict", "", msg).decode()
         store.add("verdict_read", 1)
-        raise UserError(verdict)
+        # "ok": rank 0 had found its world complete before this process got here -- a second process
+        # with this rank, or a rank of another run that serves this port: its own finding is the news.
+        raise UserError(msg if verdict == _OK else verdict)
 
     store.set(f"np/{rank}", str(world))
     store.add("arrived", 1)  # (duplicates included: rank 0 waits for all of them to read a failure)
     if store.add(f"seen/{rank}", 1) > 1:
-        fail(f"two processes were started as rank {rank}: give each process its own -pr")
+        fail(f"two processes were started as rank {rank} at this rendezvous: give each process its own -pr "
+             f"(and each run its own port)")
     if rank != 0:
         try:  # the store's timeout is what is left of ours
             theirs = int(store.get("np/0"))
