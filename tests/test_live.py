@@ -218,6 +218,35 @@ def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref)
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 
 
+def test_a_verdict_after_the_final_collective_finds_the_run_complete(tmp_path, shakespeare, ref):
+    """2 ranks. At a step drawn, rank 0 judges rank 1 lost although it beats: the two make their world
+    again -- and doctor says that no rank was lost and where each gave up, not that one stopped or
+    that they deadlocked. After the run's final collective, once rank 0 has written the summary, rank 1
+    judges rank 0 lost the same way before it leaves the final part (as a verdict in the moment before
+    it saw the last collective complete): its recovery finds the run complete (rank 0's mark, read
+    while rank 0 still serves the store), and both exit 0 -- not a fallback to a restart (exit 75) of a
+    run that is done -- with the uninterrupted run's losses, summary and weights."""
+    d = draw("complete", zero=range(4), step=range(2, STEPS + 1))
+    run = tmp_path / "run"
+    faults = {0: f"misjudge:rank=0:step={d['step']}", 1: f"misjudge:rank=1:step={STEPS + 2}"}
+    pids, codes, out, err = by_hand(2, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], faults, tmp_path)
+    assert codes == {0: 0, 1: 0}, err[-5000:]
+    assert "braidtrain: rank 1: the run was complete when this rank gave up its wait (rank 0 sent no heartbeat" in \
+        err, err[-3000:]
+    assert f"live recovery at step {d['step']}: no rank lost (rank 1 sent no heartbeat for 3.0 s" in out, out
+    assert membership(run) == [] and d["step"] in [c["step"] for c in membership(run, rebuilt=True)]
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in recs] == [r["loss"] for r in metrics(ref)]
+    assert summary(run)["step"] == STEPS and summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
+    assert (run / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+    report = braidtrain("doctor", run).stdout
+    assert changed(report, d["step"], "no rank lost"), report
+    assert "no rank was lost: a heartbeat verdict proved false (every member said it is here), so the members gave " \
+           "up where they were -- " in report, report
+    assert "deadlock" not in report and "stopped" not in report, report
+
+
 def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
     """Rank 2 killed at step 3 while a fifth process asks to join in its place, at ZeRO 1-3: the
     three others redo step 3, admit it two steps later (step 6), re-shard the state over the four

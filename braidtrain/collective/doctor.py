@@ -76,14 +76,18 @@ def diagnose(run: Path) -> list[str]:
                 c = json.loads(line)
                 out.append(f"membership change {c['epoch']} at step {c['step']}: {c['what']}")
                 folder = flight / f"live-{c['epoch'] - 1}"
+                rebuilt = not c["lost"] and not c.get("joined")  # (a verdict that proved false: no one to blame)
                 if folder.is_dir() and any(folder.glob("rank_*.jsonl")):
-                    out += [f"  {line}" for line in _diagnose_logs(folder)]
+                    out += [f"  {line}" for line in _diagnose_logs(folder, rebuilt)]
     if out and not any(flight.glob("rank_*.jsonl")):
         return out
     return out + _diagnose_logs(flight)
 
 
-def _diagnose_logs(flight: Path) -> list[str]:
+def _diagnose_logs(flight: Path, rebuilt: bool = False) -> list[str]:
+    """`rebuilt`: the logs of a world that live recovery made again over the same members after a
+    heartbeat verdict that proved false -- every member wrote its log and said it is here, so no rank
+    stopped anything: where each was when the step was abandoned, not who held whom up."""
     headers, records, out = read_logs(flight)
     any_h = next(iter(headers.values()))
     world = any_h["world_size"]
@@ -118,6 +122,8 @@ def _diagnose_logs(flight: Path) -> list[str]:
                 what = "; ".join(f"{_ranks(rs)} issued {op} {g} "
                                  f"{dtype}{list(shape)}" for (op, shape, dtype), rs in sig.items())
                 return out + [f"mismatch at collective #{k} (step {logs[min(logs)][k]['step']}): {what}"]
+    if rebuilt:
+        return out + [_abandoned(records)]
     # 2. Who was left waiting where, and which member of that group never came.
     waiting = {}
     for r, recs in records.items():
@@ -173,3 +179,23 @@ def _diagnose_logs(flight: Path) -> list[str]:
         return out + [f"every rank issued collective {what}, but it did not complete: look at the network / NCCL "
                       f"rather than at one rank"]
     return out + ["; ".join(culprits + tails + behind)]
+
+
+def _abandoned(records: dict[int, list[dict]]) -> str:
+    """Where each rank gave up when a verdict that proved false made every member abandon its step (or
+    the final save): its oldest open collective, else its last completed one -- a stall, not a rank that
+    stopped or a deadlock, whatever collectives the waits were in."""
+    where = {}
+    for r, recs in records.items():
+        open_ = [x for x in recs if x["t_end"] is None]
+        done = [x for x in recs if x["t_end"] is not None]
+        if open_:
+            x = min(open_, key=lambda x: x["seq"])
+            where.setdefault(f"waited in #{x['gseq']} ({_desc(x)})", []).append(r)
+        else:
+            x = max(done, key=lambda x: x["seq"], default=None)
+            where.setdefault("was between collectives" + (f" (its last: #{x['gseq']} ({_desc(x)}))" if x else ""),
+                             []).append(r)
+    return ("no rank was lost: a heartbeat verdict proved false (every member said it is here), so the members gave "
+            "up where they were -- " + "; ".join(f"{_ranks(rs)} {w}" for w, rs in where.items())
+            + " -- and made their world again over the same members")

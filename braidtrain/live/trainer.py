@@ -72,6 +72,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         self.M = self.D * self.m  # micro-batches of a step
         self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.replicas}  # replica -> micro-batches
         self.epoch, self.degraded, self.recovering, self.noticed, self.cause = 0, False, False, None, None
+        self.complete = False  # a recovery found the run complete (members.complete): nothing left to do
         self.lock = threading.Lock()
         self.applied = None  # this step's update, once applied on this rank: its clip scale and skip flag
         self.arriving = False  # a joiner, taking its state
@@ -146,9 +147,14 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         return rec
 
     def misjudge(self, step: int) -> None:
-        """(The test hook "misjudge", collective/inject.py, once; step -x is the part after the last step.)
+        """(The test hook "misjudge", collective/inject.py, once; step -x is the part after the last step,
+        -x + 1 the moment after its final collective, once rank 0 is past it too: its summary written.)
         This rank's heartbeat judges the next member lost, and its first wait of the step is given up."""
         if self.fault and self.fault.kind == "misjudge" and step + 1 == self.fault.step:
+            deadline = time.monotonic() + self.cfg.timeout
+            while step > self.cfg.max_steps and not (self.out / "summary.json").exists() and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
             peer = self.ids[(self.ids.index(self.rt.rank) + 1) % len(self.ids)]
             self.fault._announce(f"rank {peer} judged lost although it beats")
             self.fault = None
@@ -193,20 +199,31 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         """After the last step, a peer lost -- or a verdict that proves false -- in the final save,
         validation or the weights' hash is recovered as in a step: every member has done every step
         (each took part in the last one's final collective), so the state is level; that part is done
-        again over the members. A finished run does not fall back to a restart."""
+        again over the members. A finished run does not fall back to a restart. Rank 0, once past the
+        final part, marks the run complete (members.complete): a member whose verdict comes after
+        that, before it has seen the last collective complete, finds the mark and has nothing to do."""
         while True:
             try:
                 self.misjudge(self.cfg.max_steps)
-                return super().finish(*last)
+                summary = super().finish(*last)
+                if self.on and self.rt.is_main:
+                    members.complete(self.rt.store, self.epoch)
+                self.misjudge(self.cfg.max_steps + 1)
+                return summary
             except Exception as e:
                 if not self.on or not is_transport(e):
                     raise
                 self.recover(self.cfg.max_steps - 1, e, finished=True)
+                if self.complete:
+                    return {"step": self.cfg.max_steps, "complete": True}  # (rank 0 wrote the run's summary)
 
     def end(self) -> None:
         """A peer lost in the run's last barrier: every member took part in every collective before it
         (the final checkpoint published, the summary written), so the run is complete -- one line, the
         silent peer ended as the heartbeat ends one, and exit 0."""
+        if self.complete:  # (the world's group was given up: no barrier)
+            self.guard.close(clean=True)
+            return
         try:
             super().end()
         except Exception as e:
@@ -242,6 +259,11 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
                                      self.grid.replica)
         except Exception as x:  # the store is gone with rank 0, or never agreed
             self.fall_back(f"live recovery failed ({first_line(x)})")
+        if decision.get("complete"):  # rank 0 had finished the run: every member was past every collective
+            say(f"braidtrain: rank {me}: the run was complete when this rank gave up its wait ({cause}); nothing "
+                f"to recover")
+            self.complete = True
+            return step + 1
         ids, lost = decision["members"], {int(k): v for k, v in decision["lost"].items()}
         here = sorted(int(p) for p in decision["pids"])  # (the members, and a retired replica's ranks)
         if me not in here:
