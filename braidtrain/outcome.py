@@ -46,12 +46,7 @@ def finish(tr, rec: dict | None, val, ev: dict | None, skipped: int, bubbles: li
         from torch._dynamo.utils import counters
 
         summary["compiled_graphs"] = counters["stats"]["unique_graphs"]
-    if rt.is_main:
-        summary["unigram_val_loss"] = unigram_entropy(tr.built.train_data)
-        (tr.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        if rec:
-            plot_runs([str(tr.out)], str(tr.out / "loss.png"))
-        rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
+    sample = None
     if cfg.sample_tokens:  # every rank takes part: under ZeRO-3 gathering is collective
         tok = get_tokenizer(tr.built.tok_name)
         prompt = sample_prompt(tok, tr.built.val_loader.data)  # e.g. a speaker's name line
@@ -62,8 +57,17 @@ def finish(tr, rec: dict | None, val, ev: dict | None, skipped: int, bubbles: li
                                        mult=tr.layout.tp if tr.layout.sp else 1, seed=cfg.seed,
                                        share=tr.passes.share_token))
         start = f"the prompt {tok.decode(prompt)!r}, from the validation text" if prompt else "no prompt"
-        rt.log(f"--- sample ---\n[{start}, then {cfg.sample_tokens} sampled tokens]\n"
-               + tok.decode(prompt) + text + "\n--------------")
+        sample = (f"--- sample ---\n[{start}, then {cfg.sample_tokens} sampled tokens]\n" + tok.decode(prompt) + text
+                  + "\n--------------")
+    tr.past_collectives()  # (the run's last collective is done: what is left is this rank's own)
+    if rt.is_main:
+        summary["unigram_val_loss"] = unigram_entropy(tr.built.train_data)
+        (tr.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if rec:
+            plot_runs([str(tr.out)], str(tr.out / "loss.png"))
+        rt.log(f"val loss {val:.4f} (unigram baseline of the corpus: {summary['unigram_val_loss']:.4f})")
+        if sample:
+            rt.log(sample)
     return summary
 
 

@@ -399,6 +399,10 @@ class Trainer:
         """After the last step: the final save, validation and summary (outcome.finish)."""
         return outcome.finish(self, rec, val, ev, skipped, bubbles)
 
+    def past_collectives(self) -> None:
+        """(outcome.finish, on every rank, once the run's last collective is done.) A hook: live
+        recovery's rank 0 marks the run complete there (live/trainer.py)."""
+
 
 def _ranges(ranks: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""

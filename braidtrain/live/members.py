@@ -55,7 +55,7 @@ def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeou
 
 
 def complete(store, e: int) -> None:
-    """(Rank 0, past the run's final part.) The run is complete: epoch e's decision, unless a recovery
+    """(Rank 0, past the run's last collective.) The run is complete: epoch e's decision, unless a recovery
     decided first. Every collective of the run needed every member's part, so a member whose wait is
     given up after this (a verdict in the moment before it saw the last collective complete) has
     nothing left to do: its agreement reads this and it ends as a finished run's rank (exit 0). The

@@ -73,6 +73,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         self.plan = {i: list(range(i * self.m, (i + 1) * self.m)) for i in self.replicas}  # replica -> micro-batches
         self.epoch, self.degraded, self.recovering, self.noticed, self.cause = 0, False, False, None, None
         self.complete = False  # a recovery found the run complete (members.complete): nothing left to do
+        self.marked = False  # (rank 0) it marked the run complete: past its last collective, it never falls back
         self.lock = threading.Lock()
         self.applied = None  # this step's update, once applied on this rank: its clip scale and skip flag
         self.arriving = False  # a joiner, taking its state
@@ -95,20 +96,21 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
     def peer_lost(self, verdict: str) -> bool:
         """The heartbeat judged a peer lost: abort this rank's waits, and let the main thread
         recover -- unless it does not come within the grace (stuck where it cannot be interrupted):
-        then False, and the guard falls back to the restart path."""
+        then False, and the guard falls back to the restart path. (Rank 0 past the last collective has
+        no wait to be stuck in: no grace.)"""
         if self.recovering:
             return True
         now = time.monotonic()
         if self.noticed is None:
             self.noticed, self.cause = now, verdict
             self.comm.abort.set()
-        return now - self.noticed < 2 * self.cfg.heartbeat_timeout
+        return self.marked or now - self.noticed < 2 * self.cfg.heartbeat_timeout
 
     def poll(self, client) -> None:
         """(The heartbeat thread, every beat.) Another member began a recovery: abort our waits too."""
         e = self.epoch
         with self.lock:  # (rebuild clears both at once)
-            late = not self.recovering and self.noticed is not None and \
+            late = not self.recovering and not self.marked and self.noticed is not None and \
                 time.monotonic() - self.noticed > 2 * self.cfg.heartbeat_timeout
         if late:
             self.fall_back("this rank did not get back from where it waited (not a collective it can abandon)")
@@ -148,7 +150,7 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
 
     def misjudge(self, step: int) -> None:
         """(The test hook "misjudge", collective/inject.py, once; step -x is the part after the last step,
-        -x + 1 the moment after its final collective, once rank 0 is past it too: its summary written.)
+        -x + 1 the moment after its last collective, once rank 0 is past it too: its summary written.)
         This rank's heartbeat judges the next member lost, and its first wait of the step is given up."""
         if self.fault and self.fault.kind == "misjudge" and step + 1 == self.fault.step:
             deadline = time.monotonic() + self.cfg.timeout
@@ -199,23 +201,29 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         """After the last step, a peer lost -- or a verdict that proves false -- in the final save,
         validation or the weights' hash is recovered as in a step: every member has done every step
         (each took part in the last one's final collective), so the state is level; that part is done
-        again over the members. A finished run does not fall back to a restart. Rank 0, once past the
-        final part, marks the run complete (members.complete): a member whose verdict comes after
-        that, before it has seen the last collective complete, finds the mark and has nothing to do."""
+        again over the members. A finished run does not fall back to a restart; nor does a member whose
+        verdict comes after rank 0 is past the last collective (past_collectives)."""
         while True:
             try:
                 self.misjudge(self.cfg.max_steps)
-                summary = super().finish(*last)
-                if self.on and self.rt.is_main:
-                    members.complete(self.rt.store, self.epoch)
-                self.misjudge(self.cfg.max_steps + 1)
-                return summary
+                return super().finish(*last)
             except Exception as e:
                 if not self.on or not is_transport(e):
                     raise
                 self.recover(self.cfg.max_steps - 1, e, finished=True)
                 if self.complete:
                     return {"step": self.cfg.max_steps, "complete": True}  # (rank 0 wrote the run's summary)
+
+    def past_collectives(self) -> None:
+        """Rank 0 past the run's last collective, which needed every member's part: the run is complete.
+        It says so in the store (members.complete), so that a member whose verdict comes now, before it
+        has seen that collective complete, finds it and has nothing to do -- rather than judging rank 0
+        lost as it leaves. From here rank 0 has only its own work left (the summary, the plot: on a
+        loaded machine, seconds), so it no longer falls back for a wait it did not give up in time."""
+        if self.on and self.rt.is_main:
+            members.complete(self.rt.store, self.epoch)
+            self.marked = True
+        self.misjudge(self.cfg.max_steps + 1)
 
     def end(self) -> None:
         """A peer lost in the run's last barrier: every member took part in every collective before it
