@@ -24,6 +24,9 @@ stuck where it cannot be interrupted, a peer is lost between two steps (a checkp
 validation; after the last step the final save and validation are recovered), no agreement comes in time, a
 rank of rank 0's replica is lost (pp, tp, cp), or -- ZeRO 1-3 -- a rank is lost with its buddy, or
 one rank (one replica) would be left.
+Past the run's last collective rank 0 writes "complete" in the place of the epoch's decision, and
+keeps the store up until every member has closed it: a member whose wait is given up then (it had
+not yet seen that collective complete) reads it and ends as a finished run's rank.
 
   trainer.py   LiveTrainer: the step that survives a loss, recover, grow (a joiner in)
   members.py   the agreement on the members through the store; the membership log
