@@ -7,24 +7,25 @@
 # thread's waits for it in the next step's forward), each beside the planner's figure.
 #   p. the probe: fused CPU AdamW elements/s on every core, pinned D2H/H2D GB/s, the host's copy GB/s
 #      (offload_probe.py: the figures plan/timing.py's HOST_ADAM_PPS, PCIE_*_GBPS are to be set from)
+#   b. llama3.1-8b -t 2048 -d 262144 in one call, side by side: --offload optimizer -b 4 --compile, no
+#      --recompute (the planner's pick: `plan --model llama3.1-8b -t 2048 -d 262144 --compile`; b 4
+#      without recompute fits only because the GPU holds no fp32 master or moments), and today's best
+#      layout without offload, ZeRO-0 -b 4 --recompute --compile (issue #57's row was at -d 65536)
 #   a. llama3.1-8b -b 1 -t 2048 -d 65536 --offload optimizer --compile, no --recompute
 #   c. llama3.2-3b -b 2 -t 2048 -d 4096 (one micro-step) --compile, with and without offload; beside it
 #      torch FSDP2 + CPUOffloadPolicy on transformers' LlamaForCausalLM of that shape (bench.torchref
 #      fsdp2-offload, eager)
 #   0. exact mode: a small llama with and without --offload optimizer, the same weights_sha256?
-#   b. llama3.1-8b -d 262144, as a
 #   x. extras, if time is left: fsdp2-offload-compile; DeepSpeed ZeRO-Offload (only where its wheels
 #      are carried in .whl: docs/performance.md says how; its CPU Adam is compiled on the spot)
 # Data: data/shakespeare_bytes, carried or else prepared here (the corpus ships with braidtrain).
-# The no-offload llama3.1-8b row (ZeRO-0 -b 4 --recompute --compile: 9,172 tokens/s, 44.7% MFU, 139.4 GB) is
-# issue #57's, measured on the same machine; it is not run again here (device time).
-# Usage: bash benchmarks/memory-plan/offload_gpu.sh [p a c 0 b x]   SMOKE=1: the same on the CPU at tiny sizes
+# Usage: bash benchmarks/memory-plan/offload_gpu.sh [p b a c 0 x]   SMOKE=1: the same on the CPU at tiny sizes
 # Parts run in the order above, each skipped (saying so) when too little of BUDGET (seconds, default 390:
 # an 8-minute call with the machine's start) is left, and each stopped when it would overrun BUDGET.
 # Prints one table at the end; writes $OUT/offload_gpu.json (every row) and $OUT/offload_gpu.log.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-parts=" ${*:-p a c 0 b x} "
+parts=" ${*:-p b a c 0 x} "
 OUT=${OUT:-/tmp/offload_gpu}
 mkdir -p "$OUT"
 W=$(mktemp -d)  # each run's JSON (only two files go to $OUT: a call brings back at most 8)
@@ -44,8 +45,8 @@ python benchmarks/corpus/llama3_ids.py  # data/shakespeare_128k: Llama-3's ids f
 # fits N: the time left of BUDGET covers N seconds (what the part needs on an H200, estimated)
 fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
 # bounded CMD...: CMD, stopped once BUDGET is spent (exit 124)
-bounded() { timeout $((BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10)) "$@"; }
-fit() { local name=$1; shift; echo "== $name: $*"; bounded python benchmarks/speed/fit_gpu.py --json "$W/$name.json" "$@" \
+bounded() { timeout -k 15 $((BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10)) "$@"; }
+fit() { local name=$1; shift; echo "== $name (at ${SECONDS} s): $*"; bounded python benchmarks/speed/fit_gpu.py --json "$W/$name.json" "$@" \
   || echo "($name failed: exit $?)"; }
 yard() { local name=$1 mode=$2; echo "== $name: torch $mode, $m3 -b 2 -t $t -d $d3"; bounded python -m torch.distributed.run \
   --standalone --nproc-per-node=1 -m braidtrain.bench.torchref --mode "$mode" --model $m3 -i $WIDE -b 2 -t $t -d $d3 --steps 3 \
@@ -54,6 +55,10 @@ steps="--steps 3 --warmup 1"
 
 [[ $parts == *" p "* ]] && fits 20 && { echo "== probe"; bounded python benchmarks/memory-plan/offload_probe.py $probe --json "$W/probe.json" \
   || echo "(probe failed: exit $?)"; }
+if [[ $parts == *" b "* ]]; then  # (each ~3 minutes on the H200: the 8B build, pinning, compilation, two steps)
+  fits 170 && fit b-8b-262144-offload --model $m8 -i $WIDE -b 4 -t $t -d $d8b --offload optimizer $c $dev --steps 2 --warmup 1
+  fits 150 && fit b-8b-262144-device --model $m8 -i $WIDE -b 4 -t $t -d $d8b --zero 0 --recompute $c $dev --steps 2 --warmup 1
+fi
 [[ $parts == *" a "* ]] && fits 150 && fit a-8b-65536 --model $m8 -i $WIDE $b8 -t $t -d $d8a --offload optimizer $c $dev $steps
 if [[ $parts == *" c "* ]] && fits 120; then
   fit c-3b-offload --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $steps
@@ -71,7 +76,6 @@ json.dump({'weights_sha256': s['weights_sha256']}, open('$W/exact${off:+-offload
     rm -rf "$o" "$o.log"
   done
 fi
-[[ $parts == *" b "* ]] && fits 160 && fit b-8b-262144 --model $m8 -i $WIDE $b8 -t $t -d $d8b --offload optimizer $c $dev --steps 2 --warmup 1
 if [[ $parts == *" x "* ]]; then
   fits 60 && yard x-3b-fsdp2-offload-compile fsdp2-offload-compile
   # DeepSpeed ZeRO-Offload (ZeRO-2, CPU Adam), GPU only (on the CPU DeepSpeed compiles its shared-memory comm too)

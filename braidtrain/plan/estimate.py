@@ -7,8 +7,8 @@ import functools
 
 from braidtrain.parallel import pipeline, placement
 from braidtrain.parallel.offload import SLOTS
-from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, HOST_STATE, NCCL_BYTES, activation_bytes,
-                                    bf16_kept, grads_at_peak,
+from braidtrain.plan.memory import (ALLOCATOR_SLACK, CONTEXT_BYTES, GB, HOST_PROCESS, HOST_STATE, NCCL_BYTES,
+                                    activation_bytes, bf16_kept, grads_at_peak,
                                     bucket_numels, fp8_params, moe_bytes, moe_layer_bytes, param_counts, rank_state,
                                     ring_bytes, stage_counts)
 from braidtrain.plan.space import Candidate, Setup, layout_of
@@ -81,14 +81,14 @@ def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float
     the widest owned shard of the blocks' (bf16) buckets, through which their weights come up
     (parallel/offload.py); the host's bytes a node (HOST_STATE a owned element, and SLOTS fp32
     staging buffers as wide as the widest owned shard -- an untied head's or the embedding's
-    bucket, for Llama -- per rank of the node); the step's added seconds: the copies' and the host
-    update's (plan/timing.offload_s)."""
+    bucket, for Llama -- and on a GPU the process's own HOST_PROCESS, per rank of the node); the
+    step's added seconds: the copies' and the host update's (plan/timing.offload_s)."""
     owned = (state["optimizer"] - state["master"]) / 8  # elements whose m and v this rank holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
     widths = bucket_numels(s.cfg, s.bucket_mb, lay.tp)  # (a pipeline's: the whole model's)
     shards = lay.dp * lay.cp if lay.zero else 1
     widest = -(-max(k for _, k in widths) // shards)
-    host = ranks * (HOST_STATE * owned + 4 * min(SLOTS, len(widths)) * widest)
+    host = ranks * (HOST_STATE * owned + 4 * min(SLOTS, len(widths)) * widest + (0 if s.cpu else HOST_PROCESS))
     # the device slot: as wide as the widest block (bf16) shard; on the CPU the copy rounds: no slot
     narrow = -(-max((k for kind, k in widths if kind == "block"), default=0) // shards)
     mem = {**mem, "optimizer": 0 if s.cpu else 4 * narrow}

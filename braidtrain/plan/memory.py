@@ -22,6 +22,10 @@ ALLOCATOR_SLACK = 0.05  # fragmentation of the caching allocator, a fraction of 
 NCCL_BYTES = 0.5e9  # NCCL's channel buffers per communicator (n > 1), outside torch's allocator
 GB = 1e9  # what metrics.jsonl's mem_gb uses
 HOST_STATE = 12  # --offload, per element a rank owns: fp32 master + Adam m, v in host memory (parallel/offload.py)
+# --offload on a GPU: a rank's own resident memory beside that state (torch, CUDA's host side, the compiled
+# graphs): the runs' max RSS less the planned state, 8.1 GB at llama3.2-3b and 8.2 at llama3.1-8b on the H200
+# (docs/performance.md, "Optimizer offload"); on the CPU the plan counts the state alone (plan --check's figure)
+HOST_PROCESS = 8e9
 
 
 def model_state_bytes(P: int, n: int, zero: int, block_params: int, embed_params: int, live: bool = False,
