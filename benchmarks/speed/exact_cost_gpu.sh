@@ -65,5 +65,8 @@ if [[ $parts == *" p "* ]] && fits 80; then
       2>&1 | grep -vE "^\[|Warning|warn"
   done
 fi
-wait
+# part b's checks; a bare `wait` would also wait for the log's tee (bash 5.1+ counts a process
+# substitution), which ends only when this script does: the call that ran `n c` hung here to its limit
+pids=$(jobs -p)
+[ -n "$pids" ] && wait $pids
 echo "done in $SECONDS s"
