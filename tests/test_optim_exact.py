@@ -1,7 +1,9 @@
-"""Exact mode's one-pass AdamW kernel (braidtrain/optim_exact.py) against its reference,
-optim.exact_adamw: bit for bit, on random shards of odd lengths with and without grad_scale and
-the skip flag, with the moments' edge cases (v = 0, subnormal v, huge and tiny g, a non-finite
-gradient under skip); and that the module imports and declines without triton.
+"""Exact mode's one-pass kernels (braidtrain/optim_exact.py) against their references, bit for bit:
+the AdamW update against optim.exact_adamw, on random shards of odd lengths with and without
+grad_scale and the skip flag, with the moments' edge cases (v = 0, subnormal v, huge and tiny g, a
+non-finite gradient under skip); the gradient norm's chunk sums against parallel/norm.py's
+chunk_squares (float64 pairwise trees over Q-element chunks), on gradients whose sums round
+differently in any other order; and that the module imports and declines without triton.
 
 The kernel runs on CPU through Triton's interpreter (NumPy's float32 operations, each correctly
 rounded: this checks the kernel's operations and their order); TRITON_INTERPRET=1 must be set
@@ -22,6 +24,7 @@ import torch
 from helpers import ROOT, run_interpreted
 
 LENGTHS = (1, 63, 1000, 4097, 300_001)
+CHUNKS = (1, 31, 33, 200, 4099)  # the norm's chunks a gradient (programs take optim_exact.CHUNKS each)
 
 
 def shards(n: int, seed: int, device):
@@ -59,6 +62,37 @@ def differences(device) -> dict:
     return out
 
 
+def gradients(chunks: int, seed: int, device):
+    """Named flat fp32 gradients of `chunks` Q-element chunks: unit normals (every chunk's sum
+    rounds, and another tree would round it otherwise), values over 80 binades (fp32's largest and
+    subnormals among them), and inf / NaN / +-0 sprinkled in."""
+    from braidtrain.parallel.buckets import Q
+
+    gen = torch.Generator().manual_seed(seed)
+    n = chunks * Q
+    unit = torch.randn(n, generator=gen)
+    wide = unit * 10 ** (torch.rand(n, generator=gen) * 80 - 42)
+    wide[::13], wide[1::17], wide[2::19] = 3.4e38, -1e-45, -0.0
+    odd = unit.clone()
+    odd[5::97], odd[7::131], odd[::3] = float("inf"), float("nan"), 0.0
+    return {k: t.to(device) for k, t in {"unit": unit, "wide": wide, "nonfinite": odd}.items()}
+
+
+def norm_differences(device) -> dict:
+    """name -> chunk sums that differ between the kernel and norm.chunk_squares (NaN = NaN)."""
+    from braidtrain import optim_exact
+    from braidtrain.parallel import norm
+    from braidtrain.parallel.buckets import Q
+
+    out = {}
+    for k, chunks in enumerate(CHUNKS):
+        for name, g in gradients(chunks, k, device).items():
+            a, b = optim_exact.chunk_squares(g, Q), norm.chunk_squares(g)
+            same = (a.view(torch.int64) == b.view(torch.int64)) | (a.isnan() & b.isnan())
+            out[f"norm.{name}.{chunks}"] = int((~same).sum()) + abs(a.numel() - chunks)
+    return out
+
+
 @pytest.fixture(scope="module")
 def measured():
     return run_interpreted(__file__)
@@ -66,8 +100,15 @@ def measured():
 
 def test_bitwise_as_exact_adamw(measured):
     """Every case and length: no element of p, m or v differs from the reference's."""
-    cases = {k: v for k, v in measured.items() if "." in k}
+    cases = {k: v for k, v in measured.items() if "." in k and not k.startswith("norm.")}
     assert len(cases) == 4 * len(LENGTHS), sorted(cases)
+    assert not any(cases.values()), {k: v for k, v in cases.items() if v}
+
+
+def test_norm_chunks_bitwise(measured):
+    """Every gradient and length: each chunk's float64 sum the reference's bits."""
+    cases = {k: v for k, v in measured.items() if k.startswith("norm.")}
+    assert len(cases) == 3 * len(CHUNKS), sorted(cases)
     assert not any(cases.values()), {k: v for k, v in cases.items() if v}
 
 
@@ -78,8 +119,8 @@ def test_without_triton(measured):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the compiled kernel)")
 def test_bitwise_on_gpu():
-    """The compiled kernel on CUDA tensors, bit for bit the reference's torch kernels there."""
-    found = differences("cuda")
+    """The compiled kernels on CUDA tensors, bit for bit the references' torch kernels there."""
+    found = {**differences("cuda"), **norm_differences("cuda")}
     assert not any(found.values()), {k: v for k, v in found.items() if v}
 
 
@@ -93,7 +134,7 @@ def _measure() -> dict:
     except ImportError:
         out = {"no_triton": "ImportError"}
     del sys.modules["triton"]
-    return {**out, **differences("cpu")}
+    return {**out, **differences("cpu"), **norm_differences("cpu")}
 
 
 if __name__ == "__main__":

@@ -4,23 +4,29 @@
 # data/shakespeare_bytes and data/shakespeare_gpt2 carried. Parts, in the order given:
 #   k  the one-pass exact AdamW kernel (optim_exact.py) bit for bit against optim.exact_adamw on
 #      100M elements, on the GPU and on the host, and the three updates' times at 1.24 B
-#      elements (benchmarks/kernels/exact_adamw_gpu.py); tests/test_optim_exact.py's GPU test
+#      elements (benchmarks/kernels/exact_adamw_gpu.py); tests/test_optim_exact.py's GPU test (~30 s)
+#   n  the exact norm's one-pass chunk sums (optim_exact.chunk_squares) bit for bit against
+#      norm.chunk_squares on 100M elements, and their times at 1.24 B elements against the torch
+#      kernels and the default norm (benchmarks/kernels/exact_norm_gpu.py); the GPU test (~30 s)
 #   c  the cost: bench train llama3.2-1b -b 4 -t 2048 -d 16384, --compile against --compile --exact,
-#      8 timed steps after 4 (no checkpoint written)
+#      8 timed steps after 4 (no checkpoint written; ~150 s)
 #   p  where the time goes: profile_step.py of the same step, default and --exact, eager
 #   b  the bits, three checks run in the background while the parts above run (none of them is
 #      timed): gpt2's exact weights_sha256 (--config gpt2 -b 16 -t 1024 -d 131072 -x 3 --exact
 #      --compile); --exact with and without --offload optimizer (offload_gpu.sh's part 0: a small
 #      llama, the update on the host against the kernel on the GPU); and that run with --cuda-graph
 #      (the kernel captured and replayed) -- the same weights_sha256 as without
-# Usage: OUT=/tmp/x bash benchmarks/speed/exact_cost_gpu.sh [b k c p]   (default: all; b starts first)
-# Writes exact_cost_gpu.log, kernel.json and bench.json to $OUT.
+# Usage: OUT=/tmp/x bash benchmarks/speed/exact_cost_gpu.sh [b k n c p]   (default: all; b starts first)
+# BUDGET (seconds, default 100000): a part is skipped, saying so, when less is left than its estimate.
+# Writes exact_cost_gpu.log, kernel.json, norm.json and bench.json to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/exact_cost}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/exact_cost_gpu.log") 2>&1
-parts=" ${*:-b k c p} "
+parts=" ${*:-b k n c p} "
+BUDGET=${BUDGET:-100000}
+fits() { local left=$((BUDGET - SECONDS)); [ "$left" -ge "$1" ] && return 0; echo "(skipped: $left s left, it needs ~$1 s)"; return 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 { cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'; } 2>/dev/null; date -u
@@ -36,23 +42,31 @@ if [[ $parts == *" b "* ]]; then
   ( python -m braidtrain train $small --cuda-graph --out /tmp/s_graph > /tmp/s_graph.log 2>&1
     hash "small --exact --cuda-graph" /tmp/s_graph; grep -iE "error|Traceback" /tmp/s_graph.log | head -3 ) &
 fi
-if [[ $parts == *" k "* ]]; then
+if [[ $parts == *" k "* ]] && fits 30; then
   echo "== k. the kernel against exact_adamw ($SECONDS s)"
   python benchmarks/kernels/exact_adamw_gpu.py --json "$OUT/kernel.json"
   python -m pytest -q -p no:cacheprovider tests/test_optim_exact.py -k gpu 2>&1 | tail -2  # the test, compiled
 fi
-if [[ $parts == *" c "* ]]; then
+if [[ $parts == *" n "* ]] && fits 30; then
+  echo "== n. the exact norm's chunk sums against norm.chunk_squares ($SECONDS s)"
+  python benchmarks/kernels/exact_norm_gpu.py --json "$OUT/norm.json"
+  python -m pytest -q -p no:cacheprovider tests/test_optim_exact.py -k gpu 2>&1 | tail -2  # both kernels, compiled
+fi
+if [[ $parts == *" c "* ]] && fits 150; then
   echo "== c. llama3.2-1b, --compile against --compile --exact ($SECONDS s)"
-  python -m braidtrain bench train --model llama3.2-1b -i data/shakespeare_128k -b 4 -t 2048 -d 16384 --steps 8 --warmup 4 \
+  python -m braidtrain bench train --model llama3.2-1b -i data/shakespeare_128k -b 4 -t 2048 -d 16384 --steps 12 --warmup 4 \
     --nproc 1 --torch '' --loss-tol 0.05 --layout='--compile --no-save' --layout='--compile --exact --no-save' \
     --json "$OUT/bench.json" 2>&1 | grep -vE "^\[|Warning|warn"
 fi
-if [[ $parts == *" p "* ]]; then
+if [[ $parts == *" p "* ]] && fits 80; then
   for mode in "" "--exact"; do
     echo "== p. profile_step.py llama3.2-1b ${mode:-default}, eager ($SECONDS s)"
     python benchmarks/profile/profile_step.py --model llama3.2-1b -i data/shakespeare_128k -b 4 -t 2048 -d 16384 $mode \
       2>&1 | grep -vE "^\[|Warning|warn"
   done
 fi
-wait
+# part b's checks; a bare `wait` would also wait for the log's tee (bash 5.1+ counts a process
+# substitution), which ends only when this script does: the call that ran `n c` hung here to its limit
+pids=$(jobs -p)
+[ -n "$pids" ] && wait $pids
 echo "done in $SECONDS s"

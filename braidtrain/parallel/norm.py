@@ -6,16 +6,29 @@ pipeline's stages, the tp ranks' shards.
 Norm, the default: each bucket read once (torch.linalg.vector_norm, fp32), the squares summed over
 the groups by all-reduce. ExactNorm, exact mode's: summed in float64 over each parameter's
 Q-element chunks with pairwise trees, so it depends neither on where shard boundaries fall nor on
-which bucket -- or, with a pipeline, which stage -- holds a parameter.
+which bucket -- or, with a pipeline, which stage -- holds a parameter. A GPU sums the chunks in one
+Triton pass with the same bits (optim_exact.chunk_squares; chunk_squares here is its reference).
 """
 
 from __future__ import annotations
 
 import torch
 
+from braidtrain import optim_exact
 from braidtrain.collective.comm import pairwise_sum
 from braidtrain.parallel import placement
 from braidtrain.parallel.buckets import Q, stride
+
+
+def chunk_squares(g: torch.Tensor) -> torch.Tensor:
+    """Each Q-element chunk of a flat fp32 gradient shard: its squares summed in float64 by a pairwise
+    tree. The reference of optim_exact.chunk_squares, which a GPU runs in its place (one pass)."""
+    return pairwise_sum(g.double().pow(2).view(-1, Q).T)
+
+
+def squares(g: torch.Tensor) -> torch.Tensor:
+    """chunk_squares(g), by the kernel where it runs."""
+    return optim_exact.chunk_squares(g, Q) if optim_exact.usable(g) else chunk_squares(g)
 
 
 class Norm:
@@ -93,7 +106,7 @@ class ExactNorm(Norm):
     def __call__(self) -> torch.Tensor:
         e = self.e
         per_param = torch.zeros(len(self.slot), dtype=torch.float64, device=e.device)
-        chunks = {b: pairwise_sum(self.view(b, g).double().pow(2).view(-1, Q).T) for b, _, g in e.owned()}
+        chunks = {b: squares(self.view(b, g)) for b, _, g in e.owned()}
         for group in dict.fromkeys(b.group for b in e.buckets):  # each reduce group's shards, gathered
             mine = [b for b in e.buckets if b.group is group]
             local = torch.cat([chunks[b] for b in mine])

@@ -1,0 +1,100 @@
+"""Exact mode's gradient-norm chunk sums in one pass (optim_exact.chunk_squares) on one GPU: bit for
+bit against their torch reference (parallel/norm.py's chunk_squares, what ExactNorm ran before),
+and what each costs.
+
+    python benchmarks/kernels/exact_norm_gpu.py [--n 100000000] [--time-n 1240000000] [--json PATH]
+
+1. Bitwise, on --n random fp32 elements a case (a multiple of Q): unit normals (every chunk's sum
+   rounds: another tree would give other bits), values over 80 binades with fp32's largest and
+   subnormals, and inf / NaN / +-0 among unit normals. NaN counts as equal to NaN.
+2. Time (CUDA events, the median of 5) over --time-n elements, Llama-3.2-1B's 1.24 B parameters in
+   one shard: the default norm's read (torch.linalg.vector_norm, fp32), the reference's torch
+   kernels (the fp64 copy, the squares, the tree's levels), the kernel at three chunks a program
+   (CHUNKS; the module's default is what training runs); GB/s of the 4 bytes an element it reads.
+Prints one line per finding; --json PATH writes them.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from braidtrain import optim_exact  # noqa: E402
+from braidtrain.parallel import norm  # noqa: E402
+from braidtrain.parallel.buckets import Q  # noqa: E402
+
+
+def cases(n):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    unit = torch.randn(n, device="cuda", generator=gen)
+    wide = unit * 10 ** (torch.rand(n, device="cuda", generator=gen) * 80 - 42)
+    wide[::13], wide[1::17], wide[2::19] = 3.4e38, -1e-45, -0.0
+    odd = unit.clone()
+    odd[5::97], odd[7::131], odd[::3] = float("inf"), float("nan"), 0.0
+    return {"unit normals": unit, "80 binades": wide, "inf, NaN, 0": odd}
+
+
+def bitwise(n, out):
+    for name, g in cases(n).items():
+        a, b = optim_exact.chunk_squares(g, Q), norm.chunk_squares(g)
+        same = (a.view(torch.int64) == b.view(torch.int64)) | (a.isnan() & b.isnan())
+        out[f"{name}: kernel vs torch, chunk sums differing of {n // Q:,}"] = int((~same).sum())
+        if name == "unit normals":  # the check can fail: a sum in another order differs
+            other = g.double().pow(2).view(-1, Q).sum(1)
+            out[f"{name}: torch's .sum(1) vs the tree (must differ), of {n // Q:,}"] = int((other != b).sum())
+        del a, b
+    torch.cuda.empty_cache()
+
+
+def timing(n, out):
+    g = torch.randn(n, device="cuda")
+    runs = {"torch.linalg.vector_norm (default mode)": lambda: torch.linalg.vector_norm(g, dtype=torch.float32),
+            "norm.chunk_squares (torch kernels, before)": lambda: norm.chunk_squares(g)}
+    for c in (16, 32, 64):
+        runs[f"optim_exact.chunk_squares, {c} chunks a program" + (" (used)" if c == optim_exact.CHUNKS else "")] = (
+            lambda c=c: run_with(c, g))
+    for name, fn in runs.items():
+        fn()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        ms = sorted(times)[2]
+        out[f"{name} over {n:,} elements, ms"] = round(ms, 2)
+        out[f"{name}: GB/s of the 4 bytes an element it reads"] = round(4 * n / ms / 1e6, 1)
+
+
+def run_with(chunks, g):
+    keep, optim_exact.CHUNKS = optim_exact.CHUNKS, chunks
+    try:
+        return optim_exact.chunk_squares(g, Q)
+    finally:
+        optim_exact.CHUNKS = keep
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=100_000_000)
+    ap.add_argument("--time-n", type=int, default=1_240_000_000, help="0: no timing")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    out = {}
+    bitwise(a.n // Q * Q, out)
+    if a.time_n:
+        timing(a.time_n // Q * Q, out)
+    for k, v in out.items():
+        print(f"{k}: {v}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
