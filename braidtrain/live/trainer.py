@@ -239,8 +239,8 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
                 raise
             self.recovering = True  # (nothing to recover: the heartbeat's threads stand down)
             why = self.cause or first_line(e)
-            say(f"braidtrain: rank {self.rt.rank}: a peer was lost after the run was complete ({why}); nothing to "
-                f"recover")
+            say(f"braidtrain: rank {self.rt.rank}: the run's last barrier was given up after the run was complete "
+                f"({why}); nothing to recover")
             self.guard._end_frozen()
             self.guard.close(clean=True)
 
