@@ -53,7 +53,7 @@ triton = tl = None  # bound by _load(), on first use: importing braidtrain does 
 _kernel = _squares = None
 _missing = False  # triton failed to import: usable() stops asking
 BLOCK = 1024  # elements a program: 8 a thread at 4 warps, two 16-byte loads of each tensor
-CHUNKS = 64  # chunks a program of chunk_squares (4,096 elements at Q = 64): 1.19 ms over 1.24 B on an H200, 32: 1.47
+CHUNKS = 64  # chunks a program of chunk_squares (4,096 elements at Q = 64): 1.21 ms over 1.24 B on an H200, 32: 1.51
 
 
 def usable(t: torch.Tensor) -> bool:

@@ -64,8 +64,10 @@ def differences(device) -> dict:
 
 def gradients(chunks: int, seed: int, device):
     """Named flat fp32 gradients of `chunks` Q-element chunks: unit normals (every chunk's sum
-    rounds, and another tree would round it otherwise), values over 80 binades (fp32's largest and
-    subnormals among them), and inf / NaN / +-0 sprinkled in."""
+    rounds, and another tree would round it otherwise), values over 80 binades (fp32's largest among
+    them, whose squares swamp the rest of a chunk), tiny ones alone (below 1e-37, mostly fp32
+    subnormals: a conversion that flushed them would change every chunk's sum), and inf / NaN / +-0
+    sprinkled in."""
     from braidtrain.parallel.buckets import Q
 
     gen = torch.Generator().manual_seed(seed)
@@ -75,7 +77,8 @@ def gradients(chunks: int, seed: int, device):
     wide[::13], wide[1::17], wide[2::19] = 3.4e38, -1e-45, -0.0
     odd = unit.clone()
     odd[5::97], odd[7::131], odd[::3] = float("inf"), float("nan"), 0.0
-    return {k: t.to(device) for k, t in {"unit": unit, "wide": wide, "nonfinite": odd}.items()}
+    tiny = unit * 10 ** (torch.rand(n, generator=gen) * 8 - 45)
+    return {k: t.to(device) for k, t in {"unit": unit, "wide": wide, "tiny": tiny, "nonfinite": odd}.items()}
 
 
 def norm_differences(device) -> dict:
@@ -108,7 +111,7 @@ def test_bitwise_as_exact_adamw(measured):
 def test_norm_chunks_bitwise(measured):
     """Every gradient and length: each chunk's float64 sum the reference's bits."""
     cases = {k: v for k, v in measured.items() if k.startswith("norm.")}
-    assert len(cases) == 3 * len(CHUNKS), sorted(cases)
+    assert len(cases) == 4 * len(CHUNKS), sorted(cases)
     assert not any(cases.values()), {k: v for k, v in cases.items() if v}
 
 

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain import optim, optim_exact  # noqa: E402
+from kernel_probe_gpu import timed  # noqa: E402  (this folder is sys.path[0]: a sibling script)
 
 B1, B2, EPS = 0.9, 0.95, 1e-8
 
@@ -91,16 +92,7 @@ def timing(n, out):
         "optim_exact.exact_adamw (one kernel)": lambda: optim_exact.exact_adamw(p, g, m, v, B1, B2, EPS, c1, c2, scale),
     }
     for name, fn in runs.items():
-        fn()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        ms = sorted(times)[2]
+        ms = timed(fn, rounds=5, warm=1)
         out[f"{name} over {n:,} elements, ms"] = round(ms, 2)
         out[f"{name}: GB/s of the 28 bytes an element it must move"] = round(28 * n / ms / 1e6, 1)
 

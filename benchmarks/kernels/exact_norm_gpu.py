@@ -5,8 +5,9 @@ and what each costs.
     python benchmarks/kernels/exact_norm_gpu.py [--n 100000000] [--time-n 1240000000] [--json PATH]
 
 1. Bitwise, on --n random fp32 elements a case (a multiple of Q): unit normals (every chunk's sum
-   rounds: another tree would give other bits), values over 80 binades with fp32's largest and
-   subnormals, and inf / NaN / +-0 among unit normals. NaN counts as equal to NaN.
+   rounds: another tree would give other bits), values over 80 binades with fp32's largest, values
+   below 1e-37 alone (fp32 subnormals, which the largest squares would swamp: a flush shows here),
+   and inf / NaN / +-0 among unit normals. NaN counts as equal to NaN.
 2. Time (CUDA events, the median of 5) over --time-n elements, Llama-3.2-1B's 1.24 B parameters in
    one shard: the default norm's read (torch.linalg.vector_norm, fp32), the reference's torch
    kernels (the fp64 copy, the squares, the tree's levels), the kernel at three chunks a program
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain import optim_exact  # noqa: E402
 from braidtrain.parallel import norm  # noqa: E402
 from braidtrain.parallel.buckets import Q  # noqa: E402
+from kernel_probe_gpu import timed  # noqa: E402  (this folder is sys.path[0]: a sibling script)
 
 
 def cases(n):
@@ -34,7 +36,8 @@ def cases(n):
     wide[::13], wide[1::17], wide[2::19] = 3.4e38, -1e-45, -0.0
     odd = unit.clone()
     odd[5::97], odd[7::131], odd[::3] = float("inf"), float("nan"), 0.0
-    return {"unit normals": unit, "80 binades": wide, "inf, NaN, 0": odd}
+    tiny = unit * 10 ** (torch.rand(n, device="cuda", generator=gen) * 8 - 45)  # fp32 subnormals, not swamped
+    return {"unit normals": unit, "80 binades": wide, "below 1e-37 (subnormals)": tiny, "inf, NaN, 0": odd}
 
 
 def bitwise(n, out):
@@ -57,16 +60,7 @@ def timing(n, out):
         runs[f"optim_exact.chunk_squares, {c} chunks a program" + (" (used)" if c == optim_exact.CHUNKS else "")] = (
             lambda c=c: run_with(c, g))
     for name, fn in runs.items():
-        fn()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        ms = sorted(times)[2]
+        ms = timed(fn, rounds=5, warm=1)
         out[f"{name} over {n:,} elements, ms"] = round(ms, 2)
         out[f"{name}: GB/s of the 4 bytes an element it reads"] = round(4 * n / ms / 1e6, 1)
 

@@ -23,7 +23,7 @@ FAULT_KINDS = {
     "misjudge": "at the start of that step this rank's heartbeat judges the next member lost although it beats: a "
                 "verdict that proves false, as a stall just over --heartbeat-timeout makes one; step -x + 1: after the "
                 "last step, in the final save; -x + 2: after the run's final collective, once rank 0 has written "
-                "summary.json (--live-recovery)",
+                "summary.json (a rank other than 0; --live-recovery)",
     "save": "fail the checkpoint save of that step after this rank's file is written (ENOSPC)",
     "slow-save": "sleep `seconds` in the middle of that step's checkpoint save",
     "nan": "make this rank's loss of that step NaN (a last pipeline stage's rank)",

@@ -54,15 +54,16 @@ def agree(store, e: int, ids: list[int], guard, timeout: float, heartbeat_timeou
     raise TimeoutError(f"no agreement on the members within {timeout:g} s")
 
 
-def complete(store, e: int) -> None:
-    """(Rank 0, past the run's last collective.) The run is complete: epoch e's decision, unless a recovery
-    decided first. Every collective of the run needed every member's part, so a member whose wait is
-    given up after this (a verdict in the moment before it saw the last collective complete) has
-    nothing left to do: its agreement reads this and it ends as a finished run's rank (exit 0). The
-    same key as a recovery's decision, so that the two exclude each other; rank 0 keeps the store up
-    until every member has closed its connection (collective/runtime.py's close, bounded), so a
-    member in its agreement can read it."""
-    store.compare_set(f"live/{e}/next", "", json.dumps({"complete": True}))
+def complete(store, e: int) -> bool:
+    """(Rank 0, past the run's last collective.) The run is complete: epoch e's decision, unless a
+    recovery decided first (then False: that decision stands). Every collective of the run needed
+    every member's part, so a member whose wait is given up after this (a verdict in the moment
+    before it saw the last collective complete) has nothing left to do: its agreement reads this and
+    it ends as a finished run's rank (exit 0). The same key as a recovery's decision, so that the two
+    exclude each other; rank 0 keeps the store up until every member has closed its connection
+    (collective/runtime.py's close, bounded), so a member in its agreement can read it."""
+    mark = json.dumps({"complete": True})
+    return store.compare_set(f"live/{e}/next", "", mark).decode() == mark
 
 
 def leave_together(store, e: int, ids: list[int], me: int, wait: float) -> None:

@@ -220,10 +220,10 @@ class LiveTrainer(Redo, Transfer, Replicas, Trainer):
         has seen that collective complete, finds it and has nothing to do -- rather than judging rank 0
         lost as it leaves. From here rank 0 has only its own work left (the summary, the plot: on a
         loaded machine, seconds), so it no longer falls back for a wait it did not give up in time."""
-        if self.on and self.rt.is_main:
-            members.complete(self.rt.store, self.epoch)
-            self.marked = True
-        self.misjudge(self.cfg.max_steps + 1)
+        if self.on and self.rt.is_main:  # (marked: unless a recovery's decision came first -- then as before)
+            self.marked = members.complete(self.rt.store, self.epoch)
+        else:  # (the hook waits for rank 0's summary, which rank 0 writes after this: a member's hook only)
+            self.misjudge(self.cfg.max_steps + 1)
 
     def end(self) -> None:
         """A peer lost in the run's last barrier: every member took part in every collective before it
