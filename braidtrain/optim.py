@@ -30,7 +30,7 @@ float64; the square root in float64, rounded once (torch's float32 sqrt is corre
 CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
 promise. Default mode keeps the fused kernel on either side. On a GPU exact_adamw's operations
-run as one kernel a shard, with the same bits (optim_exact.py): one pass over memory, as the
+run as one kernel a shard, with the same bits (parallel/exact_kernels.py): one pass over memory, as the
 fused kernel's.
 """
 
@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from braidtrain import optim_exact
+from braidtrain.parallel import exact_kernels
 
 
 def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, final_frac: float) -> float:
@@ -147,7 +147,7 @@ class AdamW:
             if decayed:
                 torch._foreach_mul_(decayed, keep if skip is None else torch.where(skip > 0, 1.0, keep))
         if self.exact:
-            update = optim_exact.exact_adamw if optim_exact.usable(params[0]) else exact_adamw
+            update = exact_kernels.exact_adamw if exact_kernels.usable(params[0]) else exact_adamw
             for p, g, (m, v, _) in zip(params, grads, groups):
                 update(p, g, m, v, self.beta1, self.beta2, self.eps, c1, c2, grad_scale, skip)
             return

@@ -203,17 +203,21 @@ def test_a_step_already_applied_is_not_applied_twice(tmp_path, shakespeare, ref)
     pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], faults, tmp_path)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, err[-5000:]
     assert "a lost peer's error before the update at step 4" in err, err[-3000:]
-    assert "live recovery at step 2: no rank lost (rank 3 sent no heartbeat for 3.0 s" in out, out
+    # (which verdict a decision names -- the hook's, or a real stall's of a loaded machine at that moment,
+    # as a round once had: "rank 1 sent no heartbeat for 3.4 s" -- is timing: that no rank was lost is not)
+    assert re.search(r"live recovery at step 2: no rank lost \(rank \d sent no heartbeat for", out), out
     assert "live recovery at step 4: rank 3 lost" in out and "step 4 already applied" in out, out
-    assert f"live recovery at step {STEPS}: no rank lost (rank 1 sent no heartbeat for 3.0 s" in out and \
+    assert re.search(rf"live recovery at step {STEPS}: no rank lost \(rank \d sent no heartbeat for", out) and \
         "(the last: the final save and validation done again)" in out, out
-    first, second, last = membership(run, rebuilt=True)
-    assert (first["step"], first["members"], first["lost"], second["step"]) == (2, [0, 1, 2, 3], {}, 4)
-    assert (last["step"], last["members"], last["lost"]) == (STEPS, [0, 1, 2], {})
-    assert {int(r): p for r, p in first["pids"].items()} == {r: pids[r] for r in range(4)}
+    # The hooks' changes; a real stall's rebuild elsewhere (no rank lost) may come beside them.
+    lost, = membership(run)
+    rebuilt = {c["step"]: c for c in membership(run, rebuilt=True) if not c["lost"]}
+    assert (lost["step"], list(lost["lost"])) == (4, ["3"]), lost
+    assert (rebuilt[2]["members"], rebuilt[STEPS]["members"]) == ([0, 1, 2, 3], [0, 1, 2]), rebuilt
+    assert {int(r): p for r, p in rebuilt[2]["pids"].items()} == {r: pids[r] for r in range(4)}
     recs, want = metrics(run), metrics(ref)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)) and recs[3]["lost_in_flight"]
-    assert [r["step"] for r in recs if "rebuilt_s" in r] == [2] and [r["step"] for r in recs if "recover_s" in r] == [4]
+    assert 2 in [r["step"] for r in recs if "rebuilt_s" in r] and [r["step"] for r in recs if "recover_s" in r] == [4]
     assert [r["loss"] for i, r in enumerate(recs) if i != 3] == [r["loss"] for i, r in enumerate(want) if i != 3]
     assert summary(run)["weights_sha256"] == summary(ref)["weights_sha256"]
 

@@ -1,4 +1,4 @@
-"""Exact mode's one-pass AdamW kernel (braidtrain/optim_exact.py) on one GPU: bit for bit against
+"""Exact mode's one-pass AdamW kernel (braidtrain/parallel/exact_kernels.py) on one GPU: bit for bit against
 its reference optim.exact_adamw, and what each costs.
 
     python benchmarks/kernels/exact_adamw_gpu.py [--n 100000000] [--time-n 1240000000]
@@ -11,7 +11,7 @@ its reference optim.exact_adamw, and what each costs.
    which must differ: the check can fail.
 2. Time (CUDA events, the median of 5) over --time-n elements, Llama-3.2-1B's 1.24 B parameters
    in one shard: torch's fused AdamW (default mode), exact_adamw's torch kernels (exact mode before
-   optim_exact), the kernel; each against the bytes it must move (p, g, m, v read, p, m, v written:
+   exact_kernels), the kernel; each against the bytes it must move (p, g, m, v read, p, m, v written:
    28 a parameter).
 Prints one line per finding; --json PATH writes them.
 """
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from braidtrain import optim, optim_exact  # noqa: E402
+from braidtrain import optim  # noqa: E402
+from braidtrain.parallel import exact_kernels  # noqa: E402
 from kernel_probe_gpu import timed  # noqa: E402  (this folder is sys.path[0]: a sibling script)
 
 B1, B2, EPS = 0.9, 0.95, 1e-8
@@ -61,7 +62,7 @@ def bitwise(n, out):
         s = None if scale is None else torch.tensor(scale, device="cuda")
         f = None if skip is None else torch.tensor(skip, device="cuda")
         optim.exact_adamw(*ref, B1, B2, EPS, c1, c2, s, f)
-        optim_exact.exact_adamw(*new, B1, B2, EPS, c1, c2, s, f)
+        exact_kernels.exact_adamw(*new, B1, B2, EPS, c1, c2, s, f)
         hc1, hc2 = c1.cpu(), c2.cpu()
         optim.exact_adamw(*host, B1, B2, EPS, hc1, hc2, None if s is None else s.cpu(), None if f is None else f.cpu())
         keep = (new[0], new[2], new[3])
@@ -70,9 +71,9 @@ def bitwise(n, out):
             [t[: 1 << 22].cpu() for t in keep], (host[0], host[2], host[3]))
         if k == 1:  # the broken kernel: multiply-adds contracted
             fused = [t.clone() for t in shards(n, k)]
-            optim_exact._kernel[(-(-n // optim_exact.BLOCK),)](
-                *fused, c1, c2, s, c1, n, *(optim_exact._f32(x) for x in (B1, 1 - B1, B2, 1 - B2, EPS)),
-                HAS_SCALE=True, HAS_SKIP=False, BLOCK=optim_exact.BLOCK, num_warps=4, enable_fp_fusion=True)
+            exact_kernels._kernel[(-(-n // exact_kernels.BLOCK),)](
+                *fused, c1, c2, s, c1, n, *(exact_kernels._f32(x) for x in (B1, 1 - B1, B2, 1 - B2, EPS)),
+                HAS_SCALE=True, HAS_SKIP=False, BLOCK=exact_kernels.BLOCK, num_warps=4, enable_fp_fusion=True)
             out[f"{name}: the kernel WITH fp fusion vs torch (must differ), of {3 * n:,}"] = differ(
                 (fused[0], fused[2], fused[3]), (ref[0], ref[2], ref[3]))
         del ref, new, host
@@ -89,7 +90,7 @@ def timing(n, out):
             [p], [g], [m], [v], [], [step], lr=3e-4, beta1=B1, beta2=B2, weight_decay=0.0, eps=EPS, amsgrad=False,
             maximize=False, grad_scale=scale, found_inf=None),
         "optim.exact_adamw (torch kernels)": lambda: optim.exact_adamw(p, g, m, v, B1, B2, EPS, c1, c2, scale),
-        "optim_exact.exact_adamw (one kernel)": lambda: optim_exact.exact_adamw(p, g, m, v, B1, B2, EPS, c1, c2, scale),
+        "exact_kernels.exact_adamw (one kernel)": lambda: exact_kernels.exact_adamw(p, g, m, v, B1, B2, EPS, c1, c2, scale),
     }
     for name, fn in runs.items():
         ms = timed(fn, rounds=5, warm=1)

@@ -1,4 +1,4 @@
-"""Exact mode's gradient-norm chunk sums in one pass (optim_exact.chunk_squares) on one GPU: bit for
+"""Exact mode's gradient-norm chunk sums in one pass (exact_kernels.chunk_squares) on one GPU: bit for
 bit against their torch reference (parallel/norm.py's chunk_squares, what ExactNorm ran before),
 and what each costs.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from braidtrain import optim_exact  # noqa: E402
+from braidtrain.parallel import exact_kernels  # noqa: E402
 from braidtrain.parallel import norm  # noqa: E402
 from braidtrain.parallel.buckets import Q  # noqa: E402
 from kernel_probe_gpu import timed  # noqa: E402  (this folder is sys.path[0]: a sibling script)
@@ -42,7 +42,7 @@ def cases(n):
 
 def bitwise(n, out):
     for name, g in cases(n).items():
-        a, b = optim_exact.chunk_squares(g, Q), norm.chunk_squares(g)
+        a, b = exact_kernels.chunk_squares(g, Q), norm.chunk_squares(g)
         same = (a.view(torch.int64) == b.view(torch.int64)) | (a.isnan() & b.isnan())
         out[f"{name}: kernel vs torch, chunk sums differing of {n // Q:,}"] = int((~same).sum())
         if name == "unit normals":  # the check can fail: a sum in another order differs
@@ -57,7 +57,7 @@ def timing(n, out):
     runs = {"torch.linalg.vector_norm (default mode)": lambda: torch.linalg.vector_norm(g, dtype=torch.float32),
             "norm.chunk_squares (torch kernels, before)": lambda: norm.chunk_squares(g)}
     for c in (16, 32, 64):
-        runs[f"optim_exact.chunk_squares, {c} chunks a program" + (" (used)" if c == optim_exact.CHUNKS else "")] = (
+        runs[f"exact_kernels.chunk_squares, {c} chunks a program" + (" (used)" if c == exact_kernels.CHUNKS else "")] = (
             lambda c=c: run_with(c, g))
     for name, fn in runs.items():
         ms = timed(fn, rounds=5, warm=1)
@@ -66,11 +66,11 @@ def timing(n, out):
 
 
 def run_with(chunks, g):
-    keep, optim_exact.CHUNKS = optim_exact.CHUNKS, chunks
+    keep, exact_kernels.CHUNKS = exact_kernels.CHUNKS, chunks
     try:
-        return optim_exact.chunk_squares(g, Q)
+        return exact_kernels.chunk_squares(g, Q)
     finally:
-        optim_exact.CHUNKS = keep
+        exact_kernels.CHUNKS = keep
 
 
 def main():

@@ -2,10 +2,10 @@
 # Exact mode's cost on one H200 (issue #58 item 4) and its bits (#57 item 5), from the repo root with
 # data/shakespeare_128k (Llama-3's ids; offload_gpu.sh says how it is built from shakespeare_bytes),
 # data/shakespeare_bytes and data/shakespeare_gpt2 carried. Parts, in the order given:
-#   k  the one-pass exact AdamW kernel (optim_exact.py) bit for bit against optim.exact_adamw on
+#   k  the one-pass exact AdamW kernel (parallel/exact_kernels.py) bit for bit against optim.exact_adamw on
 #      100M elements, on the GPU and on the host, and the three updates' times at 1.24 B
-#      elements (benchmarks/kernels/exact_adamw_gpu.py); tests/test_optim_exact.py's GPU test (~30 s)
-#   n  the exact norm's one-pass chunk sums (optim_exact.chunk_squares) bit for bit against
+#      elements (benchmarks/kernels/exact_adamw_gpu.py); tests/test_exact_kernels.py's GPU test (~30 s)
+#   n  the exact norm's one-pass chunk sums (exact_kernels.chunk_squares) bit for bit against
 #      norm.chunk_squares on 100M elements, and their times at 1.24 B elements against the torch
 #      kernels and the default norm (benchmarks/kernels/exact_norm_gpu.py); the GPU test (~30 s)
 #   c  the cost: bench train llama3.2-1b -b 4 -t 2048 -d 16384, --compile against --compile --exact,
@@ -45,12 +45,12 @@ fi
 if [[ $parts == *" k "* ]] && fits 30; then
   echo "== k. the kernel against exact_adamw ($SECONDS s)"
   python benchmarks/kernels/exact_adamw_gpu.py --json "$OUT/kernel.json"
-  python -m pytest -q -p no:cacheprovider tests/test_optim_exact.py -k gpu 2>&1 | tail -2  # the test, compiled
+  python -m pytest -q -p no:cacheprovider tests/test_exact_kernels.py -k gpu 2>&1 | tail -2  # the test, compiled
 fi
 if [[ $parts == *" n "* ]] && fits 30; then
   echo "== n. the exact norm's chunk sums against norm.chunk_squares ($SECONDS s)"
   python benchmarks/kernels/exact_norm_gpu.py --json "$OUT/norm.json"
-  python -m pytest -q -p no:cacheprovider tests/test_optim_exact.py -k gpu 2>&1 | tail -2  # both kernels, compiled
+  python -m pytest -q -p no:cacheprovider tests/test_exact_kernels.py -k gpu 2>&1 | tail -2  # both kernels, compiled
 fi
 if [[ $parts == *" c "* ]] && fits 150; then
   echo "== c. llama3.2-1b, --compile against --compile --exact ($SECONDS s)"

@@ -7,14 +7,14 @@ Norm, the default: each bucket read once (torch.linalg.vector_norm, fp32), the s
 the groups by all-reduce. ExactNorm, exact mode's: summed in float64 over each parameter's
 Q-element chunks with pairwise trees, so it depends neither on where shard boundaries fall nor on
 which bucket -- or, with a pipeline, which stage -- holds a parameter. A GPU sums the chunks in one
-Triton pass with the same bits (optim_exact.chunk_squares; chunk_squares here is its reference).
+Triton pass with the same bits (exact_kernels.chunk_squares; chunk_squares here is its reference).
 """
 
 from __future__ import annotations
 
 import torch
 
-from braidtrain import optim_exact
+from braidtrain.parallel import exact_kernels
 from braidtrain.collective.comm import pairwise_sum
 from braidtrain.parallel import placement
 from braidtrain.parallel.buckets import Q, stride
@@ -22,13 +22,13 @@ from braidtrain.parallel.buckets import Q, stride
 
 def chunk_squares(g: torch.Tensor) -> torch.Tensor:
     """Each Q-element chunk of a flat fp32 gradient shard: its squares summed in float64 by a pairwise
-    tree. The reference of optim_exact.chunk_squares, which a GPU runs in its place (one pass)."""
+    tree. The reference of exact_kernels.chunk_squares, which a GPU runs in its place (one pass)."""
     return pairwise_sum(g.double().pow(2).view(-1, Q).T)
 
 
 def squares(g: torch.Tensor) -> torch.Tensor:
     """chunk_squares(g), by the kernel where it runs."""
-    return optim_exact.chunk_squares(g, Q) if optim_exact.usable(g) else chunk_squares(g)
+    return exact_kernels.chunk_squares(g, Q) if exact_kernels.usable(g) else chunk_squares(g)
 
 
 class Norm:

@@ -25,7 +25,7 @@ correctly rounded), which equals exact_adamw's float64 square root rounded once 
 rounding through a wider format is innocuous for sqrt when that format has at least 2p + 2 bits
 (p = 24 for float32; float64 has 53 >= 50), so sqrt64 rounded to float32 is the correctly rounded
 float32 sqrt. Neither div.rn nor sqrt.rn flushes subnormals (no .ftz: Triton 3.6 lowers the precise
-forms to the NVVM intrinsics without it; tests/test_optim_exact.py and the GPU check in
+forms to the NVVM intrinsics without it; tests/test_exact_kernels.py and the GPU check in
 benchmarks/kernels/exact_adamw_gpu.py compare subnormal moments bit for bit). Addition being
 commutative, the operand order of a sum moves no bit.
 

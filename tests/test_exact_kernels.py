@@ -1,4 +1,4 @@
-"""Exact mode's one-pass kernels (braidtrain/optim_exact.py) against their references, bit for bit:
+"""Exact mode's one-pass kernels (braidtrain/parallel/exact_kernels.py) against their references, bit for bit:
 the AdamW update against optim.exact_adamw, on random shards of odd lengths with and without
 grad_scale and the skip flag, with the moments' edge cases (v = 0, subnormal v, huge and tiny g, a
 non-finite gradient under skip); the gradient norm's chunk sums against parallel/norm.py's
@@ -24,7 +24,7 @@ import torch
 from helpers import ROOT, run_interpreted
 
 LENGTHS = (1, 63, 1000, 4097, 300_001)
-CHUNKS = (1, 31, 33, 200, 4099)  # the norm's chunks a gradient (programs take optim_exact.CHUNKS each)
+CHUNKS = (1, 31, 33, 200, 4099)  # the norm's chunks a gradient (programs take exact_kernels.CHUNKS each)
 
 
 def shards(n: int, seed: int, device):
@@ -40,7 +40,8 @@ def shards(n: int, seed: int, device):
 
 def differences(device) -> dict:
     """name -> elements of p, m, v that differ between the kernel and exact_adamw."""
-    from braidtrain import optim, optim_exact
+    from braidtrain import optim
+    from braidtrain.parallel import exact_kernels
 
     out = {}
     c1 = torch.tensor(3e-4 / (1 - 0.9**7), device=device)
@@ -56,7 +57,7 @@ def differences(device) -> dict:
             scale = None if scale is None else torch.tensor(scale, device=device)
             skip = None if skip is None else torch.tensor(skip, device=device)
             optim.exact_adamw(*ref, 0.9, 0.95, 1e-8, c1, c2, scale, skip)
-            optim_exact.exact_adamw(*new, 0.9, 0.95, 1e-8, c1, c2, scale, skip)
+            exact_kernels.exact_adamw(*new, 0.9, 0.95, 1e-8, c1, c2, scale, skip)
             out[f"{name}.{n}"] = sum(int((a.view(torch.int32) != b.view(torch.int32)).sum())
                                      for a, b in zip((ref[0], ref[2], ref[3]), (new[0], new[2], new[3])))
     return out
@@ -83,14 +84,14 @@ def gradients(chunks: int, seed: int, device):
 
 def norm_differences(device) -> dict:
     """name -> chunk sums that differ between the kernel and norm.chunk_squares (NaN = NaN)."""
-    from braidtrain import optim_exact
+    from braidtrain.parallel import exact_kernels
     from braidtrain.parallel import norm
     from braidtrain.parallel.buckets import Q
 
     out = {}
     for k, chunks in enumerate(CHUNKS):
         for name, g in gradients(chunks, k, device).items():
-            a, b = optim_exact.chunk_squares(g, Q), norm.chunk_squares(g)
+            a, b = exact_kernels.chunk_squares(g, Q), norm.chunk_squares(g)
             same = (a.view(torch.int64) == b.view(torch.int64)) | (a.isnan() & b.isnan())
             out[f"norm.{name}.{chunks}"] = int((~same).sum()) + abs(a.numel() - chunks)
     return out
@@ -129,10 +130,10 @@ def test_bitwise_on_gpu():
 
 def _measure() -> dict:
     sys.modules["triton"] = None  # `import triton` raises ImportError: the CPU-only install
-    from braidtrain import optim_exact
+    from braidtrain.parallel import exact_kernels
 
     try:
-        optim_exact._load()
+        exact_kernels._load()
         out = {"no_triton": "loaded"}
     except ImportError:
         out = {"no_triton": "ImportError"}
@@ -141,6 +142,6 @@ def _measure() -> dict:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/test_optim_exact.py with TRITON_INTERPRET=1"
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/test_exact_kernels.py with TRITON_INTERPRET=1"
     sys.path.insert(0, str(ROOT))
     print(json.dumps(_measure()))
