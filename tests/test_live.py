@@ -261,7 +261,7 @@ def test_a_joiner_takes_the_lost_ranks_place(tmp_path, shakespeare, ref):
     run = tmp_path / "run"
     pids, codes, out, err = by_hand(4, [*COMMON, "-z", d["zero"], "-i", shakespeare, "--out", run], "kill:rank=2:step=3",
                                     tmp_path, join=2, bad=["--seed", "7"])
-    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0, "bad": 2}, err[-5000:]
+    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: 0, "join": 0, "bad": 2}, err[-5000:] + out[-3000:]
     assert "--join with flags other than the job's: seed 7 (the job's: 1337); give it the job's flags" in err, err[-3000:]
     assert "rank 2: joined at step 6, the state re-sharded from the members (sha256" in err and "checked)" in err, \
         err[-3000:]
