@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from braidtrain.parallel import exact_kernels
 from braidtrain.collective.comm import pairwise_sum
-from braidtrain.parallel import placement
+from braidtrain.parallel import exact_kernels, placement
 from braidtrain.parallel.buckets import Q, stride
 
 
