@@ -98,17 +98,18 @@ def timing(n, out):
         out[f"{name}: GB/s of the 28 bytes an element it must move"] = round(28 * n / ms / 1e6, 1)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=100_000_007)
+def main(doc=__doc__, bitwise=bitwise, timing=timing, n=100_000_007, align=1):
+    """The command line of this script and of exact_norm_gpu.py (its checks; lengths a multiple of align)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--n", type=int, default=n)
     ap.add_argument("--time-n", type=int, default=1_240_000_000, help="0: no timing")
     ap.add_argument("--json")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     out = {}
-    bitwise(a.n, out)
+    bitwise(a.n // align * align, out)
     if a.time_n:
-        timing(a.time_n, out)
+        timing(a.time_n // align * align, out)
     for k, v in out.items():
         print(f"{k}: {v}")
     if a.json:

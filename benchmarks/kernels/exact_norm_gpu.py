@@ -15,8 +15,6 @@ and what each costs.
 Prints one line per finding; --json PATH writes them.
 """
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.parallel import exact_kernels  # noqa: E402
 from braidtrain.parallel import norm  # noqa: E402
 from braidtrain.parallel.buckets import Q  # noqa: E402
+from exact_adamw_gpu import main  # noqa: E402  (the same command line)
 from kernel_probe_gpu import timed  # noqa: E402  (this folder is sys.path[0]: a sibling script)
 
 
@@ -73,22 +72,5 @@ def run_with(chunks, g):
         exact_kernels.CHUNKS = keep
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=100_000_000)
-    ap.add_argument("--time-n", type=int, default=1_240_000_000, help="0: no timing")
-    ap.add_argument("--json")
-    a = ap.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    out = {}
-    bitwise(a.n // Q * Q, out)
-    if a.time_n:
-        timing(a.time_n // Q * Q, out)
-    for k, v in out.items():
-        print(f"{k}: {v}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, bitwise, timing, 100_000_000, Q)
