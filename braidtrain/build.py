@@ -153,7 +153,7 @@ def build(cfg: Config) -> Run:
                     dtype=torch.bfloat16 if bf16 else torch.float32,  # (bf16: a lean state, parallel/buckets.py)
                     offload=lay.offload == "optimizer")
     opt = AdamW(engine, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                offload=lay.offload == "optimizer")
+                offload=lay.offload == "optimizer", ratio=lay.offload_ratio)
 
     guard = Guard(rt, comm, out / "flight", session, cfg.heartbeat_timeout, cfg.preempt_budget)
     guard.start()

@@ -114,6 +114,7 @@ class Config:
     compile: bool = False  # torch.compile each block (training only; tp = 1)
     cuda_graph: bool = False  # replay each step's GPU work, collectives too, from one CUDA graph (ZeRO 0/1)
     offload: str | None = None  # "optimizer": fp32 master and AdamW moments in host memory (parallel/offload.py)
+    offload_ratio: float | None = None  # --offload optimizer: the share of that state on the host (default 1)
     bucket_mb: float = 50.0  # a bucket: whole blocks until it holds this (docs/design-notes.md, "Buckets")
     # runtime
     init_method: str = "env"
@@ -198,7 +199,7 @@ WARMUP_SHARE = 0.5  # of the run's steps
 
 # What --layout auto chooses (replacing a config file's values for them)
 AUTO_CHOSEN = ("pp", "pp_schedule", "pp_virtual", "pp_split", "cp", "cp_impl", "tp", "sp", "ep", "zero", "batch_size",
-               "recompute", "offload")
+               "recompute", "offload", "offload_ratio")
 
 
 def build_config(config: str | None, overrides: dict) -> Config:

@@ -56,6 +56,7 @@ class Layout:
     cp_order: str = "zigzag"
     fp8: str | None = None  # the blocks' linear layers in float8: tensorwise | rowwise (model/fp8.py)
     offload: str | None = None  # "optimizer": master weights and moments in host memory (parallel/offload.py)
+    offload_ratio: float = 1.0  # the share of a rank's owned optimizer elements on the host (offload.kept)
 
     @property
     def world(self) -> int:
@@ -79,7 +80,8 @@ class Layout:
                     ("cuda-graph", self.cuda_graph))
         features = [f"ZeRO-{self.zero}"] + [n for n, on in switches if on]
         features += [f"fp8 {self.fp8}"] if self.fp8 else []
-        features += [f"offload {self.offload}"] if self.offload else []
+        ratio = f" (ratio {self.offload_ratio:g})" if self.offload_ratio < 1 else ""
+        features += [f"offload {self.offload}{ratio}"] if self.offload else []
         return axes + (" (sp)" if self.sp else "") + ", " + ", ".join(features)
 
 
@@ -111,7 +113,8 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                 exact: bool = False, compile: bool = False, cuda_graph: bool = False, recompute: bool = False,
                 schedule: str = "1f1b", virtual: int | None = None, split: list[int] | None = None,
                 cp_impl: str = "ring", cp_order: str = "zigzag", fp8: str | None = None, device: str = "cpu",
-                world_name: str | None = None, offload: str | None = None) -> Layout:
+                world_name: str | None = None, offload: str | None = None,
+                offload_ratio: float | None = None) -> Layout:
     """The validated layout, or the UserError of the first thing that cannot run. `model` is a
     model config (model/protocol.py); `schedule`, `virtual` (chunks a rank; default 2 for interleaved, else 1) and
     `split` (blocks per chunk; default the cost model's) are the pipeline's, ignored at pp 1;
@@ -122,7 +125,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         if size < 1:
             raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
     moe = getattr(model, "moe_experts", 0)
-    _check_offload(offload, cuda_graph)
+    _check_offload(offload, cuda_graph, offload_ratio)
     if ep > 1 and not moe:
         raise UserError(f"--ep {ep} shards a mixture of experts: give --moe-experts (and --moe-top-k), or use --ep 1")
     if moe and (compile or cuda_graph) and (ep > 1 or exact):
@@ -182,7 +185,8 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         if ep > 1 and not _pow2(batch.micro_steps):  # (the ep sources' subtrees: parallel/expert.Sourced)
             raise UserError(f"--exact with ep={ep} needs a power-of-two number of micro-steps per rank, got "
                             f"d/(b*t*dp) = {batch.micro_steps}: change -d")
-    ctx = dict(cp_impl=cp_impl, cp_order=cp_order, fp8=fp8, offload=offload)
+    ctx = dict(cp_impl=cp_impl, cp_order=cp_order, fp8=fp8, offload=offload,
+               offload_ratio=1.0 if offload_ratio is None else offload_ratio)
     if pp == 1:
         return Layout(pp, dp, cp, tp, ep, zero, sp, exact, compile, cuda_graph, recompute, "sequential", batch, **ctx)
     pipeline.check_split(model.n_layer, pp * v, split)
@@ -201,7 +205,13 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                   tuple(chunks), **ctx)
 
 
-def _check_offload(offload: str | None, cuda_graph: bool) -> None:
+def _check_offload(offload: str | None, cuda_graph: bool, ratio: float | None) -> None:
+    if ratio is not None and offload != "optimizer":
+        raise UserError(f"--offload-ratio {ratio:g} is the share of the optimizer's state on the host: it needs "
+                        "--offload optimizer")
+    if ratio is not None and not 0 < ratio <= 1:
+        raise UserError(f"--offload-ratio {ratio:g}: give the share of the optimizer's state on the host, "
+                        "0 < R <= 1 (1: all of it)")
     if offload in (None, "optimizer"):
         if offload and cuda_graph:
             raise UserError("--offload optimizer updates on the host inside each step, which a CUDA graph cannot "
@@ -279,7 +289,7 @@ def from_config(cfg, world: int, model, device: str) -> Layout:
                       pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp, exact=cfg.exact,
                       compile=cfg.compile, cuda_graph=cfg.cuda_graph, recompute=cfg.recompute, schedule=cfg.pp_schedule,
                       virtual=cfg.pp_virtual, split=split, cp_impl=cfg.cp_impl, cp_order=cfg.cp_order, fp8=cfg.fp8,
-                      device=device, offload=cfg.offload)
+                      device=device, offload=cfg.offload, offload_ratio=cfg.offload_ratio)
     if cfg.offload and cfg.live_recovery:
         raise UserError("--offload optimizer with --live-recovery is not supported: a survivor re-shards the "
                         "optimizer state on the device (parallel/mirror.py); drop one of them")

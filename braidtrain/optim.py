@@ -55,27 +55,30 @@ def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, final_frac: floa
 
 class AdamW:
     """`offload`: m and v (and an fp32 master of the owned shards) in host memory, updated there
-    (--offload optimizer: parallel/offload.py)."""
+    (--offload optimizer: parallel/offload.py) -- all but the buckets `ratio` (--offload-ratio: the
+    share of the owned elements hosted) keeps on the device, updated here as without offload."""
 
-    def __init__(self, engine, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, offload=False):
+    def __init__(self, engine, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, offload=False, ratio=1.0):
         self.engine, self.exact = engine, engine.exact
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
-        home = torch.device("cpu") if offload else engine.device
+        host = torch.device("cpu") if offload else engine.device
+        kept = range(len(list(engine.owned())))
+        if offload:
+            from braidtrain.parallel.offload import Offload, kept
+
+            kept = kept(engine, ratio)
         self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
-        for b, p, _ in engine.owned():
+        for i, (b, p, _) in enumerate(engine.owned()):
+            home = engine.device if i in kept else host
             self.groups.append((torch.zeros(p.numel(), device=home), torch.zeros(p.numel(), device=home),
                                 engine.decay_segments(b)))
         # the step's scalars (step, lr, 1 - lr * weight_decay, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t)),
         # on the device, and on the host for an offloaded update
         self.scalars = {place.type: tuple(torch.zeros((), dtype=torch.float32, device=place) for _ in range(5))
-                        for place in (engine.device, home)}
-        self.offload = None
-        if offload:
-            from braidtrain.parallel.offload import Offload
-
-            self.offload = Offload(engine, self)
+                        for place in (engine.device, host)}
+        self.offload = Offload(engine, self, kept) if offload else None
 
     def state_numel(self) -> int:
         """Elements of m (equally of v) held by this rank."""
@@ -111,13 +114,15 @@ class AdamW:
         """The GPU's part: decay, then AdamW, on what this rank owns -- none of it where `skip` (a
         float device tensor, 1 for a step whose gradient norm is not finite: the same on every
         rank, the norm being global) says so, without the host waiting to know."""
-        if self.offload is not None:  # streamed to the host, updated there, streamed back meanwhile
-            self.offload.step(grad_scale, skip)
-            return
         # the gradient shards are fetched each step: in exact mode they are fresh tree buffers
-        owned = list(self.engine.owned())
-        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], self.groups, grad_scale, skip)
-        self.engine.publish()  # a lean state's compute weights follow their fp32 masters
+        owned, groups = list(self.engine.owned()), self.groups
+        if self.offload is not None:  # streamed to the host, updated there, streamed back meanwhile;
+            self.offload.step(grad_scale, skip)  # the kept buckets here, as without offload
+            owned, groups = [owned[i] for i in self.offload.kept], [groups[i] for i in self.offload.kept]
+            if not owned:
+                return
+        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], groups, grad_scale, skip)
+        self.engine.publish([b for b, _, _ in owned])  # a lean state's compute weights follow their fp32 masters
 
     @torch.no_grad()
     def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False) -> None:

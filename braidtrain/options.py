@@ -170,6 +170,9 @@ def train_parser(sub):
     g.add_argument("--offload", choices=["optimizer", "params"],
                    help="optimizer: the fp32 master weights and AdamW moments (this rank's ZeRO shard) in host "
                         "memory, updated there, overlapped with the copies (params: not built yet)")
+    g.add_argument("--offload-ratio", type=float, metavar="R",
+                   help="with --offload optimizer: the share (0 < R <= 1, default 1) of this rank's optimizer "
+                        "state on the host; the leading buckets of the forward keep the rest on the GPU")
     g.add_argument("-r", dest="llmc_recompute", type=int, help="llm.c: >= 1 means --recompute")
     g = p.add_argument_group("processes (llm.c flags)")
     g.add_argument("--init-method", "-pi", choices=["env", "tcp", "fs", "mpi"])

@@ -329,7 +329,7 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             part.use_fp8(fp8.RECIPES[lay.fp8])
     engine = Engine(parts, mesh, comm, zero=lay.zero, exact=lay.exact, bucket_mb=0.01, device=torch.device("cpu"),
                     dtype=torch.bfloat16 if bf16 and lean else torch.float32, offload=lay.offload == "optimizer")
-    opt = AdamW(engine, offload=lay.offload == "optimizer")
+    opt = AdamW(engine, offload=lay.offload == "optimizer", ratio=lay.offload_ratio)
     if opt.offload is not None:
         opt.offload.hold = hold
     rows = lay.batch.seqs_per_rank

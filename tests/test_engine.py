@@ -266,7 +266,7 @@ class _Shards:
     def decay_segments(self, i):
         return self.parts[i][2]
 
-    def publish(self):  # (the shards are the weights: no compute copy to write)
+    def publish(self, buckets):  # (the shards are the weights: no compute copy to write)
         pass
 
 

@@ -92,7 +92,7 @@ def test_a_skipped_update_changes_no_weight_or_moment(exact):
     bucket = SimpleNamespace(data=p, grad=g, padded=256, params=[("w", p.view(16, 16))], offsets=[0])
     engine = SimpleNamespace(owned=lambda: iter([(bucket, p, g)]), buckets=[bucket], zero=0, exact=exact,
                              decay_segments=lambda b: [(0, 256)], owned_range=lambda b: (0, 256), device=torch.device("cpu"),
-                             publish=lambda: None)  # (the shards are the weights: no bf16 copy to write)
+                             publish=lambda buckets: None)  # (the shards are the weights: no bf16 copy to write)
     opt = AdamW(engine, weight_decay=0.1)
     opt.prepare(1e-2)
     opt.update(skip=torch.zeros(()))

@@ -121,10 +121,10 @@ class Engine:
         """The bucket positions [lo, hi) whose optimizer state this rank holds."""
         return b.owned_range()
 
-    def publish(self) -> None:
-        """After the optimizer's update of the masters: the compute weights of what this rank owns
-        follow (bf16: rounded to nearest even); ZeRO-1/2's gather_params then brings the rest."""
-        master.publish(self.buckets)
+    def publish(self, buckets) -> None:
+        """After the optimizer's update of these buckets' masters: the compute weights of what this
+        rank owns follow (bf16: rounded to nearest even); ZeRO-1/2's gather_params then brings the rest."""
+        master.publish(buckets)
 
     def master_whole(self, b) -> torch.Tensor:
         """Bucket b's whole fp32 master, on the device (master.whole)."""
@@ -350,12 +350,10 @@ class Engine:
     def gather_params(self):
         """ZeRO-1/2: every rank updated its shard; the all-gathers (in place) bring them together.
         ZeRO-3 gathers lazily, bucket by bucket, in the next forward pass; so does --offload, each
-        bucket once its update has landed (offload.py)."""
-        if self.updates is not None:
-            self.grads.drop()  # (the host's update holds its own references until each has come down)
-            return
-        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets if b.zero in (1, 2)]
-        self.grads.drop()
+        hosted bucket once its update has landed (offload.py)."""
+        handles = [self.comm.all_gather(b.data, b.data[b.lo : b.hi], b.group) for b in self.buckets
+                   if b.zero in (1, 2) and not b.hosted]
+        self.grads.drop()  # (the host's update holds its own references until each has come down)
         for h in handles:
             h.wait()
 

@@ -83,18 +83,42 @@ def host_threads() -> int:
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def forward_order(engine, buckets) -> list[int]:
+    """The positions of `buckets` in the next forward's order: by chunk, then where each is first
+    read (a bucket of no block first), then as the engine numbers them (zero.py gathers those of
+    one place so)."""
+    block = {m: i for part in engine.parts for i, m in enumerate(part.blocks())}
+    where = lambda b: (b.stage, block[b.modules[0]] if b.modules else -1, b.index)
+    return sorted(range(len(buckets)), key=lambda k: where(buckets[k]))
+
+
+def kept(engine, ratio: float) -> list[int]:
+    """--offload-ratio R: the owned buckets (positions in engine.owned()) that stay on the device --
+    the leading ones in the next forward's order, whose owned elements total at most (1 - R) of this
+    rank's (module docstring, "Kept buckets"). The same on every rank of a bucket's group: its
+    shards are equal."""
+    sizes = [p.numel() for _, p, _ in engine.owned()]
+    budget, got, out = (1 - ratio) * sum(sizes), 0, []
+    for k in forward_order(engine, [b for b, _, _ in engine.owned()]) if ratio < 1 else ():
+        if got + sizes[k] > budget:
+            break
+        got += sizes[k]
+        out.append(k)
+    return sorted(out)
+
+
 class Offload:
-    def __init__(self, engine, opt, slots: int = SLOTS):
+    """`kept`: the owned buckets (kept()) the device updates (optim.AdamW.update); the rest are hosted."""
+
+    def __init__(self, engine, opt, kept=(), slots: int = SLOTS):
         self.e, self.opt = engine, opt
         self.cuda = engine.device.type == "cuda"
-        owned = list(engine.owned())
+        self.kept = sorted(kept)
+        self.idx = [i for i in range(len(list(engine.owned()))) if i not in set(kept)]  # hosted k: owned()[idx[k]]
+        owned = self._hosted()
         self.buckets = [b for b, _, _ in owned]
         self.at = {b: k for k, b in enumerate(self.buckets)}
-        # the next forward's order: by chunk, then where each bucket is first read (a bucket of no
-        # block first), then as the engine numbers them (zero.py gathers those of one place so)
-        block = {m: i for part in engine.parts for i, m in enumerate(part.blocks())}
-        where = lambda b: (b.stage, block[b.modules[0]] if b.modules else -1, b.index)
-        self.order = sorted(range(len(owned)), key=lambda k: where(self.buckets[k]))
+        self.order = forward_order(engine, self.buckets)  # (the worker's and the waits')
         self.rank = {k: i for i, k in enumerate(self.order)}
         self.master = [torch.empty(p.numel(), pin_memory=self.cuda) for _, p, _ in owned]
         width = max(p.numel() for _, p, _ in owned)
@@ -127,7 +151,7 @@ class Offload:
         if self.cuda:
             torch.set_num_threads(host_threads())
         self.refresh()
-        for master, b in zip(self.master, [b for b, _, _ in owned]):  # the master lives here now, once
+        for master, b in zip(self.master, self.buckets):  # the master lives here now, once
             b.master, b.apart, b.hosted = master, True, True
 
     def refresh(self) -> None:
@@ -136,20 +160,25 @@ class Offload:
         self.wait()
         if self.stream is not None:  # the last copies up read the master itself (_up): done before it is written
             self.stream.synchronize()
-        for master, (_, p, _) in zip(self.master, self.e.owned()):
+        for master, (_, p, _) in zip(self.master, self._hosted()):
             if p is not master:
                 master.copy_(p.detach())
 
+    def _hosted(self) -> list:
+        """engine.owned() of the hosted buckets."""
+        owned = list(self.e.owned())
+        return [owned[i] for i in self.idx]
+
     def host_bytes(self) -> int:
         """Bytes of host memory this rank's offloaded state holds (master, m, v, staging)."""
-        n = sum(t.numel() for t in self.master + self.slots) + 2 * self.opt.state_numel()
+        n = sum(t.numel() for t in self.master + self.slots) + 2 * sum(self.opt.groups[i][0].numel() for i in self.idx)
         return 4 * n
 
     # -- the main thread -----------------------------------------------------------------------
     def start(self) -> None:
         """The step's gradients are reduced (engine.finish_step): the first slots come down now."""
         self.wait()
-        owned = list(self.e.owned())
+        owned = self._hosted()
         # the device's compute weights the update writes (bf16 in a lean state), the gradients it reads
         self.params, self.grads = [b.compute_shard() for b, _, _ in owned], [g for _, _, g in owned]
         if self.stream is not None:
@@ -183,8 +212,8 @@ class Offload:
     def ready(self, b, block: bool = True) -> bool:
         """Bucket b's update has landed (its ZeRO-1/2 all-gather done; on a GPU the compute stream
         waits for its copy up). block=False: say whether it had been waited for, waiting for nothing."""
-        k = self.at[b]
-        if not self.flying[k]:
+        k = self.at.get(b)
+        if k is None or not self.flying[k]:  # (a kept bucket: updated and gathered at the step's end)
             return True
         if not block:
             return False
@@ -244,7 +273,7 @@ class Offload:
                     self.copied[k].synchronize()
                 grad = self.slots[i % s][: self.grads[k].numel()]
                 self.grads[k] = None  # on the host now: the device's copy may go (grads.py)
-                self.opt.apply([self.master[k]], [grad], [self.opt.groups[k]], scale, flag, scalars,
+                self.opt.apply([self.master[k]], [grad], [self.opt.groups[self.idx[k]]], scale, flag, scalars,
                                decay_in_kernel=self.fold)
                 self.arrived[k] = self._up(k)
                 if i + 1 == n:
