@@ -135,7 +135,12 @@ def layouts(suite: str):
                    # --recompute (each block's forward again in the backward), --fp8 (--compile: test_offload.py)
                    ("recompute-dp2-z3-offload-exact", dict(dp=2, zero=3, recompute=True, exact=True, cfg="shallow", **held), 4),
                    ("fp8-exact", dict(fp8="tensorwise", exact=True, cfg="shallow"), 4),
-                   ("fp8-dp2-z2-offload-exact", dict(dp=2, zero=2, fp8="tensorwise", exact=True, cfg="shallow", **held), 4)])
+                   ("fp8-dp2-z2-offload-exact", dict(dp=2, zero=2, fp8="tensorwise", exact=True, cfg="shallow", **held), 4)]
+                # --offload-ratio: the leading buckets kept on the device, the rest hosted (held)
+                + [(f"dp2-z{z}-ratio{r:g}", dict(dp=2, zero=z, cfg="shallow", offload_ratio=r, **held), 4)
+                   for z in (1, 3) for r in (0.5, 1e-6)]
+                + [(f"dp{dp}-z{z}-ratio0.5-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", offload_ratio=0.5,
+                                                        **held), 4) for dp, z in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3))])
     if suite == "lean":  # a lean state (bf16 compute buckets, fp32 masters apart) against the old path (test_lean.py):
         # at ZeRO 1-3 on 2 and 4 ranks, and with --offload optimizer (then at ZeRO-0 and on one rank too)
         old, lean = dict(bf16=True, lean=False, cfg="shallow"), dict(bf16=True, cfg="shallow")
@@ -159,7 +164,11 @@ def layouts(suite: str):
                    ("dp2-z1-offload", dict(lean, dp=2, zero=1, **off), 4)]
                 # offload: the master on the host -- a lean state at ZeRO-0 and on one rank too
                 + [(f"dp{dp}-z{z}-offload-exact", dict(lean, dp=dp, zero=z, exact=True, **off), 4)
-                   for dp, z in ((1, 0), (2, 0), (2, 1), (4, 3))])
+                   for dp, z in ((1, 0), (2, 0), (2, 1), (4, 3))]
+                # --offload-ratio 0.5: the kept buckets' bf16 weights published from their device masters
+                + [("dp2-z1-ratio0.5-offload", dict(lean, dp=2, zero=1, offload_ratio=0.5, **off), 4)]
+                + [(f"dp{dp}-z{z}-ratio0.5-exact", dict(lean, dp=dp, zero=z, exact=True, offload_ratio=0.5, **off), 4)
+                   for dp, z in ((1, 0), (2, 1))])
     if suite == "tp":  # without a pipeline: tp 2 and 4, with sp, dp and ZeRO
         return [("ref", dict(), 4)] + [  # 4 steps at b = 2: gloo's tp collectives are many, and each costs
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
@@ -273,7 +282,9 @@ def offload_resumes(rank, out):
     its end, against the straight run without offload ("ref-exact")."""
     off = dict(offload="optimizer", hold=True)  # (a save that does not wait for the update saves stale state)
     return _switched(rank, out, "offload", (("into-offload", dict(dp=2, zero=1), dict(dp=2, zero=3, **off)),
-                                            ("out-of-offload", dict(dp=2, zero=2, **off), dict(zero=0))))
+                                            ("out-of-offload", dict(dp=2, zero=2, **off), dict(zero=0)),
+                                            ("into-ratio", dict(dp=2, zero=1, **off),
+                                             dict(dp=2, zero=3, offload_ratio=0.5, **off))))
 
 
 _made = {}  # (its ranks, axis, which such call of the mesh) -> process group
@@ -374,7 +385,18 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             "balance": balance.tolist(),
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
             "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0,
-            "offload_waits": opt.offload.waits if opt.offload else None, "buckets": len(engine.buckets), **held}
+            "offload_waits": opt.offload.waits if opt.offload else None, "buckets": len(engine.buckets),
+            "owned": kept_or_hosted(engine, opt), **held}
+
+
+def kept_or_hosted(engine, opt):
+    """--offload: each owned bucket's (owned elements, its first block -- -1: none --, index, kept on
+    the device: its master and moments not the host's)."""
+    if opt.offload is None:
+        return None
+    block = {m: i for part in engine.parts for i, m in enumerate(part.blocks())}
+    return [(p.numel(), block[b.modules[0]] if b.modules else -1, b.index,
+             not b.hosted and not any(m is p for m in opt.offload.master)) for b, p, _ in engine.owned()]
 
 
 def attention(rank, cp, impl, order, dtype=torch.float32):

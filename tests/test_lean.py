@@ -31,12 +31,12 @@ def test_default_mode_follows_the_old_path_in_each_layout(runs):
     assert len(lean) == 4
     for name in lean:
         assert_follows(runs, [name], runs[name + "-old"], 1e-6)
-    assert_follows(runs, ["dp2-z1-offload"], runs["dp2-z1-old"], 1e-6)
+    assert_follows(runs, ["dp2-z1-offload", "dp2-z1-ratio0.5-offload"], runs["dp2-z1-old"], 1e-6)
 
 
 def test_exact_mode_is_the_old_paths_bits_on_1_2_4_ranks_at_every_zero_stage(runs):
     dp = [k for k in runs if k.startswith("dp") and k.endswith("-exact")]
-    assert len(dp) == 9 + 4  # (ZeRO-0 and one rank: fp32 buckets, but with offload a lean state)
+    assert len(dp) == 9 + 4 + 2  # (ZeRO-0 and one rank: fp32 buckets, but with offload a lean state; R = 0.5)
     assert_bitwise(runs, dp + ["pp2-dp2-z1-exact"], runs["ref-exact-old"])
     assert_bitwise(runs, ["tp2-dp2-z1-exact"], runs["tp2-dp2-z1-exact-old"])
     assert_bitwise(runs, ["llama-dp2-z3-exact", "llama-pp2-dp2-z2-exact"], runs["llama-ref-exact-old"])

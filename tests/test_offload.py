@@ -73,6 +73,40 @@ def test_a_run_resumes_with_and_without_offload(runs):
         assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"][2:], ref["norms"][2:]), name
 
 
+def test_a_ratio_keeps_the_leading_buckets_on_the_device_and_is_the_same_step(runs):
+    """--offload-ratio R (offload.kept): the buckets the next forward reads first, as many as fit in
+    (1 - R) of the rank's owned elements, keep their master and moments on the device and are updated
+    there; the rest are hosted, and the forward waits for those only (held: once a bucket a step).
+    The same step as without offload: to 1e-6 at R = 0.5 and at R = 1e-6 (all but the last buckets
+    kept), bitwise in exact mode on 1 and 2 ranks at ZeRO 0-3; a run of R = 1 resumes at R = 0.5
+    (and ZeRO-3) to the bit."""
+    default = [f"dp2-z{z}-ratio{r:g}" for z in (1, 3) for r in (0.5, 1e-6)]
+    for name in default:
+        assert_follows(runs, [name], runs[name.split("-ratio")[0]], 1e-6)
+    exact = [k for k in runs if k.endswith("-ratio0.5-exact")]
+    assert len(exact) == 5
+    assert_bitwise(runs, exact, runs["ref-exact"])
+    ref, r = runs["ref-exact"], runs["into-ratio"]
+    assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"][2:], ref["norms"][2:])
+    for name in default + exact:
+        ratio = 0.5 if "ratio0.5" in name else 1e-6
+        owned = sorted(runs[name]["owned"], key=lambda o: (o[1], o[2]))  # the next forward's order
+        sizes, kept = [o[0] for o in owned], [o[3] for o in owned]
+        n = kept.count(True)
+        assert 0 < n < len(owned) and kept == [True] * n + [False] * (len(owned) - n), (name, kept)
+        assert sum(sizes[:n]) <= (1 - ratio) * sum(sizes) < sum(sizes[: n + 1]), (name, sizes, n)
+        hosted = len(owned) - n
+        assert runs[name]["offload_waits"] == {"forward": 3 * hosted, "whole": hosted}, name
+
+
+def test_a_bad_ratio_is_one_line(tmp_path, shakespeare):
+    for args, words in ((["--offload-ratio", 0.5], ("--offload-ratio 0.5", "needs --offload optimizer")),
+                        (["--offload", "optimizer", "--offload-ratio", 0], ("--offload-ratio 0", "0 < R <= 1")),
+                        (["--offload", "optimizer", "--offload-ratio", 1.5], ("--offload-ratio 1.5", "0 < R <= 1"))):
+        p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, *args, "--out", tmp_path / "r", check=False)
+        assert_one_line_error(p, *words)
+
+
 def test_command_line_pipeline_and_resume_into_offload(tmp_path, shakespeare):
     """Exact mode through `braidtrain train`: pp 2 x dp 2 with offload, and a one-process run
     without offload resumed at step 2 with it, each the straight run's weights to the bit."""
