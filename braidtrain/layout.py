@@ -125,7 +125,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
         if size < 1:
             raise UserError(f"--{name} {size}: every parallel degree must be >= 1")
     moe = getattr(model, "moe_experts", 0)
-    _check_offload(offload, cuda_graph, offload_ratio)
+    check_offload(offload, cuda_graph, offload_ratio)
     if ep > 1 and not moe:
         raise UserError(f"--ep {ep} shards a mixture of experts: give --moe-experts (and --moe-top-k), or use --ep 1")
     if moe and (compile or cuda_graph) and (ep > 1 or exact):
@@ -205,7 +205,7 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                   tuple(chunks), **ctx)
 
 
-def _check_offload(offload: str | None, cuda_graph: bool, ratio: float | None) -> None:
+def check_offload(offload: str | None, cuda_graph: bool, ratio: float | None) -> None:
     if ratio is not None and offload != "optimizer":
         raise UserError(f"--offload-ratio {ratio:g} is the share of the optimizer's state on the host: it needs "
                         "--offload optimizer")

@@ -27,7 +27,7 @@ def check_layout(args) -> Candidate:
     --pp and --pp-schedule (default 1f1b); --offload: with --offload optimizer."""
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
     mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp, ep=args.ep or 1,
-                offload=bool(args.offload))
+                offload=bool(args.offload), ratio=args.offload_ratio or 1.0)
     if pp > 1:
         mesh.update(schedule=args.pp_schedule or "1f1b", virtual=2 if args.pp_schedule == "interleaved" else 1)
     if not args.check:  # the layout from the flags
@@ -62,6 +62,7 @@ def check(s: Setup, lay: Candidate, data: str, out: str | None) -> dict:
     cmd += ["--fp8", s.fp8] if s.fp8 else []
     cmd += ["--compile"] if s.compile else []
     cmd += ["--offload", "optimizer"] if lay.offload else []
+    cmd += ["--offload-ratio", lay.ratio] if lay.offload and lay.ratio < 1 else []
     if lay.gpus > 1:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={lay.gpus}"] + cmd
     with tempfile.TemporaryDirectory() as tmp:

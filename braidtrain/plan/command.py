@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from braidtrain.errors import UserError
-from braidtrain.layout import make_layout
+from braidtrain.layout import check_offload, make_layout
 from braidtrain.model import registry
 from braidtrain.model.gpt2 import GPTConfig
 from braidtrain.plan import check
@@ -97,6 +97,8 @@ def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None,
 
 def run(args) -> int:
     s = setup_from(args)
+    if args.offload_ratio is not None:  # (as train's: layout.py)
+        check_offload("optimizer" if args.offload is not False else None, False, args.offload_ratio)
     if args.check is not None:
         if not args.data:
             raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out "
@@ -115,7 +117,8 @@ def run(args) -> int:
                   pick(args.sp, (False, True)),
                   None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
                   None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,),
-                  variants=args.variants or args.json, offloads=None if args.offload is None else (args.offload,))
+                  variants=args.variants or args.json, offloads=None if args.offload is None else (args.offload,),
+                  ratio=args.offload_ratio)
     if args.offload and not any(e["host"] <= s.host_gb * GB for e in result["rows"]):
         need = min(e["host"] for e in result["rows"]) / GB
         raise UserError(f"--offload: the host cannot hold the optimizer's state: the leanest layout needs {need:.1f} "

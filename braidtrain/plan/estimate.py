@@ -73,6 +73,7 @@ def finish(s: Setup, lay, micro, mem, allocated, state, act, compute, dp_comm, t
             "activations": act, "compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
             "cp_comm_s": cp_comm, "ep_comm_s": ep_comm, "comm_s": comm, "step_s": step, "tokens_per_s": s.d / step,
             "host": host, "offload_s": offload_s,
+            "gpu_fits": mem["total"] <= s.mem_gb * GB,
             "fits": mem["total"] <= s.mem_gb * GB and host <= s.host_gb * GB, **more}
 
 
@@ -82,8 +83,10 @@ def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float
     (parallel/offload.py); the host's bytes a node (HOST_STATE a owned element, and SLOTS fp32
     staging buffers as wide as the widest owned shard -- an untied head's or the embedding's
     bucket, for Llama -- and on a GPU the process's own HOST_PROCESS, per rank of the node); the
-    step's added seconds: the copies' and the host update's (plan/timing.offload_s)."""
-    owned = (state["optimizer"] - state["master"]) / 8  # elements whose m and v this rank holds
+    step's added seconds: the copies' and the host update's (plan/timing.offload_s). --offload-ratio
+    R: only R of the owned elements are hosted, and counted so (host bytes, copies, update); the
+    kept buckets' fp32 master and moments, 1 - R of the optimizer's state, stay on the GPU."""
+    owned = lay.ratio * (state["optimizer"] - state["master"]) / 8  # elements whose m and v the host holds
     ranks = min(s.gpus, s.gpus_per_node or s.gpus)
     widths = bucket_numels(s.cfg, s.bucket_mb, lay.tp)  # (a pipeline's: the whole model's)
     shards = lay.dp * lay.cp if lay.zero else 1
@@ -91,7 +94,7 @@ def offloaded(s: Setup, lay, mem: dict, state: dict) -> tuple[dict, float, float
     host = ranks * (HOST_STATE * owned + 4 * min(SLOTS, len(widths)) * widest + (0 if s.cpu else HOST_PROCESS))
     # the device slot: as wide as the widest block (bf16) shard; on the CPU the copy rounds: no slot
     narrow = -(-max((k for kind, k in widths if kind == "block"), default=0) // shards)
-    mem = {**mem, "optimizer": 0 if s.cpu else 4 * narrow}
+    mem = {**mem, "optimizer": (1 - lay.ratio) * state["optimizer"] + (0 if s.cpu else 4 * narrow)}
     held = mem["params"] + mem["grads"] + mem["activations"]
     mem["overhead"] = 0 if s.cpu else CONTEXT_BYTES + ALLOCATOR_SLACK * held
     mem["total"] = sum(v for k, v in mem.items() if k != "total")

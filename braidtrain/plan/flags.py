@@ -50,6 +50,9 @@ def add_parser(sub):
     a("--offload", action=argparse.BooleanOptionalAction, help="only layouts with (without) --offload optimizer "
                                                                 "(default: with it too where it can win: nothing fits "
                                                                 "without, or it is faster); with --check: offloaded")
+    a("--offload-ratio", type=float, metavar="R", help="offloaded layouts at this share (0 < R <= 1) of the "
+                                                       "optimizer's state on the host (default: R = 1 and the "
+                                                       "smallest R = k/16 that fits the GPU)")
     a("--host-mem", type=float, default=128.0, help="GB of host memory a node (--offload's state lives there; "
                                                     "default 128: the H200 machine's)")
     a("--live-recovery", action="store_true", help="as train's: no expert parallelism, and at ZeRO 1-3 each rank's "

@@ -43,7 +43,8 @@ def table(result: dict, top: int) -> str:
             mesh += [lay.pp, pipe, bubble]
         mesh += [f"{lay.cp}" + ("ag" if lay.cp_impl == "allgather" else "") if lay.cp > 1 else 1] if cp else []
         mesh += [lay.ep] if ep else []
-        host = ["on" if lay.offload else "off", f"{e['host'] / GB:.1f}" if lay.offload else "-"] if off else []
+        said = (f"R {lay.ratio:g}" if lay.ratio < 1 else "on") if lay.offload else "off"
+        host = [said, f"{e['host'] / GB:.1f}" if lay.offload else "-"] if off else []
         lines.append([lay.dp, *mesh, lay.zero, lay.b, e["micro_steps"], "on" if lay.recompute else "off", *host,
                       f"{m['total'] / GB:.1f}", *(f"{m[k] / GB:.2f}" for k in COLUMNS),
                       f"{e['step_s']:.3f}", f"{e['tokens_per_s']:,.0f}", "yes" if e["fits"] else "NO"])

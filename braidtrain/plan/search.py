@@ -143,24 +143,42 @@ def offload_wins(grid: list[dict], weigh) -> bool:
     if best is None:
         return True
     faster = (e["layout"] for e in grid if not e["fits"] and e["step_s"] < best["step_s"])
-    return any((f := weigh(replace(lay, offload=True)))["fits"] and f["step_s"] < best["step_s"] for lay in faster)
+    return any((f := weigh(o))["fits"] and f["step_s"] < best["step_s"]
+               for lay in faster for o in offloaded(lay, weigh))
+
+
+def offloaded(lay: Candidate, weigh, ratio: float | None = None) -> list[Candidate]:
+    """A layout under --offload optimizer: at `ratio` (plan --offload-ratio) if given; else at R = 1
+    and at the smallest R = k/16 whose GPU memory fits -- the most of the update kept on the GPU,
+    the fastest (weigh(...)["gpu_fits"]; the GPU's memory falls as R grows: bisected)."""
+    if ratio is not None:
+        return [replace(lay, offload=True, ratio=ratio)]
+    whole = replace(lay, offload=True)
+    if not weigh(whole)["gpu_fits"]:
+        return [whole]
+    lo, hi = 1, 16  # R = hi/16 fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if weigh(replace(whole, ratio=mid / 16))["gpu_fits"] else (mid + 1, hi)
+    return [whole] + ([replace(whole, ratio=hi / 16)] if hi < 16 else [])
 
 
 def plan(s: Setup, zeros=(0, 1, 2, 3), bs=MICRO_BATCHES, recomputes=(False, True), tps=None, sps=(False, True),
-         pps=None, schedules=None, cps=None, eps=None, variants: bool = True, offloads=None) -> dict:
+         pps=None, schedules=None, cps=None, eps=None, variants: bool = True, offloads=None,
+         ratio: float | None = None) -> dict:
     """The layouts asked for, ranked, each that does not fit with its fix; the fixes and the
     recommendation look at every layout. variants=False: only each mesh's best layout. offloads:
     (False,), (True,) or both; None: each layout with --offload optimizer too where that can win
-    (offload_wins)."""
+    (offload_wins); each offloaded at R = 1 and a partial R that fits, or at `ratio` (offloaded)."""
     seen = {}
     weigh = lambda lay: seen[lay] if lay in seen else seen.setdefault(lay, estimate(s, lay))
     grid = rank([weigh(lay) for lay in layouts(s)])
     if offloads is None:
         offloads = (False, True) if offload_wins(grid, weigh) else (False,)
     if True in offloads:
-        grid = rank(grid + [weigh(replace(e["layout"], offload=True)) for e in grid])
-    asked = [replace(lay, offload=o) for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps)
-             for o in offloads]
+        grid = rank(grid + [weigh(o) for e in grid for o in offloaded(e["layout"], weigh, ratio)])
+    asked = [o for lay in layouts(s, zeros, bs, recomputes, tps, sps, pps, schedules, cps, eps) for o in
+             ([lay] if False in offloads else []) + (offloaded(lay, weigh, ratio) if True in offloads else [])]
     rows = rank([weigh(lay) for lay in asked])
     rows = rows if variants else best_per_mesh(rows)
     if not rows or not grid:
@@ -227,7 +245,8 @@ def auto_layout(cfg, model, world: int, device: str, gpus_per_node: int | None =
         chosen = dict(pp=lay.pp, pp_schedule=lay.schedule if lay.pp > 1 else "1f1b", pp_split=None,
                       pp_virtual=lay.virtual if lay.pp > 1 and lay.virtual > 1 else None, cp=lay.cp,
                       cp_impl=lay.cp_impl, tp=lay.tp, sp=lay.sp, ep=lay.ep, zero=lay.zero, batch_size=lay.b,
-                      recompute=lay.recompute, offload="optimizer" if lay.offload else None)
+                      recompute=lay.recompute, offload="optimizer" if lay.offload else None,
+                      offload_ratio=lay.ratio if lay.offload and lay.ratio < 1 else None)
         speed = "" if cpu else f", {e['tokens_per_s']:,.0f} tokens/s at {s.tflops:g} TFLOP/s"
         return chosen, (f"--layout auto: {lay.name()}, dp {lay.dp} (planned {e['mem']['total'] / GB:.1f} of "
                         f"{s.mem_gb:.1f} GB{speed})" + (why_offload(s, e, rows) if lay.offload else ""))

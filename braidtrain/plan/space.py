@@ -53,6 +53,7 @@ class Candidate:
     cp_impl: str = "ring"  # or "allgather" (parallel/context.py)
     ep: int = 1  # expert parallelism (a mixture of experts)
     offload: bool = False  # --offload optimizer (parallel/offload.py)
+    ratio: float = 1.0  # --offload-ratio: the share of the optimizer's state on the host (offload.kept)
 
     @property
     def gpus(self) -> int:
@@ -65,13 +66,15 @@ class Candidate:
         return (f"ZeRO-{self.zero} b={self.b}" + (f" tp={self.tp}" if self.tp > 1 else "") + pipe
                 + (f" cp={self.cp}" + (" allgather" if self.cp_impl == "allgather" else "") if self.cp > 1 else "")
                 + (f" ep={self.ep}" if self.ep > 1 else "") + (" --sp" if self.sp else "")
-                + (" --recompute" if self.recompute else "") + (" --offload" if self.offload else ""))
+                + (" --recompute" if self.recompute else "") + (" --offload" if self.offload else "")
+                + (f" --offload-ratio {self.ratio:g}" if self.offload and self.ratio < 1 else ""))
 
     def layout_kw(self) -> dict:
         """make_layout's arguments for this candidate's degrees and features."""
         pipe = dict(schedule=self.schedule, virtual=self.virtual) if self.pp > 1 else {}
         return dict(tp=self.tp, sp=self.sp, pp=self.pp, cp=self.cp, cp_impl=self.cp_impl, ep=self.ep, zero=self.zero,
-                    recompute=self.recompute, offload="optimizer" if self.offload else None, **pipe)
+                    recompute=self.recompute, offload="optimizer" if self.offload else None,
+                    offload_ratio=self.ratio if self.offload and self.ratio < 1 else None, **pipe)
 
 
 def layout_of(s: Setup, lay: Candidate, d: int | None = None, gpus: int | None = None):
