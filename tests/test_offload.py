@@ -242,8 +242,10 @@ def test_the_planner_offloads_only_where_nothing_fits_and_counts_the_host(monkey
     big = plan(Setup(cfg, 1, 150.1, 2048, 65536), zeros=(0,), bs=(1, 4), variants=False)
     assert big["rows"][0]["fits"] and not any(e["layout"].offload for e in big["rows"])
     small = plan(Setup(cfg, 1, 80, 2048, 65536), zeros=(0,), bs=(1, 4), variants=False)
-    best = small["rows"][0]
-    assert best["fits"] and best["layout"].offload and "--offload" in small["recommendation"]
+    assert small["rows"][0]["fits"] and small["rows"][0]["layout"].offload and "--offload" in small["recommendation"]
+    # (the pick keeps a share on the GPU, --offload-ratio < 1: test_plan.py; here all of it hosted, R = 1)
+    best = plan(Setup(cfg, 1, 80, 2048, 65536), zeros=(0,), bs=(1, 4), variants=False, ratio=1.0)["rows"][0]
+    assert best["fits"] and best["layout"].offload and best["layout"].ratio == 1
     P = cfg.num_params()
     # 12 bytes an element, and offload.SLOTS fp32 staging slots as wide as the widest bucket (the
     # untied embedding's: 525 M elements, 8.4 GB); on the GPU one such slot the bf16 weights come up by

@@ -140,8 +140,12 @@ def test_gpt2_xl_on_one_24gb_gpu_names_the_smallest_change(capsys):
     # 16P of model state alone is 25 GB: no setting fits one GPU, so the fix is hardware
     assert "> 24 GB: use GPUs with >= " in fix and "GPUs with ZeRO-3" in fix
     assert out.splitlines()[-1].startswith("nothing fits on 1 x 24 GB")
-    # with the optimizer's state in host memory (--offload optimizer, 12 bytes a parameter there), it fits
+    # with the optimizer's state in host memory (--offload optimizer, 12 bytes a parameter there), it fits --
+    # and with a share of it kept on the GPU (--offload-ratio < 1: faster) too, which the planner picks
     out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute", capsys=capsys)
+    assert out.splitlines()[-1].startswith("recommended: ZeRO-0 b=1 --offload --offload-ratio 0.")
+    out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute",
+                   "--offload-ratio", 1, capsys=capsys)
     assert out.splitlines()[-1].startswith("recommended: ZeRO-0 b=1 --offload on 1 GPU(s)")
 
 
@@ -521,12 +525,14 @@ def test_layout_auto_offloads_when_faster_or_when_nothing_fits(monkeypatch):
     """llama3.1-8b at -t 2048 -d 65536 on one GPU: on 150 GB it fits without offload only with
     --recompute; a host that updates and copies fast makes offload without recompute faster, and
     --layout auto takes it, saying why; a slow one leaves it out. On 80 GB nothing fits without, so
-    auto offloads whatever the host's speed, saying so; a host too small to hold the state fits nothing."""
+    auto offloads whatever the host's speed, saying so; a host too small to hold the state fits nothing.
+    (A slow host: 1e8 elements/s, not 1e9, since partial offload -- test_layout_auto_offloads_part --
+    makes 1e9's fast enough.)"""
     from braidtrain.config import Config
 
     model, cfg = model_config("llama3.1-8b", None), Config(seq_len=2048, total_batch=65536)
     auto = lambda gb, host=128: auto_layout(cfg, model, 1, "cuda", mem_gb=gb, host_gb=host)
-    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 1e9)  # the copies and the update: 8 s a step
+    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 1e8)  # the copies and the update: 80 s a step
     chosen, said = auto(150.1)
     assert chosen["offload"] is None and chosen["recompute"] and "--offload" not in said
     chosen, said = auto(80)
@@ -539,6 +545,33 @@ def test_layout_auto_offloads_when_faster_or_when_nothing_fits(monkeypatch):
     chosen, said = auto(150.1)
     assert chosen["offload"] == "optimizer" and not chosen["recompute"], said
     assert "faster than the best layout without it (ZeRO-0 b=4 --recompute, " in said and "GB of host memory" in said
+
+
+def test_layout_auto_offloads_part_of_the_state_and_counts_it_by_the_ratio(monkeypatch):
+    """--offload-ratio R: llama3.1-8b at -t 2048 -d 65536 on 150 GB, a host updating 1e9 elements/s
+    (all of the state's update: 8 s a step): hosting all of it loses to the best layout without
+    offload (b=4 --recompute); hosting the smallest share R = k/16 that lets the GPU hold the rest
+    wins, and --layout auto picks it. R of the host's state, copies and update; the kept 1 - R of
+    the optimizer's state on the GPU."""
+    from braidtrain.config import Config
+    from braidtrain.plan.memory import HOST_STATE
+
+    model, cfg = model_config("llama3.1-8b", None), Config(seq_len=2048, total_batch=65536)
+    monkeypatch.setattr(timing, "HOST_ADAM_PPS", 1e9)
+    chosen, said = auto_layout(cfg, model, 1, "cuda", mem_gb=150.1, host_gb=128)
+    R = chosen["offload_ratio"]
+    assert chosen["offload"] == "optimizer" and 0 < R < 1 and (16 * R).is_integer() and not chosen["recompute"]
+    assert f"--offload-ratio {R:g}" in said and "faster than the best layout without it" in said
+    s = Setup(model, 1, 150.1, 2048, 65536)
+    lay = Candidate(dp=1, zero=0, b=chosen["batch_size"], recompute=False, offload=True)
+    part, whole, less = (estimate(s, replace(lay, ratio=r)) for r in (R, 1.0, R - 1 / 16))
+    assert part["fits"] and not less["gpu_fits"] and whole["step_s"] > part["step_s"]
+    state, owned = whole["state"], (whole["state"]["optimizer"] - whole["state"]["master"]) / 8
+    assert part["offload_s"] == pytest.approx(R * whole["offload_s"])
+    assert whole["host"] - part["host"] == pytest.approx(HOST_STATE * (1 - R) * owned)
+    assert part["mem"]["optimizer"] - whole["mem"]["optimizer"] == pytest.approx((1 - R) * state["optimizer"])
+    no = plan(s, zeros=(0,), recomputes=(True,), offloads=(False,))["rows"][0]
+    assert no["fits"] and no["step_s"] > part["step_s"] and whole["step_s"] > no["step_s"]
 
 
 def test_a_sequence_too_long_for_one_gpu_is_planned_over_cp_ranks():
