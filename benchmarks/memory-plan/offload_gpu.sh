@@ -15,11 +15,18 @@
 #   c. llama3.2-3b -b 2 -t 2048 -d 4096 (one micro-step) --compile, with and without offload; beside it
 #      torch FSDP2 + CPUOffloadPolicy on transformers' LlamaForCausalLM of that shape (bench.torchref
 #      fsdp2-offload, eager)
+#   i. --offload-ratio (the planner's R: `plan --offload -b 2`, the smallest k/16 whose GPU memory fits) at
+#      llama3.2-3b -b 2 -t 2048 -d 4096 (one micro-step) --compile, beside R = 1 and torch FSDP2 +
+#      CPUOffloadPolicy (fsdp2-offload) -- issue #57's ">= 4x FSDP2's CPU offload"
+#   ii. llama3.1-8b -t 2048 -d 65536 --compile at the planner's offloaded layout and R (`plan --offload`)
+#   iii. llama3.2-3b -t 2048 -d 262144 --compile at the planner's offloaded layout and R against its best
+#      layout without offload (`plan --no-offload`) -- issue #57's "within 10% of braidtrain without offload"
 #   0. exact mode: a small llama with and without --offload optimizer, the same weights_sha256?
 #   x. extras, if time is left: fsdp2-offload-compile; DeepSpeed ZeRO-Offload (only where its wheels
 #      are carried in .whl: docs/performance.md says how; its CPU Adam is compiled on the spot)
 # Data: data/shakespeare_bytes, carried or else prepared here (the corpus ships with braidtrain).
-# Usage: bash benchmarks/memory-plan/offload_gpu.sh [p b a c 0 x]   SMOKE=1: the same on the CPU at tiny sizes
+# Usage: bash benchmarks/memory-plan/offload_gpu.sh [p b a c i ii iii 0 x]   SMOKE=1: the same on the CPU at tiny sizes
+# (default: p b a c 0 x; the ratio's parts by name: BUDGET=420 ... i, then BUDGET=560 ... ii iii)
 # Parts run in the order above, each skipped (saying so) when too little of BUDGET (seconds, default 390:
 # an 8-minute call with the machine's start) is left, and each stopped when it would overrun BUDGET.
 # Prints one table at the end; writes $OUT/offload_gpu.json (every row) and $OUT/offload_gpu.log.
@@ -34,11 +41,12 @@ BUDGET=${BUDGET:-390}
 WIDE=data/shakespeare_128k
 if [ "${SMOKE:-0}" = 1 ]; then
   dev="--device cpu"; m3=llama3-tiny; m8=llama3-tiny; t=64; b8="-b 2"; d8a=512; d8b=1024; d3=128; c=""
-  probe="--elements 1000000"; WIDE=data/shakespeare_bytes
+  probe="--elements 1000000"; WIDE=data/shakespeare_bytes; GPU_GB=141
 else
   dev=""; m3=llama3.2-3b; m8=llama3.1-8b; t=2048; b8="-b 1"; d8a=65536; d8b=262144; d3=4096; c="--compile"; probe=""
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   free -g | head -2
+  GPU_GB=$(python -c "import torch; print(torch.cuda.mem_get_info()[1] / 1e9)")  # (what --layout auto plans on)
 fi
 { cat COMMIT 2>/dev/null || git log -1 --format='commit %h %s'; } 2>/dev/null; date -u  # (a carried copy: its COMMIT file)
 python benchmarks/corpus/llama3_ids.py  # data/shakespeare_128k: Llama-3's ids from the bytes (offline)
@@ -52,6 +60,11 @@ yard() { local name=$1 mode=$2; echo "== $name: torch $mode, $m3 -b 2 -t $t -d $
   --standalone --nproc-per-node=1 -m braidtrain.bench.torchref --mode "$mode" --model $m3 -i $WIDE -b 2 -t $t -d $d3 --steps 3 \
   --json "$W/$name.json" $dev || echo "($name failed: exit $?)"; }
 steps="--steps 3 --warmup 1"
+# planned MODEL D PLAN_FLAGS...: the planner's pick (its best row that fits this GPU and host) as train's flags
+planned() { local model=$1 d=$2; shift 2; python -m braidtrain plan --model "$model" --gpus 1 --gpu-mem "$GPU_GB" -t $t \
+  -d "$d" $c "$@" --json | python -c "import json, sys; r = next(r for r in json.load(sys.stdin)['layouts'] if r['fits']); \
+print(f\"-b {r['b']} -z {r['zero']}\" + ' --recompute' * r['recompute'] + ' --offload optimizer' * r['offload'] \
++ (f\" --offload-ratio {r['ratio']:g}\" if r['offload'] and r['ratio'] < 1 else ''))"; }
 
 [[ $parts == *" p "* ]] && fits 20 && { echo "== probe"; bounded python benchmarks/memory-plan/offload_probe.py $probe --json "$W/probe.json" \
   || echo "(probe failed: exit $?)"; }
@@ -64,6 +77,23 @@ if [[ $parts == *" c "* ]] && fits 120; then
   fit c-3b-offload --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $steps
   fit c-3b-device --model $m3 -i $WIDE -b 2 -t $t -d $d3 $c $dev $steps
   fits 40 && yard c-3b-fsdp2-offload fsdp2-offload
+fi
+if [[ $parts == *" i "* ]] && fits 200; then  # three runs of ~60 s (the 3B's build and compile, 3 steps)
+  pick=$(planned $m3 $d3 -b 2 --offload) && echo "(i: the planner's pick: $pick)"
+  fit i-3b-offload-planned --model $m3 -i $WIDE -t $t -d $d3 $pick $c $dev $steps
+  fit i-3b-offload-whole --model $m3 -i $WIDE -b 2 -t $t -d $d3 --offload optimizer $c $dev $steps
+  fits 40 && yard i-3b-fsdp2-offload fsdp2-offload
+fi
+if [[ $parts == *" ii "* ]] && fits 150; then  # the 8B's build, pinning its host state, 3 steps of ~7 s
+  pick=$(planned $m8 $d8a --offload) && echo "(ii: the planner's pick: $pick)"
+  fit ii-8b-65536-planned --model $m8 -i $WIDE -t $t -d $d8a $pick $c $dev $steps
+fi
+if [[ $parts == *" iii "* ]] && fits 200; then  # a pair or nothing: two runs of ~90 s (2 steps of ~13 s each)
+  d3b=$([ "${SMOKE:-0}" = 1 ] && echo 1024 || echo 262144)
+  pick=$(planned $m3 $d3b --offload) && base=$(planned $m3 $d3b --no-offload) \
+    && echo "(iii: the planner's picks: $pick; without offload: $base)"
+  fit iii-3b-262144-offload --model $m3 -i $WIDE -t $t -d $d3b $pick $c $dev --steps 2 --warmup 1
+  fit iii-3b-262144-device --model $m3 -i $WIDE -t $t -d $d3b $base $c $dev --steps 2 --warmup 1
 fi
 if [[ $parts == *" 0 "* ]] && fits 40; then
   echo "== 0. exact mode, with and without --offload optimizer (llama3-tiny widened, 8 steps)"

@@ -45,7 +45,7 @@ def main(argv):
     cfg = dataclasses.replace(cfg, out=cfg.out or tmp, max_steps=a.steps, val_every=0, sample_tokens=0, progress=False,
                               save=False)
     trainer = Trainer(cfg)
-    lay = trainer.layout
+    lay, cfg = trainer.layout, trainer.cfg  # (as resolved: --layout auto's choices)
     assert lay.tp == lay.pp == lay.cp == 1 and trainer.rt.world_size == 1, "one GPU: tp, pp, cp = 1, one process"
     try:
         with gc_by_hand():  # as in training: Python's collector does not strike inside the steps
@@ -66,7 +66,7 @@ def main(argv):
     setup = Setup(trainer.mcfg, 1, gpu_gb, cfg.seq_len, lay.batch.total_tokens, bucket_mb=cfg.bucket_mb,
                   cpu=trainer.device.type == "cpu", fp8=cfg.fp8, compile=cfg.compile)
     candidate = Candidate(dp=1, zero=cfg.zero, b=cfg.batch_size, recompute=cfg.recompute,
-                          offload=cfg.offload == "optimizer")
+                          offload=cfg.offload == "optimizer", ratio=lay.offload_ratio)
     e = estimate(setup, candidate)
     st = e["state"]  # on the CPU mem_gb is the model state between steps (plan/check.py compares the same)
     est = (st["params"] + st["grads"] + st["optimizer"] - st["transient"] if setup.cpu else e["allocated"]) / GB

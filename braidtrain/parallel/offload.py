@@ -1,5 +1,6 @@
-"""--offload optimizer: the optimizer's state in host memory, its update on the host, overlapped
-with the next step's forward -- and still this step's update, never a stale one.
+"""--offload optimizer: the optimizer's state in host memory (all of it, or the share R of
+--offload-ratio: "Kept buckets" below), its update on the host, overlapped with the next step's
+forward -- and still this step's update, never a stale one.
 
 What lives where. The device keeps what the forward and backward read and write: the compute
 weights (the flat buckets, buckets.py) and the gradient buffers. Host memory keeps what only the
@@ -50,6 +51,17 @@ then block by block), and each forward waits only for its own bucket's weights:
     backward, before a gradient buffer is written (the worker copies down from them: so ZeRO-0/1
     zero their buffer there, not at the step's start).
 
+Kept buckets (--offload-ratio R, 0 < R <= 1, default 1). R is the share of this rank's owned
+optimizer elements that lives on the host. kept() picks the leading buckets in the next forward's
+order -- those whose weights the next forward needs first, which must never wait on the host --
+as many as fit in (1 - R) of the owned elements; they keep their fp32 master and AdamW's m and v
+on the device and are updated there at step(), by the path without offload (optim.AdamW.update:
+apply, then engine.publish of those buckets; ZeRO-1/2's all-gather in engine.gather_params). The
+rest are hosted as above: the worker, the copies and the waits (ready(), wait()) are theirs only.
+The host's memory bandwidth bounds the hosted update, so keeping a share on the device takes that
+share's update and copies off the host's time. Checkpoints read and write each bucket's master, m
+and v where they are (io/checkpoint.py): a run resumes at another R, or without offload.
+
 Threads. torch.set_num_threads is process-wide: a GPU run sets it to this rank's cores (its
 affinity shared among the node's LOCAL_WORLD_SIZE ranks), for the host update -- the main thread
 only launches kernels; a CPU run, where device and host share the cores, keeps what it had. On the
@@ -59,7 +71,8 @@ waits -- runs as on a GPU.
 Exactness. The host update is optim.AdamW.apply on host tensors, with the step's scalars as they
 were when it was handed over (the next step's prepare() rewrites them): torch's fused AdamW in
 default mode; in exact mode optim.exact_adamw, single IEEE operations with the same inputs (the
-clip scale and skip flag copied bit for bit), so the same bits as the device's update.
+clip scale and skip flag copied bit for bit), so the same bits as the device's update -- which is
+what a kept bucket gets (exact_kernels on a GPU: the same operations), so R changes no bit.
 """
 
 from __future__ import annotations
