@@ -105,6 +105,8 @@ def test_a_bad_ratio_is_one_line(tmp_path, shakespeare):
                         (["--offload", "optimizer", "--offload-ratio", 1.5], ("--offload-ratio 1.5", "0 < R <= 1"))):
         p = braidtrain("train", *SMALL, "-i", shakespeare, "-x", 1, *args, "--out", tmp_path / "r", check=False)
         assert_one_line_error(p, *words)
+    p = braidtrain("plan", "--model", "gpt2", "--offload-ratio", 2, check=False)  # (the planner's, as train's)
+    assert_one_line_error(p, "--offload-ratio 2", "0 < R <= 1")
 
 
 def test_command_line_pipeline_and_resume_into_offload(tmp_path, shakespeare):

@@ -24,10 +24,10 @@ from braidtrain.plan.space import Candidate, Setup
 
 def check_layout(args) -> Candidate:
     """The layout of --check ZERO,B[,recompute] or of -z, -b, --recompute; the mesh from --tp, --sp,
-    --pp and --pp-schedule (default 1f1b); --offload: with --offload optimizer."""
+    --pp and --pp-schedule (default 1f1b); --offload (--offload-ratio R): with --offload optimizer (at R)."""
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
     mesh = dict(dp=args.gpus // (tp * pp * cp), tp=tp, sp=bool(args.sp), pp=pp, cp=cp, ep=args.ep or 1,
-                offload=bool(args.offload), ratio=args.offload_ratio or 1.0)
+                offload=bool(args.offload) or args.offload_ratio is not None, ratio=args.offload_ratio or 1.0)
     if pp > 1:
         mesh.update(schedule=args.pp_schedule or "1f1b", virtual=2 if args.pp_schedule == "interleaved" else 1)
     if not args.check:  # the layout from the flags
