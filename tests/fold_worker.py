@@ -83,13 +83,23 @@ def run(rank, model, m, kw, fold, backs=None):
     parts = make_parts(cfg, mesh, lay, lay.sp)
     for part in parts:
         init_weights(part, 5)
-    engine = Engine(parts, mesh, comm, zero=lay.zero, exact=True, bucket_mb=0.01, device=torch.device("cpu"),
-                    dtype=torch.bfloat16 if bf16 else torch.float32, fold=fold)
+    engine = Engine(
+        parts,
+        mesh,
+        comm,
+        zero=lay.zero,
+        exact=True,
+        bucket_mb=0.01,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+        fold=fold,
+    )
     opt = AdamW(engine)
     rows = lay.batch.seqs_per_rank
     tokens = torch.zeros(2, rows, T, dtype=torch.long)
-    built = SimpleNamespace(layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=1, seq_len=T), parts=parts,
-                            mcfg=cfg, engine=engine, fault=None)
+    built = SimpleNamespace(
+        layout=lay, mesh=mesh, comm=comm, cfg=SimpleNamespace(batch_size=1, seq_len=T), parts=parts, mcfg=cfg, engine=engine, fault=None
+    )
     autocast = (lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False)) if bf16 else nullcontext
     passes = Passes(built, autocast, tokens)
     if backs is not None:
@@ -113,8 +123,7 @@ def run(rank, model, m, kw, fold, backs=None):
         opt.update(grad_scale=clip_scale(engine.grad_norm(), 1.0))
         engine.gather_params()
     expect = {p.stage: expected_folds(passes.actions, p.stage) for p in parts}
-    every = comm.all_gather_object({"grads": grads, "trees": trees, "expect": expect, "pp": mesh.coord("pp")},
-                                   mesh.groups["world"])
+    every = comm.all_gather_object({"grads": grads, "trees": trees, "expect": expect, "pp": mesh.coord("pp")}, mesh.groups["world"])
     return {"sha": weights_sha256(engine), "ranks": every, "m": lay.batch.micro_steps}
 
 
