@@ -13,8 +13,9 @@
 #   o  the bits against the code before the tree's first level was folded into the backward
 #      (parallel/exact.py; OLD: a folder holding that commit's braidtrain/ package, e.g.
 #      `git archive d35b270 braidtrain | tar -x -C .old`, carried): the same small exact runs through
-#      both trees -- 4 micro-steps, 5 (the last leaf with no sibling), 4 with --compile -- and their
-#      weights_sha256, which must be equal (~150 s)
+#      both trees -- a small llama at 4 micro-steps, 5 (the last leaf with no sibling), 4 with
+#      --compile; a small GPT (its head tied) at 4 and 3 -- and their weights_sha256, which must be
+#      equal (~200 s)
 #   a  with OLD: the exact step's time before and after the fold, llama3.2-1b as in c, two rounds
 #      each tree (before_after.sh; ~300 s)
 #   p  where the time goes: profile_step.py of the same step, default and --exact, eager
@@ -74,22 +75,27 @@ xv = next(v for k, v in tps.items() if "--exact" in k)
 print(f"exact/default step time: {dv / xv:.4f}x ({xv:,.0f} against {dv:,.0f} tokens/s)" if dv and xv else f"(failed: {tps})")
 EOF
 fi
-if [[ $parts == *" o "* ]] && fits 150; then
+if [[ $parts == *" o "* ]] && fits 200; then
   echo "== o. the exact bits against the tree before the fold, OLD=$OLD ($SECONDS s)"
   if [ -z "$OLD" ] || [ ! -d "$OLD/braidtrain" ]; then
     echo "(skipped: OLD=$OLD holds no braidtrain/: git archive d35b270 braidtrain | tar -x -C .old)"
   else
     old=$(cd "$OLD" && pwd); root=$(pwd)
-    tiny="--model llama3-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-heads 2 -i $root/data/shakespeare_bytes -b 4 -t 256 -x 8 --exact $q"
+    common="-i $root/data/shakespeare_bytes -b 4 -t 256 -x 8 --exact $q"
+    llama="--model llama3-tiny --n-layer 4 --n-embd 256 --n-head 4 --n-kv-heads 2 $common"
+    gpt="--model tiny --n-layer 4 --n-embd 256 --n-head 4 $common"  # GPT-2's shape: the head tied (tied.py's tree)
+    cases=("llama-m4:$llama -d 4096" "llama-m5:$llama -d 5120" "llama-m4-compile:$llama -d 4096 --compile"
+           "gpt-m4:$gpt -d 4096" "gpt-m3:$gpt -d 3072")
     for v in new old; do
       dir=$root; [ $v = old ] && dir=$old
       (cd "$dir" && PYTHONPATH= python -c "import braidtrain; print('$v:', braidtrain.__file__)")
-      for c in "m4:-d 4096" "m5:-d 5120" "m4-compile:-d 4096 --compile"; do
-        (cd "$dir" && PYTHONPATH= python -m braidtrain train $tiny ${c#*:} --out /tmp/o_${v}_${c%%:*} > /tmp/o_${v}_${c%%:*}.log 2>&1) \
+      for c in "${cases[@]}"; do
+        (cd "$dir" && PYTHONPATH= python -m braidtrain train ${c#*:} --out /tmp/o_${v}_${c%%:*} > /tmp/o_${v}_${c%%:*}.log 2>&1) \
           || tail -3 /tmp/o_${v}_${c%%:*}.log
       done
     done
-    for c in m4 m5 m4-compile; do
+    for c in "${cases[@]}"; do
+      c=${c%%:*}
       python - /tmp/o_new_$c /tmp/o_old_$c $c <<'EOF'
 import json, os, sys
 sha = [json.load(open(f"{d}/summary.json"))["weights_sha256"] if os.path.exists(f"{d}/summary.json") else None
@@ -99,7 +105,9 @@ EOF
     done
   fi
 fi
-if [[ $parts == *" a "* ]] && fits 300; then
+if [[ $parts == *" a "* ]] && [ -z "$OLD" ]; then
+  echo "(a skipped: no OLD)"
+elif [[ $parts == *" a "* ]] && fits 300; then
   echo "== a. the exact step before and after the fold, llama3.2-1b, OLD=$OLD ($SECONDS s)"
   OUT="$OUT/before_after" bash benchmarks/speed/before_after.sh "$OLD" "1 2" --model llama3.2-1b \
     -i "$(pwd)/data/shakespeare_128k" -b 4 -t 2048 -d 16384 --nproc 1 --loss-tol 0.05 \
