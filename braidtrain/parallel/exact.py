@@ -8,8 +8,8 @@ tree indexed by the micro-batch's number on this rank (not by when its backward 
       level 0     0      1        2      3
 
 Two siblings are added as soon as both exist, so backwards in order hold log2(m) + 1 buffers (a
-binary counter; log2(m) with the first level folded, below), and any order gives the same tree: IEEE addition is commutative, so only the
-tree's shape fixes the bits. A subtree with no leaves (m not a power of two, possible at dp = 1
+binary counter; log2(m) with the first level folded, below), and any order gives the same tree:
+IEEE addition is commutative, so only the tree's shape fixes the bits. A subtree with no leaves (m not a power of two, possible at dp = 1
 only) is absent, not zero: its sibling passes up unchanged. The all-to-all + pairwise-sum
 reduce-scatter (comm.exact_reduce_scatter) then adds the ranks' subtrees along the same tree:
 any power-of-two dp gives the one tree over all micro-batches, hence the same bits -- at every
