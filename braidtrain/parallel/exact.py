@@ -9,15 +9,16 @@ tree indexed by the micro-batch's number on this rank (not by when its backward 
 
 Two siblings are added as soon as both exist, so backwards in order hold log2(m) + 1 buffers (a
 binary counter; log2(m) with the first level folded, below), and any order gives the same tree:
-IEEE addition is commutative, so only the tree's shape fixes the bits. A subtree with no leaves (m not a power of two, possible at dp = 1
-only) is absent, not zero: its sibling passes up unchanged. The all-to-all + pairwise-sum
-reduce-scatter (comm.exact_reduce_scatter) then adds the ranks' subtrees along the same tree:
-any power-of-two dp gives the one tree over all micro-batches, hence the same bits -- at every
-ZeRO stage, which in exact mode therefore also holds the local tree.
+IEEE addition is commutative, so only the tree's shape fixes the bits. A subtree with no leaves
+(m not a power of two, possible at dp = 1 only) is absent, not zero: its sibling passes up
+unchanged. The all-to-all + pairwise-sum reduce-scatter (comm.exact_reduce_scatter) then adds the
+ranks' subtrees along the same tree: any power-of-two dp gives the one tree over all
+micro-batches, hence the same bits -- at every ZeRO stage, which in exact mode therefore also
+holds the local tree.
 
 The first level, folded into the backward. An odd micro-batch 2k+1 whose backward starts with its
-even sibling's leaf complete (backwards in order: every schedule's own chunk order but a reversed
-or scrambled one) gets no buffer of its own: `sibling(2k+1)` hands it leaf 2k, and autograd's
+even sibling's leaf complete (backwards in order: the loop at pp 1 and each chunk of every pipeline
+schedule; not a reversed or scrambled order) gets no buffer of its own: `sibling(2k+1)` hands it leaf 2k, and autograd's
 accumulation adds the gradient into it (AccumulateGrad's `grad += new`; a lean bucket's hook,
 tied.py's head sink: the same add) -- leaf 2k + gradient 2k+1, the addition the tree would do,
 operands in its order. The bits are the tree's: the separate leaf 2k+1 would be +0 + gradient
