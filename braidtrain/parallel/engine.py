@@ -20,7 +20,8 @@ saved. (The other choice, accumulating locally and reducing once, needs the full
 ZeRO-2 exists to remove.) Which gradient buffer lives when, and their pool: grads.py. Gradients
 are *summed*: the loss was already divided by the global token count, once. In exact mode each
 backward's gradient is a leaf of exact.py's tree, by micro-batch number: the order the backwards
-ran in does not change a bit.
+ran in does not change a bit; an odd micro-batch's backward adds into its complete even sibling's
+leaf, the tree's first level folded into the backward (exact.py; `fold`, on by default).
 
 ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
 
@@ -57,10 +58,11 @@ class Engine:
     """`parts`: the model, or the pipeline chunks this rank holds (model.GPT stages, in order)."""
 
     def __init__(self, parts, mesh, comm: Comm, *, zero: int, exact: bool, bucket_mb: float, device,
-                 dtype=torch.float32, offload: bool = False):
+                 dtype=torch.float32, offload: bool = False, fold: bool = True):
         self.parts = parts if isinstance(parts, list) else [parts]
         self.model = self.parts[0]  # (its config is every part's)
         self.comm, self.zero, self.exact, self.device = comm, zero, exact, device
+        self.fold = exact and fold  # exact mode: the tree's first level folded into the backward (exact.py)
         self.table = placement.build(self.parts)
         self.tp, self.pp, self.world = mesh.groups["tp"], mesh.groups["pp"], mesh.groups["world"]
         self.ep, self.p2p = mesh.groups["ep"], mesh.p2p  # ranks holding other experts (expert.py); pipeline pairs
@@ -79,6 +81,7 @@ class Engine:
                         for i, (es, ms, reduce, stage, dt, top) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
         self.grads = Grads(self.buckets, device)  # the gradient buffers' lifetime and their pool
+        self.grads.sibling = self.sibling
         for b in self.buckets:
             master.lay_out(b, device)  # the values; a lean bucket's master apart
             for p, view in b.views(b.full):
@@ -250,6 +253,11 @@ class Engine:
             self._launch_every_backward(b)
         if self.zero_hooks is not None:
             self.zero_hooks.gradients_done(b)
+
+    def sibling(self, b):
+        """The complete even sibling leaf of bucket b that this (odd) backward adds into, or None:
+        a buffer of its own (exact.py, the first level folded; grads.open asks)."""
+        return self.trees[b].sibling(self.micro) if self.fold else None
 
     def owned_grad(self, b):
         """(where a reduction of bucket b leaves this rank's part, and whether that is the full

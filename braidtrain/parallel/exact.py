@@ -8,12 +8,26 @@ tree indexed by the micro-batch's number on this rank (not by when its backward 
       level 0     0      1        2      3
 
 Two siblings are added as soon as both exist, so backwards in order hold log2(m) + 1 buffers (a
-binary counter), and any order gives the same tree: IEEE addition is commutative, so only the
-tree's shape fixes the bits. A subtree with no leaves (m not a power of two, possible at dp = 1
-only) is absent, not zero: its sibling passes up unchanged. The all-to-all + pairwise-sum
-reduce-scatter (comm.exact_reduce_scatter) then adds the ranks' subtrees along the same tree:
-any power-of-two dp gives the one tree over all micro-batches, hence the same bits -- at every
-ZeRO stage, which in exact mode therefore also holds the local tree.
+binary counter; log2(m) with the first level folded, below), and any order gives the same tree:
+IEEE addition is commutative, so only the tree's shape fixes the bits. A subtree with no leaves
+(m not a power of two, possible at dp = 1 only) is absent, not zero: its sibling passes up
+unchanged. The all-to-all + pairwise-sum reduce-scatter (comm.exact_reduce_scatter) then adds the
+ranks' subtrees along the same tree: any power-of-two dp gives the one tree over all
+micro-batches, hence the same bits -- at every ZeRO stage, which in exact mode therefore also
+holds the local tree.
+
+The first level, folded into the backward. An odd micro-batch 2k+1 whose backward starts with its
+even sibling's leaf complete (backwards in order: the loop at pp 1 and each chunk of every pipeline
+schedule; not a reversed or scrambled order) gets no buffer of its own: `sibling(2k+1)` hands it leaf 2k, and autograd's
+accumulation adds the gradient into it (AccumulateGrad's `grad += new`; a lean bucket's hook,
+tied.py's head sink: the same add) -- leaf 2k + gradient 2k+1, the addition the tree would do,
+operands in its order. The bits are the tree's: the separate leaf 2k+1 would be +0 + gradient
+(zeroed, then accumulated), which differs from the gradient only where it is -0, and a leaf that
+began as +0 + gradient is never -0, so adding either gives the same sum. The pair's node then
+enters the tree at level 1, one buffer and one pass over it fewer a pair. Where the sibling is
+not complete (an odd backward before its even one) the leaf is a buffer of its own, as before;
+live recovery's LiveTree and ep > 1's sourced experts (expert.py) never fold. Engine(fold=False)
+turns it off for one engine (tests/test_fold.py compares the two).
 
 Exact mode's gradient norm is parallel/norm.py's ExactNorm.
 """
@@ -23,7 +37,6 @@ from __future__ import annotations
 import torch
 
 
-
 class TreeSum:
     """The micro-batch tree of one bucket. `recycle(buf)` takes back a buffer added into another."""
 
@@ -31,14 +44,32 @@ class TreeSum:
         self.nodes: dict[tuple[int, int], torch.Tensor] = {}  # (level, index) -> partial sum
         self.recycle = recycle
         self.leaves = 0
+        self.folded: set[int] = set()  # this step's odd micro-batches added into their sibling's leaf
+        self.lent: dict[int, torch.Tensor] = {}  # those whose backward is under way: the leaf it adds into
+        self.adds = 0  # this step's additions by the tree itself (the folded ones not counted)
+
+    def sibling(self, micro: int) -> torch.Tensor | None:
+        """Odd `micro`'s complete even sibling leaf, taken out of the tree for the backward to add
+        into (module docstring: the first level folded), or None: it needs a buffer of its own.
+        (Asked again before add(), a buffer opened twice in one backward: the same leaf.)"""
+        if micro in self.lent:
+            return self.lent[micro]
+        if not micro & 1 or (0, micro ^ 1) not in self.nodes:
+            return None
+        self.folded.add(micro)
+        self.lent[micro] = self.nodes.pop((0, micro ^ 1))
+        return self.lent[micro]
 
     def add(self, micro: int, leaf: torch.Tensor) -> None:
+        """Micro-batch `micro`'s complete gradient: a leaf, or (folded) its pair's level-1 node."""
         self.leaves += 1
-        level, i, node = 0, micro, leaf
+        level = 1 if self.lent.pop(micro, None) is not None else 0
+        i, node = micro >> level, leaf
         while (level, i ^ 1) in self.nodes:
             other = self.nodes.pop((level, i ^ 1))
             left, right = (other, node) if i & 1 else (node, other)
             left.add_(right)
+            self.adds += 1
             self.recycle(right)
             level, i, node = level + 1, i >> 1, left
         self.nodes[(level, i)] = node
@@ -54,6 +85,7 @@ class TreeSum:
             if right is None:
                 return left
             left.add_(right)
+            self.adds += 1
             self.recycle(right)
             return left
 
@@ -63,9 +95,11 @@ class TreeSum:
         return root
 
     def clear(self) -> None:
-        """Drop partial sums a step that failed part-way left behind."""
+        """A new step: drop partial sums a step that failed part-way left behind, and the counts."""
         self.nodes.clear()
-        self.leaves = 0
+        self.folded.clear()
+        self.lent.clear()
+        self.leaves = self.adds = 0
 
 
 class Then:

@@ -12,8 +12,10 @@ What lives when:
     collective has read it (on CUDA: record_stream on the collective's stream; only exact mode's
     tree gives buffers back to the pool); the result is added into the persistent shard (b.shard_grad).
   - Exact mode: each backward's gradient is a fresh buffer from the pool, a leaf of exact.py's
-    tree; the tree gives leaves back (recycle) as it adds them, and the step's root lives to the
-    update and goes back at the next step's start (Engine.begin_step).
+    tree -- or, an odd micro-batch whose even sibling's leaf is complete, that leaf, which the
+    backward adds into (`sibling`: the tree's first level folded into the backward, exact.py); the
+    tree gives leaves back (recycle) as it adds them, and the step's root lives to the update and
+    goes back at the next step's start (Engine.begin_step).
   - A lean bucket (bf16 compute weights): autograd's bf16 gradient arrives in .grad and the
     engine's post-accumulate hook adds it into `main_grad`, the view into the fp32 buffer.
   - --offload optimizer: the host's update holds its own references to the step's gradients until
@@ -31,14 +33,16 @@ class Grads:
     def __init__(self, buckets, device):
         self.buckets, self.device = buckets, device
         self.pool: dict[int, list[torch.Tensor]] = {}
+        self.sibling = lambda b: None  # exact mode: the leaf a backward adds into, if any (Engine.sibling)
 
     def open(self, b, buf=None) -> None:
-        """Zero the bucket's gradient buffer `buf` (None: a fresh one from the pool) and point its
-        parameters' .grad at views into it: autograd then adds each gradient into it in place.
-        (Copying each gradient out in a hook instead cost host time a parameter; the GPU now zeroes
-        and adds: more bytes, less host time. docs/design-notes.md.)"""
-        b.grad = buf if buf is not None else self.take(b.padded)
-        b.grad.zero_()
+        """Zero the bucket's gradient buffer `buf` (None: the complete sibling leaf `sibling(b)`
+        gives, not zeroed, or else a fresh one from the pool) and point its parameters' .grad at
+        views into it: autograd then adds each gradient into it in place. (Copying each gradient
+        out in a hook instead cost host time a parameter; the GPU now zeroes and adds: more bytes,
+        less host time. docs/design-notes.md.)"""
+        into = self.sibling(b) if buf is None else None
+        b.grad = into if into is not None else (buf if buf is not None else self.take(b.padded)).zero_()
         for p, view in b.views(b.grad):
             if b.lean:  # a bf16 parameter: the engine's hook adds autograd's gradient here (module docstring)
                 p.main_grad = view

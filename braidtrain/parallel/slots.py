@@ -69,6 +69,10 @@ class LiveTree:
         self.nodes: dict[tuple[int, int], torch.Tensor] = {}
         self.leaves = 0
 
+    def sibling(self, micro: int) -> None:
+        """A live tree does not fold its first level into the backward (exact.py): no sibling."""
+        return None
+
     def add(self, micro: int, leaf: torch.Tensor) -> None:
         if micro >= len(self.micros):  # a pass run only to keep the collectives in step (live/redo.py)
             self.e.recycle(leaf)

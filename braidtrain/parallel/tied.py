@@ -10,7 +10,9 @@ any bucket; the two reduced gradients are then added, shard by shard, once a ste
     G = reduced lookup gradient + reduced head gradient
 
 With one rank holding both (exact mode), the head's micro-batch gradients reach here through the
-model's TiedHead and are summed in a tree of their own. Across a pipeline the first and last
+model's TiedHead and are summed in a tree of their own, its first level folded as the buckets'
+(exact.py): an odd micro-batch's head gradient is added straight into its complete even sibling's
+leaf -- the tree's own addition, since a leaf is a bitwise copy of the gradient. Across a pipeline the first and last
 stages swap their reduced shards (one exchange over the pp group) and both add: the same single
 addition of the same two sums, so G has the same bits as with one rank, and the two copies, given
 the same gradient and update, stay bitwise equal. The copy is not saved, and counts once in the
@@ -57,12 +59,16 @@ class Tied:
     def sink(self, grad):
         """One micro-batch's head gradient of wte (the model's TiedHead calls this), as a leaf laid
         out like wte's bucket."""
-        b = self.buckets[0]
+        b, n, micro = self.buckets[0], grad.numel(), self.e.micro
+        into = self.head.sibling(micro) if self.e.fold else None
+        if into is not None:  # the first level folded (exact.py): the sibling leaf + this one, as the tree adds
+            into[:n].add_(grad.reshape(-1))  # (past n both are zeros: the sum too)
+            self.head.add(micro, into)
+            return
         leaf = self.e.grads.take(b.padded)
-        n = grad.numel()
         leaf[:n].copy_(grad.reshape(-1))
         leaf[n:].zero_()
-        self.head.add(self.e.micro, leaf)
+        self.head.add(micro, leaf)
 
     def reduced(self, b):
         """Bucket b's own reduction was launched (the step's last backward): with both uses here,
