@@ -94,9 +94,9 @@ def opchecks() -> dict:
 
 
 def model_on_off() -> dict:
-    """A tiny Llama's summed loss and every gradient with the switch on, against it off (fp32), and
-    how many times the MLPs called the operator."""
-    from braidtrain.model import llama, registry
+    """llama3-tiny's and mixtral-tiny's summed loss and every gradient with the switch on, against it
+    off (fp32), and how many times the MLPs (the experts' grouped GEMM path) called the operator."""
+    from braidtrain.model import llama, moe, registry
     from braidtrain.parallel.placement import init_weights
 
     calls = []
@@ -106,22 +106,25 @@ def model_on_off() -> dict:
         calls.append(x.shape)
         return counted(x)
 
-    llama.swiglu = counting
-    cfg = registry.model_config("llama3-tiny", 300)
-    idx = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
-    runs = []
-    for on in (False, True):
-        model = registry.build(cfg)
-        init_weights(model, seed=4)
-        if on:
-            model.use_fused_swiglu()
-        loss = model(idx, idx.roll(-1, 1))
-        loss.backward()
-        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    llama.swiglu = counted
-    (l0, g0), (l1, g1) = runs
-    return {"model.loss": norm_rel(l1, l0), "model.grads": max(norm_rel(g1[n], g0[n]) for n in g0),
-            "model.names": sorted(g0) == sorted(g1), "model.calls": len(calls), "model.layers": cfg.n_layer}
+    llama.swiglu = moe.swiglu = counting
+    out = {}
+    for preset in ("llama3-tiny", "mixtral-tiny"):
+        cfg = registry.model_config(preset, 300)
+        idx = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+        runs, calls[:] = [], []
+        for on in (False, True):
+            model = registry.build(cfg)
+            init_weights(model, seed=4)
+            if on:
+                model.use_fused_swiglu()
+            loss = model(idx, idx.roll(-1, 1))
+            loss.backward()
+            runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        (l0, g0), (l1, g1) = runs
+        out.update({f"model.{preset}.loss": norm_rel(l1, l0), f"model.{preset}.grads": max(norm_rel(g1[n], g0[n]) for n in g0),
+                    f"model.{preset}.names": sorted(g0) == sorted(g1), f"model.{preset}.calls": len(calls) - cfg.n_layer})
+    llama.swiglu = moe.swiglu = counted
+    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -177,11 +180,12 @@ def test_opcheck(measured, path):
 
 @pytest.mark.parametrize("path", ["kernels", "torch"])
 def test_a_model_with_the_switch_on_trains_as_with_it_off(measured, path):
-    """llama3-tiny in fp32: the same loss and gradients (every parameter's) to fp32 rounding, the
-    operator called once per MLP."""
-    m = {k.split(".", 1)[1]: v for k, v in measured.items() if k.startswith(f"{path}.model.")}
-    assert m["model.calls"] == m["model.layers"] and m["model.names"], m
-    assert m["model.loss"] < 1e-6 and m["model.grads"] < 1e-5, m
+    """llama3-tiny and mixtral-tiny in fp32: the same loss and gradients (every parameter's) to fp32
+    rounding, the operator called once a layer (its MLP, or its experts' grouped GEMMs)."""
+    for preset in ("llama3-tiny", "mixtral-tiny"):
+        m = {k.rsplit(".", 1)[1]: v for k, v in measured.items() if k.startswith(f"{path}.model.{preset}.")}
+        assert m["calls"] == 0 and m["names"], (preset, m)  # calls: the operator's, less one a layer
+        assert m["loss"] < 1e-6 and m["grads"] < 1e-5, (preset, m)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the compiled kernels); the CPU runs them "

@@ -19,8 +19,9 @@ Elsewhere -- off CUDA, or without triton -- the same operator runs `reference` a
 to. With TRITON_INTERPRET=1 set before triton's first import, the kernels run on CPU tensors through
 Triton's interpreter (the tests). Triton is imported on first use: this module imports without it.
 
-Used by llama.py's MLP when its `fused_swiglu` is set (Stage.use_fused_swiglu; build.py sets it on
-CUDA, not under --exact, whose bits keep the plain expression's kernels, nor under --fp8).
+Used by llama.py's MLP and moe.py's SwiGLUExperts (their grouped GEMM path) when their `fused_swiglu`
+is set (Stage.use_fused_swiglu; build.py sets it on CUDA, not under --exact, whose bits keep the
+plain expression's kernels, nor under --fp8).
 """
 
 from __future__ import annotations  # the kernels' annotations stay strings until triton is imported
