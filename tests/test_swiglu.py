@@ -23,7 +23,7 @@ import torch
 
 from helpers import ROOT, interpreted_result, start_interpreted
 
-SHAPES = (((5,), 5), ((2, 3), 1000), ((4, 1, 2), 1500), ((3,), 2053), ((0, 2), 7))  # (leading, F): F % 1024 != 0
+SHAPES = (((5,), 5), ((2, 3), 1000), ((4, 1, 2), 1500), ((3,), 2053), ((0, 2), 7), ((2,), 0))  # (leading, F)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # fp32: a few roundings (and the cancellation in 1 + g (1 - s), under rel's floor). bf16: the rounding
 # to bf16 of the store -- on a GPU to nearest (half an ulp: at most 2^-8 of the value), in Triton 3.6's

@@ -71,7 +71,7 @@ def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:
         return reference(gate_up).contiguous()
     gu = gate_up.contiguous()
     h = torch.empty(*gu.shape[:-1], F2, dtype=gu.dtype, device=gu.device)
-    _launch(_fwd_kernel, gu.numel() // (2 * F2), F2, gu, h)
+    _launch(_fwd_kernel, gu.shape[:-1].numel(), F2, gu, h)
     return h
 
 
@@ -87,7 +87,7 @@ def _swiglu_backward_op(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor
         return reference_backward(gate_up, dh).contiguous()
     gu, dh = gate_up.contiguous(), dh.contiguous()
     dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
-    _launch(_bwd_kernel, gu.numel() // (2 * F2), F2, gu, dh, dgu)
+    _launch(_bwd_kernel, gu.shape[:-1].numel(), F2, gu, dh, dgu)
     return dgu
 
 
