@@ -109,8 +109,8 @@ def model_on_off() -> dict:
     llama.swiglu = moe.swiglu = counting
     out = {}
     for preset in ("llama3-tiny", "mixtral-tiny"):
-        cfg = registry.model_config(preset, 300)
-        idx = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+        cfg = registry.model_config(preset, 300, n_layer=2)
+        idx = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
         runs, calls[:] = [], []
         for on in (False, True):
             model = registry.build(cfg)
