@@ -136,15 +136,7 @@ def build(cfg: Config) -> Run:
         if full is not None:  # before the engine: under ZeRO-3 a rank then holds only its shard
             table = placement.build(part)
             part.load_state_dict({n: table.local(table[n], full[n]) for n, _ in part.named_parameters()})
-        if cfg.recompute:
-            part.use_recompute()
-        if cfg.exact and device.type == "cuda":
-            part.use_deterministic_attention()
-        if lay.fp8:
-            part.use_fp8(fp8.RECIPES[lay.fp8])
-        if cfg.compile:
-            _inductor_on_a_baseline_cpu(device)
-            part.compile_blocks()
+        settle(part, cfg, lay, device)
         part.to(device)
     balance = torch.zeros(mcfg.n_layer, max(1, mcfg.moe_experts), device=device)
     for part in parts:
@@ -171,6 +163,23 @@ def build(cfg: Config) -> Run:
         guard.close(clean=False)
         raise
     return run
+
+
+def settle(part: Stage, cfg: Config, lay: layout.Layout, device) -> None:
+    """A part's settings for this run, before it moves to `device`: recompute, exact mode's
+    attention, float8, the fused SwiGLU operator (model/swiglu.py: on CUDA only; not under --exact,
+    whose bits are the plain expression's kernels', nor --fp8, not measured with its casts), compile."""
+    if cfg.recompute:
+        part.use_recompute()
+    if cfg.exact and device.type == "cuda":
+        part.use_deterministic_attention()
+    if lay.fp8:
+        part.use_fp8(fp8.RECIPES[lay.fp8])
+    if device.type == "cuda" and not cfg.exact and not lay.fp8:
+        part.use_fused_swiglu()
+    if cfg.compile:
+        _inductor_on_a_baseline_cpu(device)
+        part.compile_blocks()
 
 
 def computes_in_bf16(cfg: Config, device) -> bool:

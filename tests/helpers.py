@@ -220,16 +220,28 @@ def run_interpreted(script: str) -> dict:
     """Run a test file as a script under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
     before triton is first imported, and pytest shares one process between files): the JSON its
     last line prints. Skips where triton is not installed (`make test` installs it)."""
+    return interpreted_result(start_interpreted(script))
+
+
+def start_interpreted(script: str):
+    """run_interpreted's process, started in the background (None where triton is not installed),
+    for interpreted_result to wait for: a test file's other tests run meanwhile."""
     import importlib.util
 
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return subprocess.Popen([sys.executable, script], cwd=ROOT, env=dict(env(), TRITON_INTERPRET="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def interpreted_result(p) -> dict:
     import pytest
 
-    if importlib.util.find_spec("triton") is None:
+    if p is None:
         pytest.skip("triton is not installed")
-    p = subprocess.run([sys.executable, script], cwd=ROOT, env=dict(env(), TRITON_INTERPRET="1"),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-5000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-5000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 class Layouts:

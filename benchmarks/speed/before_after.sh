@@ -6,17 +6,21 @@
 # per layout each version's tokens/s over the rounds, their medians and the new/old ratio.
 # Usage (repo root; data/shakespeare_gpt2 and OLD carried):
 #   bash benchmarks/speed/before_after.sh OLD "1 2 3" [bench train args, e.g. --layout '-z 1 --compile']
+# DATA: the training data, relative to the repo root or absolute (default data/shakespeare_gpt2); a
+# Llama on Llama-3's 128,256 ids: DATA=data/shakespeare_128k (benchmarks/corpus/llama3_ids.py builds it
+# offline) with --model llama3.2-1b -b 4 -t 2048 -d 8192 --layout '-z 0 --compile --cuda-graph'.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 unset PYTHONPATH  # each version imports its own braidtrain, from the folder it runs in
 OLD=$(cd "$1" && pwd); ROUNDS=$2; shift 2
 ROOT=$(pwd); OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DATA=${DATA:-data/shakespeare_gpt2}; [[ $DATA = /* ]] || DATA=$ROOT/$DATA
 for r in $ROUNDS; do
   if (( r % 2 )); then order="old new"; else order="new old"; fi
   for v in $order; do
     dir=$ROOT; [ "$v" = old ] && dir=$OLD
     echo "== round $r: $v ($dir)"
-    (cd "$dir" && python -m braidtrain bench train -i "$ROOT/data/shakespeare_gpt2" --torch "" --steps 12 --warmup 4 \
+    (cd "$dir" && python -m braidtrain bench train -i "$DATA" --torch "" --steps 12 --warmup 4 \
        --json "$OUT/$v-r$r.json" "$@" 2>&1 | grep -v "^\[")
   done
 done

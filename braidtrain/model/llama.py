@@ -52,6 +52,7 @@ from braidtrain.model.layers import (ColumnParallelLinear, RMSNorm, RowParallelL
 from braidtrain.model.moe import MoE, SwiGLUExperts
 from braidtrain.model.protocol import VOCAB_ALIGN, ModelConfig
 from braidtrain.model.stage import Block as BlockBase, Blocks, Stage
+from braidtrain.model.swiglu import swiglu
 
 _3_1 = dict(rope_factor=8.0, block_size=131072)  # Llama-3.1: scaled RoPE, 128k context
 _3_2 = dict(rope_factor=32.0, block_size=131072, tie_embeddings=True)
@@ -200,7 +201,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up one packed matmul."""
+    """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up one packed matmul. With
+    `fused_swiglu` (Stage.use_fused_swiglu) silu(gate) * up is swiglu.py's operator, one kernel each
+    way; else the plain expression (what torch.compile fuses itself, and --exact's bits)."""
+
+    fused_swiglu = False
 
     def __init__(self, cfg: LlamaConfig, group=None, sp: bool = False, width: int | None = None):
         super().__init__()
@@ -209,7 +214,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(F_, cfg.n_embd, group, bias=False, sp=sp)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_swiglu:
+            return self.down_proj(swiglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

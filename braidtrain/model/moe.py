@@ -60,6 +60,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from braidtrain.model.swiglu import swiglu
+
 ROUTERS = ("softmax-topk", "topk-softmax")
 BALANCES = ("aux", "bias")
 
@@ -118,6 +120,7 @@ class SwiGLUExperts(nn.Module):
     replicated over tp."""
 
     expert = True
+    fused_swiglu = False  # the grouped path's silu(gate) * up as model/swiglu.py's operator (Stage.use_fused_swiglu)
 
     def __init__(self, n: int, n_embd: int, hidden: int):
         super().__init__()
@@ -135,7 +138,10 @@ class SwiGLUExperts(nn.Module):
 
     def grouped(self, rows, offs, which):
         w13, w2 = (w.to(rows.dtype) for w in self.weights())  # (n, 2H, C), (n, C, H)
-        gate, up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)
+        if self.fused_swiglu:
+            return torch._grouped_mm(swiglu(gate_up), w2.transpose(-2, -1), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
 
 

@@ -200,6 +200,17 @@ class Stage(nn.Module):
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                     m.fp8 = recipe
 
+    def use_fused_swiglu(self) -> None:
+        """The blocks' SwiGLU MLPs (each module with a `fused_swiglu` switch: llama.py's MLP, a
+        mixture's shared experts, moe.py's SwiGLUExperts on their grouped GEMM path) run
+        silu(gate) * up as model/swiglu.py's operator, one Triton kernel each way. build.py sets it
+        on CUDA only, and neither under --exact (its bits are the plain expression's) nor under
+        --fp8 (not measured with float8's casts)."""
+        for block in self.blocks():
+            for m in block.modules():
+                if hasattr(type(m), "fused_swiglu"):
+                    m.fused_swiglu = True
+
     def compile_blocks(self) -> None:
         """--compile: each block becomes one torch.compile'd function, for training (grad
         enabled); the head and loss are loss.py's fused kernel already. Block by block rather
