@@ -6,9 +6,10 @@ On the CPU the "host" copies are separate tensors, and the worker, the copies, t
 events and the waits run as on a GPU. The layouts run in the 8-rank launch (tests/layouts_worker.py,
 suite "offload", 4 steps, clipping at 1.0 active at the first step): default mode against the same
 layout without offload to 1e-6, exact mode bitwise against the single process without offload, on
-1, 2 and 4 ranks at ZeRO 0-3, with tp and with experts over ep ranks; exact runs that save midway and
-resume with offload switched on or off. Exact mode's offloaded runs hold each bucket's update back
-until the main thread asks for it (the test hook `Offload.hold`): a forward, a gather or a reader
+1, 2 and 4 ranks at ZeRO 0-3, with tp, pp and with experts over ep ranks; exact runs that save midway
+and resume with offload switched on or off; --offload-ratio 0.5 (and 1e-6) on 1 and 2 ranks, and 0.5
+with tp, pp and ep, every rank's kept buckets checked. Exact mode's offloaded runs hold each bucket's
+update back until the main thread asks for it (the test hook `Offload.hold`): a forward, a gather or a reader
 between steps that did not wait for its bucket would read the weights of before the step, every
 time, not only when the race goes that way. Then the command line: a pipeline, a resume into
 offload through build.py, every reader of the weights between steps (held), the one-line refusals.
