@@ -140,7 +140,13 @@ def layouts(suite: str):
                 + [(f"dp2-z{z}-ratio{r:g}", dict(dp=2, zero=z, cfg="shallow", offload_ratio=r, **held), 4)
                    for z in (1, 3) for r in (0.5, 1e-6)]
                 + [(f"dp{dp}-z{z}-ratio0.5-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", offload_ratio=0.5,
-                                                        **held), 4) for dp, z in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3))])
+                                                        **held), 4) for dp, z in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3))]
+                # ... with the other axes, as R = 1's above (a pipeline's stages: each keeps its own leading buckets)
+                + [(f"{n}-ratio0.5-exact", dict(kw, exact=True, offload_ratio=0.5, **held), 4)
+                   for n, kw in (("tp2-dp2-z1", dict(tp=2, dp=2, zero=1, cfg="shallow")),
+                                 ("pp2-dp2-z1", dict(pp=2, dp=2, zero=1, cfg="shallow")),
+                                 ("pp2-z0", dict(pp=2, cfg="shallow")), ("moe-dp4-ep2-z3", dict(dp=4, ep=2, zero=3)))]
+                + [("pp2-z0-ratio0.5", dict(pp=2, cfg="shallow", offload_ratio=0.5, **held), 4)])
     if suite == "lean":  # a lean state (bf16 compute buckets, fp32 masters apart) against the old path (test_lean.py):
         # at ZeRO 1-3 on 2 and 4 ranks, and with --offload optimizer (then at ZeRO-0 and on one rank too)
         old, lean = dict(bf16=True, lean=False, cfg="shallow"), dict(bf16=True, cfg="shallow")
@@ -386,16 +392,18 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
             "stage_of_rank": [r // (n // pp) for r in range(n)], "micro": lay.batch.micro_steps,
             "wte_copies": len(copies), "wte_copies_equal": len(set(copies)) == 1, "seconds": time.time() - t0,
             "offload_waits": opt.offload.waits if opt.offload else None, "buckets": len(engine.buckets),
-            "owned": kept_or_hosted(engine, opt), **held}
+            # (every rank's: a pipeline's stages own buckets of their own)
+            "owned": comm.all_gather_object(kept_or_hosted(engine, opt), mesh.groups["world"]),
+            "waits": comm.all_gather_object(opt.offload.waits if opt.offload else None, mesh.groups["world"]), **held}
 
 
 def kept_or_hosted(engine, opt):
-    """--offload: each owned bucket's (owned elements, its first block -- -1: none --, index, kept on
-    the device: its master and moments not the host's)."""
+    """--offload: each owned bucket's (owned elements, its chunk, its first block -- -1: none --, index,
+    kept on the device: its master and moments not the host's)."""
     if opt.offload is None:
         return None
     block = {m: i for part in engine.parts for i, m in enumerate(part.blocks())}
-    return [(p.numel(), block[b.modules[0]] if b.modules else -1, b.index,
+    return [(p.numel(), b.stage, block[b.modules[0]] if b.modules else -1, b.index,
              not b.hosted and not any(m is p for m in opt.offload.master)) for b, p, _ in engine.owned()]
 
 

@@ -6,9 +6,10 @@ On the CPU the "host" copies are separate tensors, and the worker, the copies, t
 events and the waits run as on a GPU. The layouts run in the 8-rank launch (tests/layouts_worker.py,
 suite "offload", 4 steps, clipping at 1.0 active at the first step): default mode against the same
 layout without offload to 1e-6, exact mode bitwise against the single process without offload, on
-1, 2 and 4 ranks at ZeRO 0-3, with tp and with experts over ep ranks; exact runs that save midway and
-resume with offload switched on or off. Exact mode's offloaded runs hold each bucket's update back
-until the main thread asks for it (the test hook `Offload.hold`): a forward, a gather or a reader
+1, 2 and 4 ranks at ZeRO 0-3, with tp, pp and with experts over ep ranks; exact runs that save midway
+and resume with offload switched on or off; --offload-ratio 0.5 (and 1e-6) on 1 and 2 ranks, and 0.5
+with tp, pp and ep, every rank's kept buckets checked. Exact mode's offloaded runs hold each bucket's
+update back until the main thread asks for it (the test hook `Offload.hold`): a forward, a gather or a reader
 between steps that did not wait for its bucket would read the weights of before the step, every
 time, not only when the race goes that way. Then the command line: a pipeline, a resume into
 offload through build.py, every reader of the weights between steps (held), the one-line refusals.
@@ -78,25 +79,40 @@ def test_a_ratio_keeps_the_leading_buckets_on_the_device_and_is_the_same_step(ru
     (1 - R) of the rank's owned elements, keep their master and moments on the device and are updated
     there; the rest are hosted, and the forward waits for those only (held: once a bucket a step).
     The same step as without offload: to 1e-6 at R = 0.5 and at R = 1e-6 (all but the last buckets
-    kept), bitwise in exact mode on 1 and 2 ranks at ZeRO 0-3; a run of R = 1 resumes at R = 0.5
+    kept), bitwise in exact mode on 1 and 2 ranks at ZeRO 0-3; at R = 0.5 with the other axes, as
+    R = 1 (above): tp 2 x dp 2 at ZeRO-1 bitwise at its own tp, pp 2 x dp 2 at ZeRO-1 and pp 2 at
+    ZeRO-0 bitwise, pp 2 to 1e-6 in default mode, the experts' dp 4 x ep 2 at ZeRO-3 bitwise -- on
+    every rank, a pipeline's stage keeping its own leading buckets; a run of R = 1 resumes at R = 0.5
     (and ZeRO-3) to the bit."""
     default = [f"dp2-z{z}-ratio{r:g}" for z in (1, 3) for r in (0.5, 1e-6)]
     for name in default:
         assert_follows(runs, [name], runs[name.split("-ratio")[0]], 1e-6)
-    exact = [k for k in runs if k.endswith("-ratio0.5-exact")]
+    assert_follows(runs, ["pp2-z0-ratio0.5"], runs["dp1-z0"], 1e-6)
+    exact = [k for k in runs if k.startswith("dp") and k.endswith("-ratio0.5-exact")]
     assert len(exact) == 5
     assert_bitwise(runs, exact, runs["ref-exact"])
+    assert_bitwise(runs, ["tp2-dp2-z1-ratio0.5-exact"], runs["tp2-dp2-z1-exact"])
+    assert_bitwise(runs, ["pp2-dp2-z1-ratio0.5-exact", "pp2-z0-ratio0.5-exact"], runs["ref-exact"])
+    assert_bitwise(runs, ["moe-dp4-ep2-z3-ratio0.5-exact"], runs["moe-ref-exact"])
     ref, r = runs["ref-exact"], runs["into-ratio"]
     assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"][2:], ref["norms"][2:])
-    for name in default + exact:
-        ratio = 0.5 if "ratio0.5" in name else 1e-6
-        owned = sorted(runs[name]["owned"], key=lambda o: (o[1], o[2]))  # the next forward's order
-        sizes, kept = [o[0] for o in owned], [o[3] for o in owned]
-        n = kept.count(True)
-        assert 0 < n < len(owned) and kept == [True] * n + [False] * (len(owned) - n), (name, kept)
-        assert sum(sizes[:n]) <= (1 - ratio) * sum(sizes) < sum(sizes[: n + 1]), (name, sizes, n)
-        hosted = len(owned) - n
-        assert runs[name]["offload_waits"] == {"forward": 3 * hosted, "whole": hosted}, name
+    ratios = [k for k in runs if "-ratio0.5" in k or "-ratio1e-06" in k]
+    assert len(ratios) == 14
+    for name in ratios:
+        ratio = 1e-6 if "ratio1e-06" in name else 0.5
+        stages = set()
+        for rank, (owned, waits) in enumerate(zip(runs[name]["owned"], runs[name]["waits"], strict=True)):
+            owned = sorted(owned, key=lambda o: o[1:4])  # the next forward's order
+            sizes, kept = [o[0] for o in owned], [o[4] for o in owned]
+            stages.add(tuple(sorted({o[1] for o in owned})))
+            n = kept.count(True)
+            assert 0 < n < len(owned) and kept == [True] * n + [False] * (len(owned) - n), (name, rank, kept)
+            assert sum(sizes[:n]) <= (1 - ratio) * sum(sizes) < sum(sizes[: n + 1]), (name, rank, sizes, n)
+            hosted = len(owned) - n
+            want = {"forward": 0, "whole": 4 * hosted} if name.startswith("pp2-dp2-z1") else {"forward": 3 * hosted,
+                                                                                              "whole": hosted}
+            assert waits == want, (name, rank, waits)
+        assert len(stages) == (2 if name.startswith("pp2") else 1), (name, stages)  # (each stage's own buckets)
 
 
 def test_a_bad_ratio_is_one_line(tmp_path, shakespeare):
