@@ -205,10 +205,10 @@ def make_layout(world: int, model, *, seq_len: int, batch_size: int, total_batch
                   tuple(chunks), **ctx)
 
 
-def check_offload(offload: str | None, cuda_graph: bool, ratio: float | None) -> None:
+def check_offload(offload: str | None, cuda_graph: bool, ratio: float | None, flag="--offload optimizer") -> None:
+    """(`flag`: how the command asks for optimizer offload -- plan's is --offload)"""
     if ratio is not None and offload != "optimizer":
-        raise UserError(f"--offload-ratio {ratio:g} is the share of the optimizer's state on the host: it needs "
-                        "--offload optimizer")
+        raise UserError(f"--offload-ratio {ratio:g} is the share of the optimizer's state on the host: it needs {flag}")
     if ratio is not None and not 0 < ratio <= 1:
         raise UserError(f"--offload-ratio {ratio:g}: give the share of the optimizer's state on the host, "
                         "0 < R <= 1 (1: all of it)")

@@ -138,7 +138,7 @@ def layouts(suite: str):
                    ("fp8-dp2-z2-offload-exact", dict(dp=2, zero=2, fp8="tensorwise", exact=True, cfg="shallow", **held), 4)]
                 # --offload-ratio: the leading buckets kept on the device, the rest hosted (held)
                 + [(f"dp2-z{z}-ratio{r:g}", dict(dp=2, zero=z, cfg="shallow", offload_ratio=r, **held), 4)
-                   for z in (1, 3) for r in (0.5, 1e-6)]
+                   for z in (1, 3) for r in (0.5, 1e-6, 1e-17)]  # (1e-17: 1 - R rounds to 1)
                 + [(f"dp{dp}-z{z}-ratio0.5-exact", dict(dp=dp, zero=z, exact=True, cfg="shallow", offload_ratio=0.5,
                                                         **held), 4) for dp, z in ((1, 0), (2, 0), (2, 1), (2, 2), (2, 3))]
                 # ... with the other axes, as R = 1's above (a pipeline's stages: each keeps its own leading buckets)
@@ -399,12 +399,14 @@ def run(rank, name, kw, steps, cfg=CFG, save=None, resume=None, until=None):
 
 def kept_or_hosted(engine, opt):
     """--offload: each owned bucket's (owned elements, its chunk, its first block -- -1: none --, index,
-    kept on the device: its master and moments not the host's)."""
+    kept on the device: its master and moments not the host's, the tied embedding split over a pipeline's
+    stages)."""
     if opt.offload is None:
         return None
     block = {m: i for part in engine.parts for i, m in enumerate(part.blocks())}
+    split = engine.tied.buckets if engine.tied.partner is not None else []
     return [(p.numel(), b.stage, block[b.modules[0]] if b.modules else -1, b.index,
-             not b.hosted and not any(m is p for m in opt.offload.master)) for b, p, _ in engine.owned()]
+             not b.hosted and not any(m is p for m in opt.offload.master), b in split) for b, p, _ in engine.owned()]
 
 
 def attention(rank, cp, impl, order, dtype=torch.float32):

@@ -153,6 +153,9 @@ CASES = [
         "finite" if v in ("nan", "inf") else "")
       for f, low in TRAIN_FLOATS.items() for v in ("nan", "inf", low)],
     c("train -q 1.5", train(lambda p: ["-q", 1.5]), "final_lr_frac", "[0, 1]"),
+    *[c(f"train --offload-ratio {v}", train(lambda p, v=v: ["--offload", "optimizer", "--offload-ratio", v]),
+        "--offload-ratio", "finite" if v == "nan" else "0 < R <= 1") for v in ("0", "nan", "1.5")],
+    c("train --offload-ratio without --offload", train(lambda p: ["--offload-ratio", 0.5]), "needs --offload optimizer"),
     # train's paths
     c("train --out a file", lambda p: ["train", *TINY, "-i", p.data, "--out", p.file], lambda p: str(p.file), "is a file"),
     c("train --out under a file", lambda p: ["train", *TINY, "-i", p.data, "--out", p.file / "run"], "is a file"),
@@ -275,6 +278,10 @@ CASES = [
     c("plan --host-mem 0", lambda p: ["plan", "--host-mem", "0"], "--host-mem"),
     c("plan --tflops inf", lambda p: ["plan", "--tflops", "inf"], "--tflops", "finite"),
     c("plan --params 0", lambda p: ["plan", "--params", "0"], "--params"),
+    c("plan --offload-ratio inf", lambda p: ["plan", "--offload-ratio", "inf"], "--offload-ratio", "finite"),
+    c("plan --offload-ratio 0", lambda p: ["plan", "--offload-ratio", "0"], "--offload-ratio", "0 < R <= 1"),
+    c("plan --offload-ratio with --no-offload", lambda p: ["plan", "--no-offload", "--offload-ratio", "0.5"],
+      "needs --offload"),
     c("plan --params nonsense", lambda p: ["plan", "--params", "1.2.3B"], "--params"),
     c("plan --check --out a file", lambda p: ["plan", "--model", "tiny", "--check", "0,1", "--data", p.data, "--out",
                                               p.file], "is a file"),

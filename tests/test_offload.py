@@ -15,6 +15,7 @@ time, not only when the race goes that way. Then the command line: a pipeline, a
 offload through build.py, every reader of the weights between steps (held), the one-line refusals.
 """
 
+import math
 import shutil
 from types import SimpleNamespace
 
@@ -75,16 +76,16 @@ def test_a_run_resumes_with_and_without_offload(runs):
 
 
 def test_a_ratio_keeps_the_leading_buckets_on_the_device_and_is_the_same_step(runs):
-    """--offload-ratio R (offload.kept): the buckets the next forward reads first, as many as fit in
-    (1 - R) of the rank's owned elements, keep their master and moments on the device and are updated
-    there; the rest are hosted, and the forward waits for those only (held: once a bucket a step).
-    The same step as without offload: to 1e-6 at R = 0.5 and at R = 1e-6 (all but the last buckets
-    kept), bitwise in exact mode on 1 and 2 ranks at ZeRO 0-3; at R = 0.5 with the other axes, as
-    R = 1 (above): tp 2 x dp 2 at ZeRO-1 bitwise at its own tp, pp 2 x dp 2 at ZeRO-1 and pp 2 at
-    ZeRO-0 bitwise, pp 2 to 1e-6 in default mode, the experts' dp 4 x ep 2 at ZeRO-3 bitwise -- on
-    every rank, a pipeline's stage keeping its own leading buckets; a run of R = 1 resumes at R = 0.5
-    (and ZeRO-3) to the bit."""
-    default = [f"dp2-z{z}-ratio{r:g}" for z in (1, 3) for r in (0.5, 1e-6)]
+    """--offload-ratio R (offload.kept): the buckets the next forward reads first, as many as fit in (1 - R) of
+    the rank's owned elements, keep their master and moments on the device and are updated there; the
+    rest are hosted, and the forward waits for those only (held: once a bucket a step). The same step as
+    without offload: to 1e-6 at R = 0.5, 1e-6 (all but the last buckets kept) and 1e-17 (1 - R rounds to
+    1: still one bucket hosted), bitwise in exact mode on 1 and 2 ranks at ZeRO 0-3; at R = 0.5 with the
+    other axes, as R = 1 (above): tp 2 x dp 2 at ZeRO-1 bitwise at its own tp, pp 2 x dp 2 at ZeRO-1 and
+    pp 2 at ZeRO-0 bitwise, pp 2 to 1e-6 in default mode, the experts' dp 4 x ep 2 at ZeRO-3 bitwise --
+    on every rank, a pipeline's stage keeping its own leading buckets, its tied embedding hosted on
+    both; a run of R = 1 resumes at R = 0.5 (and ZeRO-3) to the bit."""
+    default = [f"dp2-z{z}-ratio{r:g}" for z in (1, 3) for r in (0.5, 1e-6, 1e-17)]
     for name in default:
         assert_follows(runs, [name], runs[name.split("-ratio")[0]], 1e-6)
     assert_follows(runs, ["pp2-z0-ratio0.5"], runs["dp1-z0"], 1e-6)
@@ -96,18 +97,21 @@ def test_a_ratio_keeps_the_leading_buckets_on_the_device_and_is_the_same_step(ru
     assert_bitwise(runs, ["moe-dp4-ep2-z3-ratio0.5-exact"], runs["moe-ref-exact"])
     ref, r = runs["ref-exact"], runs["into-ratio"]
     assert (r["sha"], r["losses"], r["norms"]) == (ref["sha"], ref["losses"][2:], ref["norms"][2:])
-    ratios = [k for k in runs if "-ratio0.5" in k or "-ratio1e-06" in k]
-    assert len(ratios) == 14
+    ratios = [k for k in runs if "-ratio" in k and k != "into-ratio"]
+    assert len(ratios) == 16
     for name in ratios:
-        ratio = 1e-6 if "ratio1e-06" in name else 0.5
+        ratio = float(name.split("-ratio")[1].removesuffix("-exact"))
         stages = set()
         for rank, (owned, waits) in enumerate(zip(runs[name]["owned"], runs[name]["waits"], strict=True)):
             owned = sorted(owned, key=lambda o: o[1:4])  # the next forward's order
-            sizes, kept = [o[0] for o in owned], [o[4] for o in owned]
             stages.add(tuple(sorted({o[1] for o in owned})))
+            split = [o for o in owned if o[5]]  # a tied embedding split over the pipeline: hosted on both stages
+            assert not any(o[4] for o in split) and bool(split) == name.startswith("pp2"), (name, rank, split)
+            budget = sum(o[0] for o in owned) - math.ceil(ratio * sum(o[0] for o in owned))
+            sizes, kept = [o[0] for o in owned if not o[5]], [o[4] for o in owned if not o[5]]
             n = kept.count(True)
-            assert 0 < n < len(owned) and kept == [True] * n + [False] * (len(owned) - n), (name, rank, kept)
-            assert sum(sizes[:n]) <= (1 - ratio) * sum(sizes) < sum(sizes[: n + 1]), (name, rank, sizes, n)
+            assert 0 < n < len(kept) and kept == [True] * n + [False] * (len(kept) - n), (name, rank, kept)
+            assert sum(sizes[:n]) <= budget < sum(sizes[: n + 1]), (name, rank, sizes, n)
             hosted = len(owned) - n
             want = {"forward": 0, "whole": 4 * hosted} if name.startswith("pp2-dp2-z1") else {"forward": 3 * hosted,
                                                                                               "whole": hosted}

@@ -147,6 +147,9 @@ def test_gpt2_xl_on_one_24gb_gpu_names_the_smallest_change(capsys):
     out = run_plan("--model", "gpt2-xl", "--gpus", 1, "--gpu-mem", 24, "-z", 0, "-b", 1, "--no-recompute",
                    "--offload-ratio", 1, capsys=capsys)
     assert out.splitlines()[-1].startswith("recommended: ZeRO-0 b=1 --offload on 1 GPU(s)")
+    # --offload-ratio alone asks for offloaded layouts at that R, also where the GPU has room without
+    out = run_plan("--model", "gpt2", "--gpus", 1, "-z", 0, "--offload-ratio", 0.5, capsys=capsys)
+    assert "--offload --offload-ratio 0.5 on 1 GPU(s)" in out.splitlines()[-1], out
 
 
 def test_a_layout_that_does_not_fit_gets_single_setting_fixes(capsys):

@@ -53,14 +53,18 @@ then block by block), and each forward waits only for its own bucket's weights:
 
 Kept buckets (--offload-ratio R, 0 < R <= 1, default 1). R is the share of this rank's owned
 optimizer elements that lives on the host. kept() picks the leading buckets in the next forward's
-order -- those whose weights the next forward needs first, which must never wait on the host --
-as many as fit in (1 - R) of the owned elements; they keep their fp32 master and AdamW's m and v
-on the device and are updated there at step(), by the path without offload (optim.AdamW.update:
-apply, then engine.publish of those buckets; ZeRO-1/2's all-gather in engine.gather_params). The
-rest are hosted as above: the worker, the copies and the waits (ready(), wait()) are theirs only.
-The host's memory bandwidth bounds the hosted update, so keeping a share on the device takes that
-share's update and copies off the host's time. Checkpoints read and write each bucket's master, m
-and v where they are (io/checkpoint.py): a run resumes at another R, or without offload.
+order -- those whose weights the next forward needs first, which must never wait on the host -- as
+many as fit in (1 - R) of the owned elements, stopping at the first that does not (so the hosted
+share is at least R; all of it when the first bucket alone is over 1 - R); they keep their fp32
+master and AdamW's m and v on the device and are updated there at step(), by the path without
+offload (optim.AdamW.update: apply, then engine.publish of those buckets; ZeRO-1/2's all-gather in
+engine.gather_params). The rest are hosted as above: the worker, the copies and the waits (ready(),
+wait()) are theirs only. The host's memory bandwidth bounds the hosted update, so keeping a share on
+the device takes that share's update and copies off the host's time. Checkpoints read and write each
+bucket's master, m and v where they are (io/checkpoint.py): a run resumes at another R, or without
+offload. A tied embedding split over a pipeline's first and last stages is always hosted, on both
+(each stage sizes its own budget; one copy updated on the device, the other on the host, would drift
+apart). The planner prices exactly (1 - R) as kept.
 
 Threads. torch.set_num_threads is process-wide: a GPU run sets it to this rank's cores (its
 affinity shared among the node's LOCAL_WORLD_SIZE ranks), for the host update -- the main thread
@@ -77,6 +81,7 @@ what a kept bucket gets (exact_kernels on a GPU: the same operations), so R chan
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -108,11 +113,19 @@ def forward_order(engine, buckets) -> list[int]:
 def kept(engine, ratio: float) -> list[int]:
     """--offload-ratio R: the owned buckets (positions in engine.owned()) that stay on the device --
     the leading ones in the next forward's order, whose owned elements total at most (1 - R) of this
-    rank's (module docstring, "Kept buckets"). The same on every rank of a bucket's group: its
-    shards are equal."""
+    rank's (module docstring, "Kept buckets"), and at least one element hosted. The same on every
+    rank of a bucket's group: its shards are equal. A tied embedding split over a pipeline's first
+    and last stages is hosted on both: each stage sizes its own budget, and one copy updated on the
+    device, the other on the host would drift apart (tied.py: the copies stay bitwise equal)."""
+    if ratio >= 1:
+        return []
+    owned = [b for b, _, _ in engine.owned()]
     sizes = [p.numel() for _, p, _ in engine.owned()]
-    budget, got, out = (1 - ratio) * sum(sizes), 0, []
-    for k in forward_order(engine, [b for b, _, _ in engine.owned()]) if ratio < 1 else ():
+    split = set(engine.tied.buckets) if engine.tied.partner is not None else set()
+    budget, got, out = sum(sizes) - max(1, math.ceil(ratio * sum(sizes))), 0, []
+    for k in forward_order(engine, owned):
+        if owned[k] in split:
+            continue
         if got + sizes[k] > budget:
             break
         got += sizes[k]

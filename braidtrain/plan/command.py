@@ -98,7 +98,7 @@ def check_mesh(s: Setup, tp: int | None, sp: bool | None, pp: int | None = None,
 def run(args) -> int:
     s = setup_from(args)
     if args.offload_ratio is not None:  # (as train's: layout.py)
-        check_offload("optimizer" if args.offload is not False else None, False, args.offload_ratio)
+        check_offload("optimizer" if args.offload is not False else None, False, args.offload_ratio, "--offload")
     if args.check is not None:
         if not args.data:
             raise UserError("--check trains for real: give its data with --data DIR (braidtrain data prepare --out "
@@ -112,12 +112,13 @@ def run(args) -> int:
               f"{100 * r['rel_error']:+.1f}%{host}")
         return 0
     pick = lambda v, all_: all_ if v is None else (v,)
+    offloads = (True,) if args.offload is None and args.offload_ratio is not None else pick(args.offload, None)
     result = plan(s, pick(args.zero, (0, 1, 2, 3)), pick(args.batch_size, MICRO_BATCHES),
                   pick(args.recompute, (False, True)), None if args.tp is None else (args.tp,),
                   pick(args.sp, (False, True)),
                   None if args.pp is None else (args.pp,), None if args.pp_schedule is None else (args.pp_schedule,),
                   None if args.cp is None else (args.cp,), None if args.ep is None else (args.ep,),
-                  variants=args.variants or args.json, offloads=None if args.offload is None else (args.offload,),
+                  variants=args.variants or args.json, offloads=offloads,
                   ratio=args.offload_ratio)
     if args.offload and not any(e["host"] <= s.host_gb * GB for e in result["rows"]):
         need = min(e["host"] for e in result["rows"]) / GB
