@@ -105,14 +105,17 @@ def _stage(cfg, tp: int, sp: bool, at: int):
     return cfg.model(cfg, _fake_mesh(tp) if tp > 1 else None, sp, range(at, at + 1), first=False, last=False)
 
 
-def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None) -> int:
-    """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's."""
+def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None, fused: bool = False) -> int:
+    """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's;
+    fused: with the SwiGLU operator (model/swiglu.py), which keeps gate_up alone."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         stage = _stage(cfg, tp, sp, 0)
         if fp8:
             stage.use_fp8(RECIPES[fp8])
+        if fused:
+            stage.use_fused_swiglu()
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
         block = stage.blocks()[0]
         return _kept(block, block.parameters(), x, stage.block_inputs(torch.arange(T)), bf16)
@@ -164,17 +167,19 @@ def _saved_compiled(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None 
 
 @functools.lru_cache(maxsize=256)
 def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True, fp8: str | None = None,
-                      compiled: bool = False) -> float:
+                      compiled: bool = False, fused: bool = False) -> float:
     """Bytes one block keeps for its backward per token of a micro-batch, on tp rank 0 (a dense
     block: a mixture's extra is the planner's moe_layer_bytes). gpu: bf16 autocast (and the head
     merge's copy, HEAD_MERGE), else fp32. fp8: the linears in float8, with that recipe. compiled:
-    as --compile runs the block (_saved_compiled)."""
+    as --compile runs the block (_saved_compiled; inductor keeps gate_up alone either way). fused:
+    eager, with the SwiGLU operator (build.settle: on CUDA outside --exact and --fp8)."""
     dense = cfg if not cfg.moe_experts else type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
     t1, t2 = (16, 32) if compiled else (8 * max(tp, 2), 16 * max(tp, 2))  # (compiled: the same two traces for every tp)
     saved = _saved_compiled if compiled else _saved
 
     def per_token(k, s):
-        return (saved(dense, k, s, t2, gpu, fp8) - saved(dense, k, s, t1, gpu, fp8)) / (t2 - t1)
+        extra = () if compiled else (fused,)
+        return (saved(dense, k, s, t2, gpu, fp8, *extra) - saved(dense, k, s, t1, gpu, fp8, *extra)) / (t2 - t1)
 
     one = per_token(1, False) + (HEAD_MERGE * dense.n_head * dense.head_dim if gpu else 0)
     if tp == 1:

@@ -137,8 +137,10 @@ def layer_activation(cfg, tp: int = 1, sp: bool = False, cpu: bool = False, fp8:
                      compiled: bool = False) -> float:
     """Bytes per token one block keeps for its backward (docs/planner.md's layers term), traced from
     the family's own block (model/counts.py; its linears in float8 under fp8): the part every tp
-    rank holds whole, plus the rest divided by tp."""
-    return block_activations(cfg, tp, sp, gpu=not cpu, fp8=fp8, compiled=compiled)
+    rank holds whole, plus the rest divided by tp. On a GPU outside --fp8 the SwiGLU operator runs
+    (build.settle; the planner plans default mode, so an eager --exact run keeps F values a token
+    and layer more than planned)."""
+    return block_activations(cfg, tp, sp, gpu=not cpu, fp8=fp8, compiled=compiled, fused=not cpu and not fp8)
 
 
 def activation_bytes(cfg, b: int, t: int, recompute: bool, cpu: bool, P: int, tp: int = 1, sp: bool = False,
