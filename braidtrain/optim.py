@@ -64,21 +64,21 @@ class AdamW:
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
         host = torch.device("cpu") if offload else engine.device
-        kept = range(len(list(engine.owned())))
+        on_device = []  # --offload-ratio: the owned buckets whose state stays on the device (offload.kept)
         if offload:
-            from braidtrain.parallel.offload import Offload, kept
+            from braidtrain.parallel import offload as hosting
 
-            kept = kept(engine, ratio)
+            on_device = hosting.kept(engine, ratio)
         self.groups = []  # (m, v, ranges of 2-D weights), one per owned shard
         for i, (b, p, _) in enumerate(engine.owned()):
-            home = engine.device if i in kept else host
+            home = engine.device if i in on_device else host
             self.groups.append((torch.zeros(p.numel(), device=home), torch.zeros(p.numel(), device=home),
                                 engine.decay_segments(b)))
         # the step's scalars (step, lr, 1 - lr * weight_decay, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t)),
         # on the device, and on the host for an offloaded update
         self.scalars = {place.type: tuple(torch.zeros((), dtype=torch.float32, device=place) for _ in range(5))
                         for place in (engine.device, host)}
-        self.offload = Offload(engine, self, kept) if offload else None
+        self.offload = hosting.Offload(engine, self, on_device) if offload else None
 
     def state_numel(self) -> int:
         """Elements of m (equally of v) held by this rank."""

@@ -18,16 +18,16 @@ holds the local tree.
 
 The first level, folded into the backward. An odd micro-batch 2k+1 whose backward starts with its
 even sibling's leaf complete (backwards in order: the loop at pp 1 and each chunk of every pipeline
-schedule; not a reversed or scrambled order) gets no buffer of its own: `sibling(2k+1)` hands it leaf 2k, and autograd's
-accumulation adds the gradient into it (AccumulateGrad's `grad += new`; a lean bucket's hook,
-tied.py's head sink: the same add) -- leaf 2k + gradient 2k+1, the addition the tree would do,
-operands in its order. The bits are the tree's: the separate leaf 2k+1 would be +0 + gradient
-(zeroed, then accumulated), which differs from the gradient only where it is -0, and a leaf that
-began as +0 + gradient is never -0, so adding either gives the same sum. The pair's node then
-enters the tree at level 1, one buffer and one pass over it fewer a pair. Where the sibling is
-not complete (an odd backward before its even one) the leaf is a buffer of its own, as before;
-live recovery's LiveTree and ep > 1's sourced experts (expert.py) never fold. Engine(fold=False)
-turns it off for one engine (tests/test_fold.py compares the two).
+schedule; not a reversed or scrambled order) gets no buffer of its own: `sibling(2k+1)` hands it
+leaf 2k, and autograd's accumulation adds the gradient into it (AccumulateGrad's `grad += new`; a
+lean bucket's hook, tied.py's head sink: the same add) -- leaf 2k + gradient 2k+1, the addition the
+tree would do, operands in its order. The bits are the tree's: the separate leaf 2k+1 would be +0 +
+gradient (zeroed, then accumulated), which differs from the gradient only where it is -0, and a leaf
+that began as +0 + gradient is never -0, so adding either gives the same sum. The pair's node then
+enters the tree at level 1, one buffer and one pass over it fewer a pair. Where the sibling is not
+complete (an odd backward before its even one) the leaf is a buffer of its own, as before; live
+recovery's LiveTree and ep > 1's sourced experts (expert.py) never fold. Engine(fold=False) turns it
+off for one engine (tests/test_fold.py compares the two).
 
 Exact mode's gradient norm is parallel/norm.py's ExactNorm.
 """

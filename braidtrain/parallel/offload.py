@@ -140,7 +140,7 @@ class Offload:
         self.e, self.opt = engine, opt
         self.cuda = engine.device.type == "cuda"
         self.kept = sorted(kept)
-        self.idx = [i for i in range(len(list(engine.owned()))) if i not in set(kept)]  # hosted k: owned()[idx[k]]
+        self.idx = sorted(set(range(len(list(engine.owned())))) - set(kept))  # hosted k: owned()[idx[k]]
         owned = self._hosted()
         self.buckets = [b for b, _, _ in owned]
         self.at = {b: k for k, b in enumerate(self.buckets)}

@@ -12,11 +12,11 @@ any bucket; the two reduced gradients are then added, shard by shard, once a ste
 With one rank holding both (exact mode), the head's micro-batch gradients reach here through the
 model's TiedHead and are summed in a tree of their own, its first level folded as the buckets'
 (exact.py): an odd micro-batch's head gradient is added straight into its complete even sibling's
-leaf -- the tree's own addition, since a leaf is a bitwise copy of the gradient. Across a pipeline the first and last
-stages swap their reduced shards (one exchange over the pp group) and both add: the same single
-addition of the same two sums, so G has the same bits as with one rank, and the two copies, given
-the same gradient and update, stay bitwise equal. The copy is not saved, and counts once in the
-gradient norm (placement: Placed.copy).
+leaf -- the tree's own addition, since a leaf is a bitwise copy of the gradient. Across a pipeline
+the first and last stages swap their reduced shards (one exchange over the pp group) and both add:
+the same single addition of the same two sums, so G has the same bits as with one rank, and the two
+copies, given the same gradient and update, stay bitwise equal. The copy is not saved, and counts
+once in the gradient norm (placement: Placed.copy).
 """
 
 from __future__ import annotations
