@@ -78,6 +78,7 @@ class AdamW:
         # on the device, and on the host for an offloaded update
         self.scalars = {place.type: tuple(torch.zeros((), dtype=torch.float32, device=place) for _ in range(5))
                         for place in (engine.device, host)}
+        self.tile_tables = {}  # (device, shard length, decay ranges) -> the one kernel's tiles (tiles())
         self.offload = hosting.Offload(engine, self, on_device) if offload else None
 
     def state_numel(self) -> int:
@@ -121,11 +122,21 @@ class AdamW:
             owned, groups = [owned[i] for i in self.offload.kept], [groups[i] for i in self.offload.kept]
             if not owned:
                 return
-        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], groups, grad_scale, skip)
-        self.engine.publish([b for b, _, _ in owned])  # a lean state's compute weights follow their fp32 masters
+        # a lean state's compute weights follow their fp32 masters: written in the update's own pass
+        # where it is one kernel (CUDA, default mode), else by the engine's publish() after it
+        one_pass = self.one_pass(owned[0][1])
+        compute = [b.compute_shard() if one_pass and b.apart else None for b, _, _ in owned]
+        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], groups, grad_scale, skip, compute=compute)
+        self.engine.publish([b for (b, _, _), out in zip(owned, compute) if out is None])
+
+    def one_pass(self, t: torch.Tensor) -> bool:
+        """Whether apply updates shards like t in one kernel a shard (exact_kernels.adamw): default
+        mode, on a GPU, with triton."""
+        return not self.exact and exact_kernels.usable(t)
 
     @torch.no_grad()
-    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False) -> None:
+    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False,
+              compute=None) -> None:
         """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
         scalars (or `scalars`, a copy of them), on the device where the shards are (the host's under
         --offload) -- also how live recovery's buddy copy follows its neighbour's shard
@@ -133,8 +144,14 @@ class AdamW:
         `decay_in_kernel` (default mode; the host's update under --offload): the decay inside the
         fused kernel, over the decayed ranges and the rest apart, not a pass of its own over the
         weights (a fifth of the host update's time) -- other roundings (p - lr*wd*p), and scalar tails
-        where a range ends off the vector width."""
+        where a range ends off the vector width. `compute` (only where one_pass): per shard, the bf16
+        compute weights the one kernel writes from the new p, or None."""
         step, lr, keep, c1, c2 = scalars or self.scalars[params[0].device.type]
+        if self.one_pass(params[0]):  # decay, AdamW and the compute weights: one kernel a shard
+            for p, g, (m, v, decay), out in zip(params, grads, groups, compute or [None] * len(params)):
+                exact_kernels.adamw(p, g, m, v, self.tiles(p, decay), out, keep, c1, c2, self.beta1, self.beta2,
+                                    self.eps, grad_scale, skip)
+            return
         if decay_in_kernel and self.weight_decay and not self.exact:
             by_wd = {self.weight_decay: ([], [], [], []), 0.0: ([], [], [], [])}
             for p, g, (m, v, decay) in zip(params, grads, groups):
@@ -160,6 +177,15 @@ class AdamW:
                             [step] * len(params), lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=skip)
+
+
+    def tiles(self, p: torch.Tensor, decay) -> torch.Tensor:
+        """The one kernel's tile table for shard p and its decay ranges (exact_kernels.tile_table),
+        made on the first step (eager, before any --cuda-graph capture) and kept."""
+        key = (p.device, p.numel(), tuple(decay) if self.weight_decay else ())
+        if key not in self.tile_tables:
+            self.tile_tables[key] = exact_kernels.tile_table(spans(key[2], p.numel()), p.numel(), p.device)
+        return self.tile_tables[key]
 
 
 def spans(decay, n: int) -> list[tuple[int, int, bool]]:

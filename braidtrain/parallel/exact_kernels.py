@@ -99,10 +99,37 @@ def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=Non
         return
     _load()
     _kernel[(triton.cdiv(n, BLOCK),)](
-        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, n,
+        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, c1, c1, c1, n,
         _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2), _f32(eps),
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK, num_warps=4,
-        enable_fp_fusion=False)  # no multiply-add contraction: see the module docstring
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, TILED=False, HAS_OUT=False, BLOCK=BLOCK,
+        num_warps=4, enable_fp_fusion=False)  # no multiply-add contraction: see the module docstring
+
+
+def adamw(p, g, m, v, tiles, out, keep, c1, c2, beta1, beta2, eps, grad_scale=None, skip=None) -> None:
+    """Default mode's whole update of one shard on a GPU, in one pass: p *= keep (1 - lr * wd) on the
+    tiles' decayed spans, exact_adamw's update, and where `out` is given (a lean bucket's bf16 compute
+    weights of the shard) the new p rounded to nearest even into it. tiles: tile_table(spans, n),
+    on p's device; keep, c1, c2 (optim.AdamW.prepare's), grad_scale, skip: 0-dim device tensors."""
+    n = p.numel()
+    for t in (p, g, m, v):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n, "flat float32 shards"
+    assert out is None or (out.dtype == torch.bfloat16 and out.is_contiguous() and out.numel() == n), "bf16, p's length"
+    if tiles.numel() < 2:
+        return
+    _load()
+    _kernel[(tiles.numel() - 1,)](
+        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, keep, tiles,
+        c1 if out is None else out.view(torch.int16), n, _f32(beta1), _f32(1 - beta1), _f32(beta2),
+        _f32(1 - beta2), _f32(eps), HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, TILED=True,
+        HAS_OUT=out is not None, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+
+
+def tile_table(spans, n: int, device) -> torch.Tensor:
+    """adamw's program table for a shard of n elements cut into spans [(start, end, decayed)]
+    (optim.spans: contiguous, covering [0, n)): each span in BLOCK-element tiles, tile k's code
+    start * 2 + decayed, then 2 * n -- tile k ends where tile k + 1 starts. One int64 per BLOCK elements."""
+    codes = [torch.arange(a, e, BLOCK, dtype=torch.int64) * 2 + int(d) for a, e, d in spans]
+    return torch.cat([*codes, torch.tensor([2 * n])]).to(device)
 
 
 def chunk_squares(g: torch.Tensor, q: int) -> torch.Tensor:
@@ -131,16 +158,24 @@ def _chunk_squares(G, OUT, chunks, Q: tl.constexpr, LEVELS: tl.constexpr, CHUNKS
     tl.store(OUT + c, tl.reshape(x, (CHUNKS,)), mask=c < chunks)
 
 
-def _update(P, G, M, V, C1, C2, SCALE, SKIP, n, b1, omb1, b2, omb2, eps,
-            HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _update(P, G, M, V, C1, C2, SCALE, SKIP, KEEP, TILES, OUT, n, b1, omb1, b2, omb2, eps,
+            HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, TILED: tl.constexpr, HAS_OUT: tl.constexpr,
+            BLOCK: tl.constexpr):
+    if TILED:  # a tile of one span: [code >> 1, the next tile's code >> 1), decayed where code & 1
+        code = tl.load(TILES + tl.program_id(0))
+        offs = (code >> 1) + tl.arange(0, BLOCK)
+        mask = offs < (tl.load(TILES + tl.program_id(0) + 1) >> 1)
+    else:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
     if HAS_SKIP:  # a non-finite step changes nothing: nothing is stored
         mask = mask & ((tl.load(SKIP) > 0) == 0)  # where(skip > 0, old, new)
     g = tl.load(G + offs, mask=mask)
     m = tl.load(M + offs, mask=mask)
     v = tl.load(V + offs, mask=mask)
     p = tl.load(P + offs, mask=mask)
+    if TILED:  # decoupled weight decay, p * (1 - lr * wd), rounded once (the _foreach_mul_ of optim's torch path)
+        p = tl.where((code & 1) != 0, p * tl.load(KEEP), p)
     if HAS_SCALE:
         g = g * tl.div_rn(1.0, tl.load(SCALE))
     m = m * b1 + g * omb1
@@ -149,3 +184,7 @@ def _update(P, G, M, V, C1, C2, SCALE, SKIP, n, b1, omb1, b2, omb2, eps,
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
     tl.store(P + offs, p, mask=mask)
+    if HAS_OUT:  # the bf16 compute weights: p rounded to nearest even, in integers (as torch's conversion)
+        u = p.to(tl.uint32, bitcast=True)
+        b = tl.where(p != p, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)  # NaN: torch's canonical one
+        tl.store(OUT + offs, b.to(tl.int16), mask=mask)
