@@ -3,10 +3,11 @@
 The optimizer never sees a parameter: it sees the (fp32 master shard, gradient shard) pairs the
 data-parallel engine says this rank owns -- whole buckets under ZeRO-0, one shard of each bucket
 under ZeRO-1 -- and keeps m and v for exactly those elements (in a bf16 run's lean state the master
-is apart from the bf16 compute weights, which the engine's publish() writes after the update:
-parallel/buckets.py). The update is torch's fused AdamW
-kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
-shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
+is apart from the bf16 compute weights, which follow it after each update: parallel/buckets.py).
+On the CPU (and the host under --offload) the update is torch's fused AdamW kernel
+(`torch._fused_adamw_`), one multi-tensor launch over the whole owned shards, after decoupled
+weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`), and then the engine's
+publish() writes a lean bucket's compute weights from its master (`copy_`, to nearest even).
 Every operation is elementwise, so the update of an element does not depend on where the shard
 boundaries fall -- provided each element takes the same code path: torch's CPU kernel treats the
 last len % SIMD-width elements of each tensor with scalar code, which rounds differently, so the
@@ -16,12 +17,25 @@ test_adamw_bits_do_not_depend_on_shard_or_parameter_boundaries, at an n_embd tha
 of 16). The host's update under --offload takes the decay inside the kernel instead (apply's
 decay_in_kernel: two launches, the decayed ranges and the rest, cut at the 2-D weights' edges): a
 pass over host memory less, for scalar tails at those edges -- its bits may then depend on the
-layout, within default mode's tolerance; exact mode never takes that path. Gradient clipping
-divides the gradient inside the same kernel (its `grad_scale`), with the scale computed on the
-device: the step needs no host synchronisation. The learning rate, the decay factor and the step
-count are device scalars too, written by `prepare` before the step's GPU work: `update` launches
-the same kernels with the same arguments every step, so --cuda-graph can capture it once and
-replay it.
+layout, within default mode's tolerance; exact mode never takes that path.
+
+On a GPU, default mode runs all three as one Triton kernel a shard (`one_pass`:
+parallel/exact_kernels.py's adamw): the decay on the decayed ranges (a table of the ranges each
+block meets, made once a shard: `decay_table`), AdamW, and where the bucket is lean its bf16 compute weights
+written from the new master in the same pass -- 30 bytes an element where the three launches
+move up to 46 (the decay's 8 on a 2-D weight's, fused AdamW's 32 with g / grad_scale written back
+into g, publish's 6; issue #58: 11.8 ms of a Llama-3.2-1B step on an H200, against 8.0 for 28
+bytes at 4.3 TB/s; benchmarks/kernels/adamw_gpu.py times both). Its operations are exact mode's (below), each rounded
+once: its bits differ from torch's fused kernel's within default mode's tolerance
+(tests/test_one_pass_adamw.py: 1e-6 relative, the bf16 weights within an ulp), and every element
+takes the same operations wherever the blocks and shards cut, so they do not depend on the layout
+either. The gradient is left as it was (torch's kernel writes g / grad_scale into it; nothing reads it after).
+
+Gradient clipping divides the gradient inside the same kernel (`grad_scale`), with the scale
+computed on the device: the step needs no host synchronisation. The learning rate, the decay
+factor, the step count and the bias corrections are device scalars too, written by `prepare`
+before the step's GPU work: `update` launches the same kernels with the same arguments every step,
+so --cuda-graph can capture it once and replay it.
 
 Exact mode writes the update as single elementwise operations instead (exact_adamw): each one
 IEEE-rounded, in its own kernel, so no multiply-add is contracted into one rounding -- the CPU's
@@ -29,9 +43,9 @@ and the GPU's fused kernels differ there -- and the bias corrections computed on
 float64; the square root in float64, rounded once (torch's float32 sqrt is correctly rounded on
 CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
-promise. Default mode keeps the fused kernel on either side. On a GPU exact_adamw's operations
+promise. Default mode keeps torch's fused kernel on the CPU. On a GPU exact_adamw's operations
 run as one kernel a shard, with the same bits (parallel/exact_kernels.py): one pass over memory, as the
-fused kernel's.
+fused kernel's; the decay and publish() stay launches of their own there.
 """
 
 from __future__ import annotations
@@ -78,7 +92,7 @@ class AdamW:
         # on the device, and on the host for an offloaded update
         self.scalars = {place.type: tuple(torch.zeros((), dtype=torch.float32, device=place) for _ in range(5))
                         for place in (engine.device, host)}
-        self.tile_tables = {}  # (device, shard length, decay ranges) -> the one kernel's tiles (tiles())
+        self.decay_tables = {}  # (device, shard length, decay ranges) -> the one kernel's (decay_table())
         self.offload = hosting.Offload(engine, self, on_device) if offload else None
 
     def state_numel(self) -> int:
@@ -149,7 +163,7 @@ class AdamW:
         step, lr, keep, c1, c2 = scalars or self.scalars[params[0].device.type]
         if self.one_pass(params[0]):  # decay, AdamW and the compute weights: one kernel a shard
             for p, g, (m, v, decay), out in zip(params, grads, groups, compute or [None] * len(params)):
-                exact_kernels.adamw(p, g, m, v, self.tiles(p, decay), out, keep, c1, c2, self.beta1, self.beta2,
+                exact_kernels.adamw(p, g, m, v, self.decay_table(p, decay), out, keep, c1, c2, self.beta1, self.beta2,
                                     self.eps, grad_scale, skip)
             return
         if decay_in_kernel and self.weight_decay and not self.exact:
@@ -179,13 +193,13 @@ class AdamW:
                             found_inf=skip)
 
 
-    def tiles(self, p: torch.Tensor, decay) -> torch.Tensor:
-        """The one kernel's tile table for shard p and its decay ranges (exact_kernels.tile_table),
-        made on the first step (eager, before any --cuda-graph capture) and kept."""
+    def decay_table(self, p: torch.Tensor, decay) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one kernel's table of shard p's decay ranges (exact_kernels.decay_table), made on the
+        first step (eager, before any --cuda-graph capture) and kept."""
         key = (p.device, p.numel(), tuple(decay) if self.weight_decay else ())
-        if key not in self.tile_tables:
-            self.tile_tables[key] = exact_kernels.tile_table(spans(key[2], p.numel()), p.numel(), p.device)
-        return self.tile_tables[key]
+        if key not in self.decay_tables:
+            self.decay_tables[key] = exact_kernels.decay_table(key[2], p.numel(), p.device)
+        return self.decay_tables[key]
 
 
 def spans(decay, n: int) -> list[tuple[int, int, bool]]:

@@ -132,17 +132,27 @@ def test_bitwise_as_exact_modes_torch_path(measured):
     assert not any(bits.values()), {k: v for k, v in bits.items() if v}
 
 
-def test_tile_table_covers_each_span_in_blocks():
-    """Tiles: each span cut at BLOCK elements, the decayed flag in the code's low bit, 2n last."""
-    from braidtrain import optim
+def test_decay_table_gives_each_block_the_ranges_it_meets():
+    """Per block, the ranges the table lists cover exactly the block's decayed elements: ranges
+    inside one block, across several, ending or starting on a block's edge, none at all."""
     from braidtrain.parallel import exact_kernels
 
     B = exact_kernels.BLOCK
-    n = 3 * B + 5
-    t = exact_kernels.tile_table(optim.spans([(3, B + 9)], n), n, "cpu")
-    starts, flags = (t >> 1).tolist(), (t & 1).tolist()
-    assert starts == [0, 3, B + 3, B + 9, 2 * B + 9, 3 * B + 5] and flags == [0, 1, 1, 0, 0, 0]
-    assert exact_kernels.tile_table([], 0, "cpu").tolist() == [0]
+    cases = [(3 * B + 5, [(3, 9), (11, B), (B + 1, 3 * B)]), (2 * B, []), (5 * B + 64, [(B - 1, 4 * B + 7)]),
+             (4097, [(0, 1500), (1530, 4000)]), (B, [(0, B)])]
+    for n, decay in cases:
+        bounds, ranges = (t.tolist() for t in exact_kernels.decay_table(decay, n, "cpu"))
+        want = torch.zeros(n, dtype=torch.bool)
+        for a, e in decay:
+            want[a:e] = True
+        got = torch.zeros(n, dtype=torch.bool)
+        assert len(bounds) == 2 * -(-n // B)
+        for k in range(len(bounds) // 2):
+            for j in range(bounds[2 * k], bounds[2 * k + 1]):
+                a, e = max(ranges[2 * j], k * B), min(ranges[2 * j + 1], (k + 1) * B, n)
+                assert a < e or (ranges[2 * j], ranges[2 * j + 1]) == (n, n), (n, decay, k, j)  # it meets the block
+                got[a:e] = True
+        assert torch.equal(got, want), (n, decay)
 
 
 def _measure() -> dict:

@@ -137,12 +137,12 @@ def check(params, shards, device, out):
     exact(*ref[:1], b0.grad, *ref[1:], 0.9, 0.95, 1e-8, c1, c2, scale)
     mine = [t.clone() for t in start[0]]
     out_bf16 = torch.empty(n0, dtype=torch.bfloat16, device=device)
-    exact_kernels.adamw(*mine[:1], b0.grad, *mine[1:], o_new.tiles(mine[0], b0.decay), out_bf16, keep, c1, c2,
+    exact_kernels.adamw(*mine[:1], b0.grad, *mine[1:], o_new.decay_table(mine[0], b0.decay), out_bf16, keep, c1, c2,
                         0.9, 0.95, 1e-8, scale)
     out[f"first shard, the kernel against exact mode's torch path: elements differing of {4 * n0:,}"] = (
         sum(differ(x, y) for x, y in zip(mine, ref)) + differ(out_bf16, ref[0].to(torch.bfloat16)))
     alone = [t.clone() for t in start[0]]
-    exact_kernels.adamw(*alone[:1], b0.grad, *alone[1:], o_new.tiles(alone[0], b0.decay), None, keep, c1, c2,
+    exact_kernels.adamw(*alone[:1], b0.grad, *alone[1:], o_new.decay_table(alone[0], b0.decay), None, keep, c1, c2,
                         0.9, 0.95, 1e-8, scale)
     out[f"first shard, the kernel without compute weights against with: elements differing of {3 * n0:,}"] = sum(
         differ(x, y) for x, y in zip(alone, mine))
