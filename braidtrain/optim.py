@@ -21,15 +21,16 @@ layout, within default mode's tolerance; exact mode never takes that path.
 
 On a GPU, default mode runs all three as one Triton kernel a shard (`one_pass`:
 parallel/exact_kernels.py's adamw): the decay on the decayed ranges (a table of the ranges each
-block meets, made once a shard: `decay_table`), AdamW, and where the bucket is lean its bf16 compute weights
-written from the new master in the same pass -- 30 bytes an element where the three launches
-move up to 46 (the decay's 8 on a 2-D weight's, fused AdamW's 32 with g / grad_scale written back
-into g, publish's 6; issue #58: 11.8 ms of a Llama-3.2-1B step on an H200, against 8.0 for 28
-bytes at 4.3 TB/s; benchmarks/kernels/adamw_gpu.py times both). Its operations are exact mode's (below), each rounded
-once: its bits differ from torch's fused kernel's within default mode's tolerance
-(tests/test_one_pass_adamw.py: 1e-6 relative, the bf16 weights within an ulp), and every element
-takes the same operations wherever the blocks and shards cut, so they do not depend on the layout
-either. The gradient is left as it was (torch's kernel writes g / grad_scale into it; nothing reads it after).
+block meets, made once a shard: `decay_table`), AdamW, and where the bucket is lean its bf16
+compute weights written from the new master in the same pass -- 30 bytes an element where the
+three launches move up to 46 (the decay's 8 on a 2-D weight's, fused AdamW's 32 with g /
+grad_scale written back into g, publish's 6; issue #58: 11.8 ms of a Llama-3.2-1B step on an
+H200, against 8.0 for 28 bytes at 4.3 TB/s; benchmarks/kernels/adamw_gpu.py times both). Its
+operations are exact mode's (below), each rounded once: its bits differ from torch's fused
+kernel's within default mode's tolerance (tests/test_one_pass_adamw.py: 1e-6 relative, the bf16
+weights within an ulp), and every element takes the same operations wherever the blocks and
+shards cut, so they do not depend on the layout either. The gradient is left as it was (torch's
+kernel writes g / grad_scale into it; nothing reads it after the update).
 
 Gradient clipping divides the gradient inside the same kernel (`grad_scale`), with the scale
 computed on the device: the step needs no host synchronisation. The learning rate, the decay
