@@ -3,10 +3,11 @@
 The optimizer never sees a parameter: it sees the (fp32 master shard, gradient shard) pairs the
 data-parallel engine says this rank owns -- whole buckets under ZeRO-0, one shard of each bucket
 under ZeRO-1 -- and keeps m and v for exactly those elements (in a bf16 run's lean state the master
-is apart from the bf16 compute weights, which the engine's publish() writes after the update:
-parallel/buckets.py). The update is torch's fused AdamW
-kernel (`torch._fused_adamw_`, on CPU and CUDA), one multi-tensor launch over the whole owned
-shards, after decoupled weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`).
+is apart from the bf16 compute weights, which follow it after each update: parallel/buckets.py).
+On the CPU (and the host under --offload) the update is torch's fused AdamW kernel
+(`torch._fused_adamw_`), one multi-tensor launch over the whole owned shards, after decoupled
+weight decay on the ranges that hold 2-D weights (one `_foreach_mul_`), and then the engine's
+publish() writes a lean bucket's compute weights from its master (`copy_`, to nearest even).
 Every operation is elementwise, so the update of an element does not depend on where the shard
 boundaries fall -- provided each element takes the same code path: torch's CPU kernel treats the
 last len % SIMD-width elements of each tensor with scalar code, which rounds differently, so the
@@ -16,12 +17,26 @@ test_adamw_bits_do_not_depend_on_shard_or_parameter_boundaries, at an n_embd tha
 of 16). The host's update under --offload takes the decay inside the kernel instead (apply's
 decay_in_kernel: two launches, the decayed ranges and the rest, cut at the 2-D weights' edges): a
 pass over host memory less, for scalar tails at those edges -- its bits may then depend on the
-layout, within default mode's tolerance; exact mode never takes that path. Gradient clipping
-divides the gradient inside the same kernel (its `grad_scale`), with the scale computed on the
-device: the step needs no host synchronisation. The learning rate, the decay factor and the step
-count are device scalars too, written by `prepare` before the step's GPU work: `update` launches
-the same kernels with the same arguments every step, so --cuda-graph can capture it once and
-replay it.
+layout, within default mode's tolerance; exact mode never takes that path.
+
+On a GPU, default mode runs all three as one Triton kernel a shard (`one_pass`:
+parallel/exact_kernels.py's adamw): the decay on the decayed ranges (a table of the ranges each
+block meets, made once a shard: `decay_table`), AdamW, and where the bucket is lean its bf16
+compute weights written from the new master in the same pass -- 30 bytes an element where the
+three launches move up to 46 (the decay's 8 on a 2-D weight's, fused AdamW's 32 with g /
+grad_scale written back into g, publish's 6; issue #58: 11.8 ms of a Llama-3.2-1B step on an
+H200, against 8.0 for 28 bytes at 4.3 TB/s; benchmarks/kernels/adamw_gpu.py times both). Its
+operations are exact mode's (below), each rounded once: its bits differ from torch's fused
+kernel's within default mode's tolerance (tests/test_one_pass_adamw.py: 1e-6 relative, the bf16
+weights within an ulp), and every element takes the same operations wherever the blocks and
+shards cut, so they do not depend on the layout either. The gradient is left as it was (torch's
+kernel writes g / grad_scale into it; nothing reads it after the update).
+
+Gradient clipping divides the gradient inside the same kernel (`grad_scale`), with the scale
+computed on the device: the step needs no host synchronisation. The learning rate, the decay
+factor, the step count and the bias corrections are device scalars too, written by `prepare`
+before the step's GPU work: `update` launches the same kernels with the same arguments every step,
+so --cuda-graph can capture it once and replay it.
 
 Exact mode writes the update as single elementwise operations instead (exact_adamw): each one
 IEEE-rounded, in its own kernel, so no multiply-add is contracted into one rounding -- the CPU's
@@ -29,9 +44,9 @@ and the GPU's fused kernels differ there -- and the bias corrections computed on
 float64; the square root in float64, rounded once (torch's float32 sqrt is correctly rounded on
 CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
-promise. Default mode keeps the fused kernel on either side. On a GPU exact_adamw's operations
+promise. Default mode keeps torch's fused kernel on the CPU. On a GPU exact_adamw's operations
 run as one kernel a shard, with the same bits (parallel/exact_kernels.py): one pass over memory, as the
-fused kernel's.
+fused kernel's; the decay and publish() stay launches of their own there.
 """
 
 from __future__ import annotations
@@ -78,6 +93,7 @@ class AdamW:
         # on the device, and on the host for an offloaded update
         self.scalars = {place.type: tuple(torch.zeros((), dtype=torch.float32, device=place) for _ in range(5))
                         for place in (engine.device, host)}
+        self.decay_tables = {}  # (device, shard length, decay ranges) -> the one kernel's (decay_table())
         self.offload = hosting.Offload(engine, self, on_device) if offload else None
 
     def state_numel(self) -> int:
@@ -121,11 +137,21 @@ class AdamW:
             owned, groups = [owned[i] for i in self.offload.kept], [groups[i] for i in self.offload.kept]
             if not owned:
                 return
-        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], groups, grad_scale, skip)
-        self.engine.publish([b for b, _, _ in owned])  # a lean state's compute weights follow their fp32 masters
+        # a lean state's compute weights follow their fp32 masters: written in the update's own pass
+        # where it is one kernel (CUDA, default mode), else by the engine's publish() after it
+        one_pass = self.one_pass(owned[0][1])
+        compute = [b.compute_shard() if one_pass and b.apart else None for b, _, _ in owned]
+        self.apply([p for _, p, _ in owned], [g for _, _, g in owned], groups, grad_scale, skip, compute=compute)
+        self.engine.publish([b for (b, _, _), out in zip(owned, compute) if out is None])
+
+    def one_pass(self, t: torch.Tensor) -> bool:
+        """Whether apply updates shards like t in one kernel a shard (exact_kernels.adamw): default
+        mode, on a GPU, with triton."""
+        return not self.exact and exact_kernels.usable(t)
 
     @torch.no_grad()
-    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False) -> None:
+    def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False,
+              compute=None) -> None:
         """update()'s kernels on these shards (groups: their (m, v, decay ranges)) with this step's
         scalars (or `scalars`, a copy of them), on the device where the shards are (the host's under
         --offload) -- also how live recovery's buddy copy follows its neighbour's shard
@@ -133,8 +159,14 @@ class AdamW:
         `decay_in_kernel` (default mode; the host's update under --offload): the decay inside the
         fused kernel, over the decayed ranges and the rest apart, not a pass of its own over the
         weights (a fifth of the host update's time) -- other roundings (p - lr*wd*p), and scalar tails
-        where a range ends off the vector width."""
+        where a range ends off the vector width. `compute` (only where one_pass): per shard, the bf16
+        compute weights the one kernel writes from the new p, or None."""
         step, lr, keep, c1, c2 = scalars or self.scalars[params[0].device.type]
+        if self.one_pass(params[0]):  # decay, AdamW and the compute weights: one kernel a shard
+            for p, g, (m, v, decay), out in zip(params, grads, groups, compute or [None] * len(params)):
+                exact_kernels.adamw(p, g, m, v, self.decay_table(p, decay), out, keep, c1, c2, self.beta1, self.beta2,
+                                    self.eps, grad_scale, skip)
+            return
         if decay_in_kernel and self.weight_decay and not self.exact:
             by_wd = {self.weight_decay: ([], [], [], []), 0.0: ([], [], [], [])}
             for p, g, (m, v, decay) in zip(params, grads, groups):
@@ -160,6 +192,15 @@ class AdamW:
                             [step] * len(params), lr=lr, beta1=self.beta1, beta2=self.beta2,
                             weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
                             found_inf=skip)
+
+
+    def decay_table(self, p: torch.Tensor, decay) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one kernel's table of shard p's decay ranges (exact_kernels.decay_table), made on the
+        first step (eager, before any --cuda-graph capture) and kept."""
+        key = (p.device, p.numel(), tuple(decay) if self.weight_decay else ())
+        if key not in self.decay_tables:
+            self.decay_tables[key] = exact_kernels.decay_table(key[2], p.numel(), p.device)
+        return self.decay_tables[key]
 
 
 def spans(decay, n: int) -> list[tuple[int, int, bool]]:

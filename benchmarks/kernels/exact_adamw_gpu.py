@@ -72,8 +72,9 @@ def bitwise(n, out):
         if k == 1:  # the broken kernel: multiply-adds contracted
             fused = [t.clone() for t in shards(n, k)]
             exact_kernels._kernel[(-(-n // exact_kernels.BLOCK),)](
-                *fused, c1, c2, s, c1, n, *(exact_kernels._f32(x) for x in (B1, 1 - B1, B2, 1 - B2, EPS)),
-                HAS_SCALE=True, HAS_SKIP=False, BLOCK=exact_kernels.BLOCK, num_warps=4, enable_fp_fusion=True)
+                *fused, c1, c2, s, c1, c1, c1, c1, c1, n, *(exact_kernels._f32(x) for x in (B1, 1 - B1, B2, 1 - B2, EPS)),
+                HAS_SCALE=True, HAS_SKIP=False, DECAY=False, HAS_OUT=False, BLOCK=exact_kernels.BLOCK, num_warps=4,
+                enable_fp_fusion=True)
             out[f"{name}: the kernel WITH fp fusion vs torch (must differ), of {3 * n:,}"] = differ(
                 (fused[0], fused[2], fused[3]), (ref[0], ref[2], ref[3]))
         del ref, new, host

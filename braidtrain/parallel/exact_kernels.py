@@ -1,5 +1,6 @@
 """Exact mode's optimizer step in one pass on a GPU: the update (exact_adamw) and the gradient norm's
-chunk sums (chunk_squares), each one Triton kernel a shard with the bits of its torch reference.
+chunk sums (chunk_squares), each one Triton kernel a shard with the bits of its torch reference; and
+default mode's whole update (adamw), the same kernel with the decay and the bf16 weights folded in.
 
 exact_adamw: optim.exact_adamw's IEEE operations, in its order, each rounded once -- the same bits
 as exact_adamw (and so as the host's update under --offload optimizer) at about the cost of torch's
@@ -29,6 +30,17 @@ forms to the NVVM intrinsics without it; tests/test_exact_kernels.py and the GPU
 benchmarks/kernels/exact_adamw_gpu.py compare subnormal moments bit for bit). Addition being
 commutative, the operand order of a sum moves no bit.
 
+adamw: default mode's update on a GPU (optim.AdamW.one_pass), where torch's path is three launches
+-- the decay (`_foreach_mul_` on the 2-D weights' ranges), fused AdamW, publish()'s bf16 `copy_` --
+and each a pass over memory: the same kernel, over the same aligned blocks, with the decay p * keep
+(rounded once, as `_foreach_mul_` rounds it) on the elements of the shard's decayed ranges (which a
+block meets: decay_table, made once a shard; most blocks meet one or none) before the update, and
+after it, where a lean bucket's compute weights are given, p rounded to bf16 into them -- to
+nearest even in integer operations (torch's conversion: u + 0x7FFF + (u >> 16 & 1), the top half;
+NaN 0x7FC0), not Triton's float conversion, which the interpreter truncates. So its bits are the
+decay, exact_adamw and `copy_` in a row (tests/test_one_pass_adamw.py, interpreted; the GPU check
+in benchmarks/kernels/adamw_gpu.py), and an element's do not depend on the ranges around it.
+
 chunk_squares: parallel/norm.py's ExactNorm sums each Q-element chunk of a gradient shard's squares in
 float64 by a pairwise tree, in torch four passes over memory with float64 temporaries (the fp32 ->
 fp64 copy, the squares, the tree's levels: +16.5 ms a Llama-3.2-1B step against the default norm's
@@ -41,8 +53,9 @@ chunk's tree depends only on its Q elements, not on which program reads it or ho
 program takes, so the sums keep ExactNorm's independence of the layout.
 
 Used for CUDA shards only (optim.AdamW.apply, ExactNorm); the CPU, and the host under --offload, keep
-the torch references. Without triton this module imports and `usable` says False. With
-TRITON_INTERPRET=1 set before triton's first import, both run on CPU tensors (the tests).
+the torch references (default mode's: torch's fused AdamW). Without triton this module imports and
+`usable` says False. With TRITON_INTERPRET=1 set before triton's first import, they run on CPU
+tensors (the tests).
 """
 
 from __future__ import annotations  # the kernel's annotations stay strings until triton is imported
@@ -99,10 +112,43 @@ def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=Non
         return
     _load()
     _kernel[(triton.cdiv(n, BLOCK),)](
-        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, n,
+        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, c1, c1, c1, c1, n,
         _f32(beta1), _f32(1 - beta1), _f32(beta2), _f32(1 - beta2), _f32(eps),
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK, num_warps=4,
-        enable_fp_fusion=False)  # no multiply-add contraction: see the module docstring
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, DECAY=False, HAS_OUT=False, BLOCK=BLOCK,
+        num_warps=4, enable_fp_fusion=False)  # no multiply-add contraction: see the module docstring
+
+
+def adamw(p, g, m, v, table, out, keep, c1, c2, beta1, beta2, eps, grad_scale=None, skip=None) -> None:
+    """Default mode's whole update of one shard on a GPU, in one pass: p *= keep (1 - lr * wd) on the
+    table's decayed ranges, exact_adamw's update, and where `out` is given (a lean bucket's bf16
+    compute weights of the shard) the new p rounded to nearest even into it. table: decay_table's,
+    on p's device; keep, c1, c2 (optim.AdamW.prepare's), grad_scale, skip: 0-dim device tensors."""
+    n = p.numel()
+    for t in (p, g, m, v):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n, "flat float32 shards"
+    assert out is None or (out.dtype == torch.bfloat16 and out.is_contiguous() and out.numel() == n), "bf16, p's length"
+    if n == 0:
+        return
+    _load()
+    bounds, ranges = table
+    _kernel[(triton.cdiv(n, BLOCK),)](
+        p, g, m, v, c1, c2, c1 if grad_scale is None else grad_scale, c1 if skip is None else skip, keep, bounds,
+        ranges, c1 if out is None else out.view(torch.int16), n, _f32(beta1), _f32(1 - beta1), _f32(beta2),
+        _f32(1 - beta2), _f32(eps), HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, DECAY=True,
+        HAS_OUT=out is not None, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+
+
+def decay_table(decay, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """adamw's decayed ranges of a shard of n elements (decay: sorted, disjoint (start, end)): per
+    BLOCK-element block k, the ranges j in [bounds[2k], bounds[2k + 1]) that it meets (int32); range
+    j's start and end at ranges[2j], ranges[2j + 1] (int64; an empty (n, n) last, so that it is never
+    empty). The blocks stay aligned, so their loads and stores keep 16-byte vectors."""
+    ranges = torch.tensor([*decay, (n, n)], dtype=torch.int64).reshape(-1, 2)
+    lo = torch.arange(0, n, BLOCK, dtype=torch.int64)  # each block's first element
+    first = torch.searchsorted(ranges[:, 1].contiguous(), lo, right=True)  # the first range ending after lo
+    last = torch.searchsorted(ranges[:, 0].contiguous(), lo + BLOCK)  # past the last one starting before lo + BLOCK
+    bounds = torch.stack([first, torch.maximum(first, last)], 1).to(torch.int32)
+    return bounds.reshape(-1).to(device), ranges.reshape(-1).to(device)
 
 
 def chunk_squares(g: torch.Tensor, q: int) -> torch.Tensor:
@@ -131,8 +177,9 @@ def _chunk_squares(G, OUT, chunks, Q: tl.constexpr, LEVELS: tl.constexpr, CHUNKS
     tl.store(OUT + c, tl.reshape(x, (CHUNKS,)), mask=c < chunks)
 
 
-def _update(P, G, M, V, C1, C2, SCALE, SKIP, n, b1, omb1, b2, omb2, eps,
-            HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+def _update(P, G, M, V, C1, C2, SCALE, SKIP, KEEP, BOUNDS, RANGES, OUT, n, b1, omb1, b2, omb2, eps,
+            HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, DECAY: tl.constexpr, HAS_OUT: tl.constexpr,
+            BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if HAS_SKIP:  # a non-finite step changes nothing: nothing is stored
@@ -141,6 +188,13 @@ def _update(P, G, M, V, C1, C2, SCALE, SKIP, n, b1, omb1, b2, omb2, eps,
     m = tl.load(M + offs, mask=mask)
     v = tl.load(V + offs, mask=mask)
     p = tl.load(P + offs, mask=mask)
+    if DECAY:  # p * (1 - lr * wd), rounded once (as _foreach_mul_), on the decayed ranges this block meets
+        decayed = offs < 0
+        j, end = tl.load(BOUNDS + 2 * tl.program_id(0)), tl.load(BOUNDS + 2 * tl.program_id(0) + 1)
+        while j < end:  # (not range(): the interpreter's loaded scalars are no Python ints)
+            decayed = decayed | ((offs >= tl.load(RANGES + 2 * j)) & (offs < tl.load(RANGES + 2 * j + 1)))
+            j += 1
+        p = tl.where(decayed, p * tl.load(KEEP), p)
     if HAS_SCALE:
         g = g * tl.div_rn(1.0, tl.load(SCALE))
     m = m * b1 + g * omb1
@@ -149,3 +203,7 @@ def _update(P, G, M, V, C1, C2, SCALE, SKIP, n, b1, omb1, b2, omb2, eps,
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
     tl.store(P + offs, p, mask=mask)
+    if HAS_OUT:  # the bf16 compute weights: p rounded to nearest even, in integers (as torch's conversion)
+        u = p.to(tl.uint32, bitcast=True)
+        b = tl.where(p != p, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)  # NaN: torch's canonical one
+        tl.store(OUT + offs, b.to(tl.int16), mask=mask)
