@@ -107,6 +107,7 @@ class Bucket:
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0  # gradients still to come in this backward
         self.open = False  # this backward's gradient buffer is open (grads.Grads.open; ZeRO-2/3 check it)
+        self.unwritten = None  # {param: view} its gradient is still to be written into (grads.py), or None: added
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add; ZeRO-0/1: opens b.grad
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
@@ -146,7 +147,7 @@ class Bucket:
         if self.zero == 3:  # released: gathered when a forward needs it (zero.py)
             whole.untyped_storage().resize_(0)
         self.gathered, self.gather_handle, self.handle = self.zero != 3, None, None
-        self.grad = None
+        self.grad, self.unwritten = None, None
         self.shard_grad = torch.zeros(self.shard_size, device=params.device) if self.zero >= 2 else None
 
     def view(self, buf, i: int) -> torch.Tensor:

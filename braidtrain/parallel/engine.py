@@ -80,7 +80,7 @@ class Engine:
                                min(zero, top), stage, [len(self.table.held(e)) for e in es], dt)  # (experts: slices)
                         for i, (es, ms, reduce, stage, dt, top) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
-        self.grads = Grads(self.buckets, device)  # the gradient buffers' lifetime and their pool
+        self.grads = Grads(self.buckets, device, exact)  # the gradient buffers' lifetime and their pool
         self.grads.sibling = self.sibling
         for b in self.buckets:
             master.lay_out(b, device)  # the values; a lean bucket's master apart
@@ -218,6 +218,20 @@ class Engine:
             work()
         finally:
             self.backward_phase = False
+        for b in self.buckets:  # parameters whose hook never ran: not in this backward's graph
+            if b.stage == stage and b.pending and not b.sourced:
+                self._without(b)
+
+    def _without(self, b):
+        """Bucket b's backward is over with parameters whose gradient never came (unused in it): the
+        bucket completes without them -- opened first if nothing reached it -- their views holding
+        zeros (grads.written) or the step's earlier backwards' sum."""
+        if b.zero <= 1 and not self.exact:
+            self.grads.first(b, None)  # (the step's buffer, if no gradient opened it yet)
+        elif not b.open:
+            self.grads.open(b)
+        b.pending = 0
+        self._complete(b)
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
@@ -227,16 +241,22 @@ class Engine:
         if b.zero >= 2 and not b.open:  # autograd kept the gradient as a tensor of its own, lost here
             raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
                                "opened (the hook that opens it did not run first)")
-        if b.lean:  # autograd's bf16 gradient, made fp32 and added, as autocast's cast's backward did
-            p.main_grad.add_(p.grad)
+        if b.lean or b.unwritten is not None:  # a lean bucket's gradient added, or a first one written
+            self.grads.arrived(b, p)  # (grads.py: "Written, not added")
+        if b.lean:
             p.grad = None
             if b.zero >= 2:  # the view would keep that buffer alive
                 p.main_grad = None
         elif b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             p.grad = None
         b.pending -= 1
-        if b.pending:
-            return
+        if not b.pending:
+            self._complete(b)
+
+    def _complete(self, b):
+        """Bucket b's gradients of this backward are all in: into exact mode's tree, and its
+        reduction launched (each backward at ZeRO-2/3, the step's last at ZeRO-0/1)."""
+        self.grads.written(b)
         b.open = False
         self.last_grad_time = time.time()
         if self.exact:
