@@ -1,7 +1,7 @@
 """A fresh gradient buffer's first gradients are written, not added to zeros (parallel/grads.py,
 "Written, not added"): ZeRO-0/1's step buffer and a lean bucket's ZeRO-2/3 scratch, in default mode.
 Against plain autograd's gradients summed in the engine's order, bitwise, at ZeRO 0-3, one and three
-micro-steps, fp32 and bf16 (a lean state), with a parameter no backward reaches, on one process and
+micro-steps, fp32 and bf16 (a lean state), with parameters no backward reaches, on one process and
 on two ranks (tests/written_worker.py); and which gradients are written: each parameter's first of
 the step (ZeRO-0/1) or of each backward (a lean ZeRO-2/3 bucket), never in exact mode (its pinned
 bits: test_parity, test_tp, test_lean, test_fold)."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import ROOT, launch
-from written_worker import CASES, UNUSED, batch, case, skip_bias
+from written_worker import CASES, UNUSED, batch, case, unuse
 from braidtrain.collective.comm import Comm
 from braidtrain.collective.mesh import build_mesh
 from braidtrain.model.gpt2 import GPT
@@ -66,11 +66,11 @@ def test_which_gradients_are_written(zero, mode, exact):
     """Seen from a hook that runs before the engine's: is the gradient arriving to be written into
     its view? Default mode: at ZeRO-0/1 each parameter's first of the step, at ZeRO-2/3 a lean
     bucket's first of each backward (its scratch is fresh each time) and never an fp32 bucket's
-    (autograd adds into the zeroed scratch in place); exact mode: never. The unused parameter's
-    hook never runs."""
+    (autograd adds into the zeroed scratch in place); exact mode: never. The unused parameters'
+    hooks never run."""
     cfg = model_config("tiny", 256, n_layer=2, n_embd=40, n_head=2, block_size=16)
     model = GPT(cfg)
-    skip_bias(model)
+    unuse(model)
     seen = []  # (micro, parameter name, to be written)
     names = {p: n for n, p in model.named_parameters()}
     for p in model.parameters():  # runs before the engine's own hook, which writes or adds the gradient
@@ -89,7 +89,7 @@ def test_which_gradients_are_written(zero, mode, exact):
             engine.backward(m, loss, last=m == 1)
         engine.finish_step()
         engine.gather_params()
-    used = [n for n in names.values() if n != UNUSED]
+    used = [n for n in names.values() if n not in UNUSED]
     assert sorted(n for _, n, _ in seen) == sorted(used * 4)
     for micro, name, written in seen:
         b = next(b for b in engine.buckets if name in dict(b.params))
