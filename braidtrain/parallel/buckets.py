@@ -33,9 +33,9 @@ master of what the rank owns is a tensor of its own, `master`, which the optimiz
 writes to the compute weights (Engine.publish), rounded to nearest even -- the bf16 values autocast's
 cast of an fp32 weight gives, so the forward computes with the same numbers as with fp32 weights. A
 bf16 parameter's gradient is added by a hook into the fp32 gradient buffer (`main_grad`, as
-Megatron-LM's), as autocast's cast's backward added it. (Under --fp8 the float8 matmul's fp32 weight
-gradient is rounded to the parameter's bf16 by autograd before the hook adds it: over fp32 weights
-it was not.) Everything else stays fp32, and then the
+Megatron-LM's), as autocast's cast's backward added it (a fresh buffer's first: written, grads.py).
+(Under --fp8 the float8 matmul's fp32 weight gradient is rounded to the parameter's bf16 by autograd
+before the hook adds it: over fp32 weights it was not.) Everything else stays fp32, and then the
 bucket IS the master (`master` a view of `data`: no second copy): 1-D parameters (norms, biases:
 small; autocast computes with them in fp32) in buckets of their own beside their block's, which run
 at most ZeRO-2's mechanics (whole on every rank, so that the gathered bf16 buckets never carry fp32);

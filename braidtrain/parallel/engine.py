@@ -23,14 +23,16 @@ backward's gradient is a leaf of exact.py's tree, by micro-batch number: the ord
 ran in does not change a bit; an odd micro-batch's backward adds into its complete even sibling's
 leaf, the tree's first level folded into the backward (exact.py; `fold`, on by default).
 
-ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
+ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py). A parameter
+no backward reaches (its hook never runs) does not hold its bucket back: _without.
 
 A lean state (`dtype` bf16 at ZeRO 1-3 or under `offload`: buckets.py's docstring). A block's
 matrices compute in bf16 buckets, and the fp32 master of what this rank owns is the optimizer's
 (owned() yields it; publish() writes it to the compute weights after the update). Their gradients
 come from autograd in bf16, one backward of one parameter at a time, and the post-accumulate hook
-adds each into the fp32 buffer (`main_grad`) and drops it: the bits autocast's cast of an fp32
-weight gave, whose backward added the same bf16 gradient, made fp32, into the fp32 .grad.
+adds each into the fp32 buffer (`main_grad`; a fresh buffer's first is written: grads.py) and drops
+it: the bits autocast's cast of an fp32 weight gave, whose backward added the same bf16 gradient, made
+fp32, into the fp32 .grad.
 
 The stage asked for (`zero`) is the run's; each bucket runs the mechanics of its own, `b.zero`
 (buckets.zero_stage): a reduce group of one rank has nothing to shard, so its buckets run stage 0's.
@@ -223,9 +225,8 @@ class Engine:
                 self._without(b)
 
     def _without(self, b):
-        """Bucket b's backward is over with parameters whose gradient never came (unused in it): the
-        bucket completes without them -- opened first if nothing reached it -- their views holding
-        zeros (grads.written) or the step's earlier backwards' sum."""
+        """The backward is over, and parameters of bucket b got no gradient (not in its graph): b completes
+        without them, opened first if nothing reached it; their views hold zeros or the step's earlier sum."""
         if b.zero <= 1 and not self.exact:
             self.grads.first(b, None)  # (the step's buffer, if no gradient opened it yet)
         elif not b.open:
@@ -254,8 +255,7 @@ class Engine:
             self._complete(b)
 
     def _complete(self, b):
-        """Bucket b's gradients of this backward are all in: into exact mode's tree, and its
-        reduction launched (each backward at ZeRO-2/3, the step's last at ZeRO-0/1)."""
+        """Bucket b's gradients of this backward are in: exact mode's tree, the reduction (ZeRO-2/3: each time)."""
         self.grads.written(b)
         b.open = False
         self.last_grad_time = time.time()

@@ -17,7 +17,8 @@ What lives when:
     tree gives leaves back (recycle) as it adds them, and the step's root lives to the update and
     goes back at the next step's start (Engine.begin_step).
   - A lean bucket (bf16 compute weights): autograd's bf16 gradient arrives in .grad and the
-    engine's post-accumulate hook adds it into `main_grad`, the view into the fp32 buffer.
+    engine's post-accumulate hook adds it into `main_grad`, the view into the fp32 buffer (or
+    writes it: below).
   - --offload optimizer: the host's update holds its own references to the step's gradients until
     each has come down (offload.py); drop() lets the engine's go at once.
 
