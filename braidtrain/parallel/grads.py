@@ -30,7 +30,7 @@ hook copies instead of adding). Nothing zeroes the buffer but the positions no p
 gaps between parameters and slices, the padding: at opening); a parameter whose view no gradient
 wrote (none arrived in that backward) is zeroed when the bucket's backward completes (written()).
 The same sum as zeroing and adding: 0 + x is x, bit for bit, but for x = -0 (a -0 gradient element
-stays -0 where it became +0; every sum and update downstream is the same). At 1B it spares the
+stays -0 where it became +0: at most the sign of a zero differs downstream, never a value). At 1B it spares the
 buffer's 5 GB zero fill and the add's read of it. Not written: ZeRO-2/3's fp32 buckets (autograd
 adds into the scratch in place: a copy in the hook cost host time a parameter, docs/design-notes.md)
 and exact mode, whose leaves and folds stay zeroed and added (exact.py); which gradient is written
