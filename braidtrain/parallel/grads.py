@@ -50,7 +50,7 @@ class Grads:
         self.buckets, self.device, self.exact = buckets, device, exact
         self.pool: dict[int, list[torch.Tensor]] = {}
         self.sibling = lambda b: None  # exact mode: the leaf a backward adds into, if any (Engine.sibling)
-        self.gaps: dict = {}  # bucket -> [(lo, hi)]: the positions no parameter holds (gaps())
+        self.gaps: dict = {}  # bucket -> [(lo, hi)]: the positions no parameter holds (gaps_of())
 
     def open(self, b, buf=None) -> None:
         """Open bucket b's gradient buffer `buf` (None: the complete sibling leaf `sibling(b)` gives,
