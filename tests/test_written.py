@@ -67,15 +67,18 @@ def test_which_gradients_are_written(zero, mode, exact):
     its view? Default mode: at ZeRO-0/1 each parameter's first of the step, at ZeRO-2/3 a lean
     bucket's first of each backward (its scratch is fresh each time) and never an fp32 bucket's
     (autograd adds into the zeroed scratch in place); exact mode: never. The unused parameters'
-    hooks never run."""
+    hooks never run. A written fp32 gradient is the tensor autograd made (no clone before the copy)."""
     cfg = model_config("tiny", 256, n_layer=2, n_embd=40, n_head=2, block_size=16)
     model = GPT(cfg)
     unuse(model)
-    seen = []  # (micro, parameter name, to be written)
+    seen = []  # (micro, parameter name, to be written, .grad is the tensor autograd's backward made)
     names = {p: n for n, p in model.named_parameters()}
+    made = {}  # parameter -> where autograd's gradient of it is (a tensor hook: before its accumulation)
     for p in model.parameters():  # runs before the engine's own hook, which writes or adds the gradient
+        p.register_hook(lambda g, p=p: made.__setitem__(p, g.data_ptr()))
         p.register_post_accumulate_grad_hook(
-            lambda p: seen.append((engine.micro, names[p], p in (engine.bucket_of[p].unwritten or {}))))
+            lambda p: seen.append((engine.micro, names[p], p in (engine.bucket_of[p].unwritten or {}),
+                                   p.grad.data_ptr() == made[p])))
     comm = Comm(torch.device("cpu"))
     engine = Engine(model, build_mesh(0, 1, comm), comm, zero=zero, exact=exact, bucket_mb=0.005,
                     device=torch.device("cpu"), dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
@@ -90,8 +93,11 @@ def test_which_gradients_are_written(zero, mode, exact):
         engine.finish_step()
         engine.gather_params()
     used = [n for n in names.values() if n not in UNUSED]
-    assert sorted(n for _, n, _ in seen) == sorted(used * 4)
-    for micro, name, written in seen:
+    assert sorted(n for _, n, _, _ in seen) == sorted(used * 4)
+    for micro, name, written, own in seen:
         b = next(b for b in engine.buckets if name in dict(b.params))
         want = not exact and (micro == 0 if b.zero <= 1 else b.lean)
         assert written == want, (micro, name, b.zero, b.lean)
+        # a written fp32 gradient is autograd's own tensor, handed over (not cloned): one copy into
+        # the bucket; an added one was accumulated into the bucket's view in place
+        assert own == (written or b.lean), (micro, name, b.zero, b.lean)
