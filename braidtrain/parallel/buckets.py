@@ -33,9 +33,9 @@ master of what the rank owns is a tensor of its own, `master`, which the optimiz
 writes to the compute weights (Engine.publish), rounded to nearest even -- the bf16 values autocast's
 cast of an fp32 weight gives, so the forward computes with the same numbers as with fp32 weights. A
 bf16 parameter's gradient is added by a hook into the fp32 gradient buffer (`main_grad`, as
-Megatron-LM's), as autocast's cast's backward added it. (Under --fp8 the float8 matmul's fp32 weight
-gradient is rounded to the parameter's bf16 by autograd before the hook adds it: over fp32 weights
-it was not.) Everything else stays fp32, and then the
+Megatron-LM's), as autocast's cast's backward added it (a fresh buffer's first: written, grads.py).
+(Under --fp8 the float8 matmul's fp32 weight gradient is rounded to the parameter's bf16 by autograd
+before the hook adds it: over fp32 weights it was not.) Everything else stays fp32, and then the
 bucket IS the master (`master` a view of `data`: no second copy): 1-D parameters (norms, biases:
 small; autocast computes with them in fp32) in buckets of their own beside their block's, which run
 at most ZeRO-2's mechanics (whole on every rank, so that the gathered bf16 buckets never carry fp32);
@@ -107,6 +107,7 @@ class Bucket:
         self.shard_grad = torch.zeros(self.shard_size, device=device) if zero >= 2 else None
         self.pending = 0  # gradients still to come in this backward
         self.open = False  # this backward's gradient buffer is open (grads.Grads.open; ZeRO-2/3 check it)
+        self.unwritten = None  # {param: view} its gradient is still to be written into (grads.py), or None: added
         self.first = True  # ZeRO-2/3: the step's first reduce-scatter copies, later ones add; ZeRO-0/1: opens b.grad
         self.handle = None  # the reduction in flight
         self.gathered, self.gather_handle = True, None  # ZeRO-3
@@ -146,7 +147,7 @@ class Bucket:
         if self.zero == 3:  # released: gathered when a forward needs it (zero.py)
             whole.untyped_storage().resize_(0)
         self.gathered, self.gather_handle, self.handle = self.zero != 3, None, None
-        self.grad = None
+        self.grad, self.unwritten = None, None
         self.shard_grad = torch.zeros(self.shard_size, device=params.device) if self.zero >= 2 else None
 
     def view(self, buf, i: int) -> torch.Tensor:

@@ -23,14 +23,16 @@ backward's gradient is a leaf of exact.py's tree, by micro-batch number: the ord
 ran in does not change a bit; an odd micro-batch's backward adds into its complete even sibling's
 leaf, the tree's first level folded into the backward (exact.py; `fold`, on by default).
 
-ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py).
+ZeRO-3 keeps a gathered bucket while an in-flight micro-batch still needs it (zero.py). A parameter
+no backward reaches (its hook never runs) does not hold its bucket back: _without.
 
 A lean state (`dtype` bf16 at ZeRO 1-3 or under `offload`: buckets.py's docstring). A block's
 matrices compute in bf16 buckets, and the fp32 master of what this rank owns is the optimizer's
 (owned() yields it; publish() writes it to the compute weights after the update). Their gradients
 come from autograd in bf16, one backward of one parameter at a time, and the post-accumulate hook
-adds each into the fp32 buffer (`main_grad`) and drops it: the bits autocast's cast of an fp32
-weight gave, whose backward added the same bf16 gradient, made fp32, into the fp32 .grad.
+adds each into the fp32 buffer (`main_grad`; a fresh buffer's first is written: grads.py) and drops
+it: the bits autocast's cast of an fp32 weight gave, whose backward added the same bf16 gradient, made
+fp32, into the fp32 .grad.
 
 The stage asked for (`zero`) is the run's; each bucket runs the mechanics of its own, `b.zero`
 (buckets.zero_stage): a reduce group of one rank has nothing to shard, so its buckets run stage 0's.
@@ -80,7 +82,7 @@ class Engine:
                                min(zero, top), stage, [len(self.table.held(e)) for e in es], dt)  # (experts: slices)
                         for i, (es, ms, reduce, stage, dt, top) in enumerate(buckets.lean(formed, dtype, lean_where))]
         self.bucket_of = {}
-        self.grads = Grads(self.buckets, device)  # the gradient buffers' lifetime and their pool
+        self.grads = Grads(self.buckets, device, exact)  # the gradient buffers' lifetime and their pool
         self.grads.sibling = self.sibling
         for b in self.buckets:
             master.lay_out(b, device)  # the values; a lean bucket's master apart
@@ -218,6 +220,19 @@ class Engine:
             work()
         finally:
             self.backward_phase = False
+        for b in self.buckets:  # parameters whose hook never ran: not in this backward's graph
+            if b.stage == stage and b.pending and not b.sourced:
+                self._without(b)
+
+    def _without(self, b):
+        """The backward is over, and parameters of bucket b got no gradient (not in its graph): b completes
+        without them, opened first if nothing reached it; their views hold zeros or the step's earlier sum."""
+        if b.zero <= 1 and not self.exact:
+            self.grads.first(b, None)  # (the step's buffer, if no gradient opened it yet)
+        elif not b.open:
+            self.grads.open(b)
+        b.pending = 0
+        self._complete(b)
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
@@ -227,16 +242,21 @@ class Engine:
         if b.zero >= 2 and not b.open:  # autograd kept the gradient as a tensor of its own, lost here
             raise RuntimeError(f"ZeRO-{b.zero}: a gradient of bucket {b.index} arrived before its buffer was "
                                "opened (the hook that opens it did not run first)")
-        if b.lean:  # autograd's bf16 gradient, made fp32 and added, as autocast's cast's backward did
-            p.main_grad.add_(p.grad)
+        if b.lean or b.unwritten is not None:  # a lean bucket's gradient added, or a first one written
+            self.grads.arrived(b, p)  # (grads.py: "Written, not added")
+        if b.lean:
             p.grad = None
             if b.zero >= 2:  # the view would keep that buffer alive
                 p.main_grad = None
         elif b.zero >= 2:  # the gradient is in b.grad; the view would keep that buffer alive
             p.grad = None
         b.pending -= 1
-        if b.pending:
-            return
+        if not b.pending:
+            self._complete(b)
+
+    def _complete(self, b):
+        """Bucket b's gradients of this backward are in: exact mode's tree, the reduction (ZeRO-2/3: each time)."""
+        self.grads.written(b)
         b.open = False
         self.last_grad_time = time.time()
         if self.exact:
