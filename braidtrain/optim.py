@@ -19,7 +19,7 @@ decay_in_kernel: two launches, the decayed ranges and the rest, cut at the 2-D w
 pass over host memory less, for scalar tails at those edges -- its bits may then depend on the
 layout, within default mode's tolerance; exact mode never takes that path.
 
-On a GPU, default mode runs all three as one Triton kernel a shard (`one_pass`:
+On a GPU, either mode runs all three as one Triton kernel a shard (`one_pass`:
 parallel/exact_kernels.py's adamw): the decay on the decayed ranges (a table of the ranges each
 block meets, made once a shard: `decay_table`), AdamW, and where the bucket is lean its bf16
 compute weights written from the new master in the same pass -- 30 bytes an element where the
@@ -30,7 +30,10 @@ operations are exact mode's (below), each rounded once: its bits differ from tor
 kernel's within default mode's tolerance (tests/test_one_pass_adamw.py: 1e-6 relative, the bf16
 weights within an ulp), and every element takes the same operations wherever the blocks and
 shards cut, so they do not depend on the layout either. The gradient is left as it was (torch's
-kernel writes g / grad_scale into it; nothing reads it after the update).
+kernel writes g / grad_scale into it; nothing reads it after the update). Exact mode takes the
+same kernel: its bits are exact mode's torch path's (the decay, exact_adamw, copy_ -- bit for bit,
+interpreted in the test and over 1.24 G elements on an H200), so the host's update under --offload
+(that torch path) still gives a GPU's bits.
 
 Gradient clipping divides the gradient inside the same kernel (`grad_scale`), with the scale
 computed on the device: the step needs no host synchronisation. The learning rate, the decay
@@ -145,9 +148,9 @@ class AdamW:
         self.engine.publish([b for (b, _, _), out in zip(owned, compute) if out is None])
 
     def one_pass(self, t: torch.Tensor) -> bool:
-        """Whether apply updates shards like t in one kernel a shard (exact_kernels.adamw): default
-        mode, on a GPU, with triton."""
-        return not self.exact and exact_kernels.usable(t)
+        """Whether apply updates shards like t in one kernel a shard (exact_kernels.adamw): on a GPU,
+        with triton, in either mode (its bits are exact mode's torch path's: module docstring)."""
+        return exact_kernels.usable(t)
 
     @torch.no_grad()
     def apply(self, params, grads, groups, grad_scale=None, skip=None, scalars=None, decay_in_kernel=False,
@@ -183,10 +186,9 @@ class AdamW:
             decayed = [p[a:e] for p, (_, _, decay) in zip(params, groups) for a, e in decay]
             if decayed:
                 torch._foreach_mul_(decayed, keep if skip is None else torch.where(skip > 0, 1.0, keep))
-        if self.exact:
-            update = exact_kernels.exact_adamw if exact_kernels.usable(params[0]) else exact_adamw
+        if self.exact:  # (off a GPU: the host's update, the CPU)
             for p, g, (m, v, _) in zip(params, grads, groups):
-                update(p, g, m, v, self.beta1, self.beta2, self.eps, c1, c2, grad_scale, skip)
+                exact_adamw(p, g, m, v, self.beta1, self.beta2, self.eps, c1, c2, grad_scale, skip)
             return
         torch._fused_adamw_(params, grads, [m for m, _, _ in groups], [v for _, v, _ in groups], [],
                             [step] * len(params), lr=lr, beta1=self.beta1, beta2=self.beta2,

@@ -9,7 +9,8 @@ Compared: within 1e-6 of the torch path (relative, to the size of the terms the 
 added: a sum that cancels carries its operands' rounding) on p, m and v, and the bf16 weights equal
 or 1 ulp apart -- the kernel rounds each operation once where torch's CPU kernel contracts into
 multiply-adds and interpolates (lerp); and bit for bit against exact mode's torch path (the decay,
-optim.exact_adamw, copy_): the kernel's operations are exact_adamw's, the bf16 rounding torch's.
+optim.exact_adamw, copy_): the kernel's operations are exact_adamw's, the bf16 rounding torch's --
+which is why exact mode takes the kernel on a GPU too (its optimizer, run through it, bit for bit).
 
 The kernel runs on CPU through Triton's interpreter (tests/test_exact_kernels.py says how and why in a
 subprocess); there AdamW.one_pass is forced on for CPU tensors.
@@ -66,9 +67,11 @@ def run() -> dict:
     ("step": its one-step error, none carried over from a sum that cancelled steps before)."""
     from braidtrain import optim
 
-    engines = {kind: Engine(exact=kind == "exact") for kind in ("torch", "exact", "kernel", "step")}
+    kinds = ("torch", "exact", "kernel", "step", "exact-kernel")
+    engines = {kind: Engine(exact=kind.startswith("exact")) for kind in kinds}
     opts = {kind: optim.AdamW(e, weight_decay=0.1) for kind, e in engines.items()}
-    opts["kernel"].one_pass = opts["step"].one_pass = lambda t: True  # on CPU tensors: the interpreter
+    for kind in ("kernel", "step", "exact-kernel"):  # on CPU tensors: the interpreter
+        opts[kind].one_pass = lambda t: True
     gen, out = torch.Generator().manual_seed(1), {kind: [] for kind in engines}
     for k, (scale, skip) in enumerate(STEPS):
         grads = [torch.randn(n, generator=gen) * 10 ** (torch.rand(1, generator=gen) * 4 - 2) for n, _, _ in BUCKETS]
@@ -97,13 +100,16 @@ def compare(runs: dict) -> dict:
     the one-step kernel from the torch path; elements of the kernel's run that differ from exact
     mode's bits at all."""
     found = {}
-    for s, (mine, ref, start, alone, ex) in enumerate(zip(*(runs[k] for k in ("step", "torch", "start", "kernel", "exact")))):
-        for i, (a, b, was, c, e) in enumerate(zip(mine, ref, start, alone, ex)):
+    kinds = ("step", "torch", "start", "kernel", "exact", "exact-kernel")
+    for s, (mine, ref, start, alone, ex, exk) in enumerate(zip(*(runs[k] for k in kinds))):
+        for i, (a, b, was, c, e, ek) in enumerate(zip(mine, ref, start, alone, ex, exk)):
             at = f"step{s}.bucket{i}"
             for name, x, y, w in zip("pmv", a, b, was):
                 found[f"{at}.{name}.rel"] = float(((x - y).abs() / torch.maximum(y.abs(), w.abs())).nan_to_num(0.0).max())
             for name, x, z in zip(("p", "m", "v", "bf16"), c, e):
                 found[f"{at}.{name}.bits"] = int((x.view(torch.int16) != z.view(torch.int16)).sum())
+            for name, x, z in zip(("p", "m", "v", "bf16"), ek, e):  # exact mode's update on a GPU: this kernel
+                found[f"{at}.{name}.exact-bits"] = int((x.view(torch.int16) != z.view(torch.int16)).sum())
             ulps = (a[3].float().view(torch.int32) >> 16) - (b[3].float().view(torch.int32) >> 16)
             found[f"{at}.bf16.ulps"] = int(ulps.abs().max())
     return found
@@ -128,6 +134,14 @@ def test_bitwise_as_exact_modes_torch_path(measured):
     """The decay, exact_adamw's operations and torch's bf16 rounding: the same bits at every step
     (the kernel's own run, from the first step on)."""
     bits = {k: v for k, v in measured.items() if k.endswith(".bits")}
+    assert len(bits) == 4 * len(STEPS) * len(BUCKETS)
+    assert not any(bits.values()), {k: v for k, v in bits.items() if v}
+
+
+def test_exact_mode_on_a_gpu_keeps_its_bits(measured):
+    """Exact mode's optimizer takes the kernel on a GPU (AdamW.one_pass): every step's p, m, v and
+    bf16 weights bit for bit those of its torch path (the host's update under --offload)."""
+    bits = {k: v for k, v in measured.items() if k.endswith(".exact-bits")}
     assert len(bits) == 4 * len(STEPS) * len(BUCKETS)
     assert not any(bits.values()), {k: v for k, v in bits.items() if v}
 

@@ -30,7 +30,7 @@ forms to the NVVM intrinsics without it; tests/test_exact_kernels.py and the GPU
 benchmarks/kernels/exact_adamw_gpu.py compare subnormal moments bit for bit). Addition being
 commutative, the operand order of a sum moves no bit.
 
-adamw: default mode's update on a GPU (optim.AdamW.one_pass), where torch's path is three launches
+adamw: the optimizer's update on a GPU in either mode (optim.AdamW.one_pass), where torch's path is three launches
 -- the decay (`_foreach_mul_` on the 2-D weights' ranges), fused AdamW, publish()'s bf16 `copy_` --
 and each a pass over memory: the same kernel, over the same aligned blocks, with the decay p * keep
 (rounded once, as `_foreach_mul_` rounds it) on the elements of the shard's decayed ranges (which a
