@@ -47,9 +47,8 @@ and the GPU's fused kernels differ there -- and the bias corrections computed on
 float64; the square root in float64, rounded once (torch's float32 sqrt is correctly rounded on
 CUDA, not on the CPU). The same operations then give the same bits on the GPU and on the host, which is what
 --offload optimizer (parallel/offload.py: the update on the host) needs to keep exact mode's
-promise. Default mode keeps torch's fused kernel on the CPU. On a GPU exact_adamw's operations
-run as one kernel a shard, with the same bits (parallel/exact_kernels.py): one pass over memory, as the
-fused kernel's; the decay and publish() stay launches of their own there.
+promise. Default mode keeps torch's fused kernel on the CPU. On a GPU both modes take the one
+kernel above, whose operations are these, with the same bits (parallel/exact_kernels.py).
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ class AdamW:
             if not owned:
                 return
         # a lean state's compute weights follow their fp32 masters: written in the update's own pass
-        # where it is one kernel (CUDA, default mode), else by the engine's publish() after it
+        # where it is one kernel (CUDA), else by the engine's publish() after it
         one_pass = self.one_pass(owned[0][1])
         compute = [b.compute_shard() if one_pass and b.apart else None for b, _, _ in owned]
         self.apply([p for _, p, _ in owned], [g for _, _, g in owned], groups, grad_scale, skip, compute=compute)

@@ -97,6 +97,10 @@ def case(rank, world, mesh, comm, zero, micro, mode, steps=2) -> list[str]:
                          if diff[max(off - lo, 0) : max(off + k - lo, 0)].any()]
                 bad.append(f"step {step} bucket {b.index}: {where} differ (max |diff| {diff.max().item():.3g})")
         assert all(named[n].grad is None for n in UNUSED)
+        if zero >= 2:  # no view into a scratch handed to the reduce-scatter outlives the backward
+            held = [n for n, p in model.named_parameters() if p.grad is not None or getattr(p, "main_grad", None) is not None]
+            if held:
+                bad.append(f"step {step}: views held after the backward: {held}")
         opt.step(1e-2)
         engine.gather_params()
     return bad

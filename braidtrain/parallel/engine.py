@@ -226,13 +226,16 @@ class Engine:
 
     def _without(self, b):
         """The backward is over, and parameters of bucket b got no gradient (not in its graph): b completes
-        without them, opened first if nothing reached it; their views hold zeros or the step's earlier sum."""
+        without them, opened first if nothing reached it; their views hold zeros or the step's earlier sum
+        (ZeRO-2/3: dropped, or they would keep the scratch handed to the reduce-scatter alive)."""
         if b.zero <= 1 and not self.exact:
             self.grads.first(b, None)  # (the step's buffer, if no gradient opened it yet)
         elif not b.open:
             self.grads.open(b)
         b.pending = 0
         self._complete(b)
+        for _, q in b.params if b.zero >= 2 else ():
+            q.grad = q.main_grad = None
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]

@@ -1,6 +1,7 @@
 """Exact mode's optimizer step in one pass on a GPU: the update (exact_adamw) and the gradient norm's
 chunk sums (chunk_squares), each one Triton kernel a shard with the bits of its torch reference; and
-default mode's whole update (adamw), the same kernel with the decay and the bf16 weights folded in.
+the optimizer's whole GPU update in either mode (adamw), the same kernel with the decay and the bf16
+weights folded in.
 
 exact_adamw: optim.exact_adamw's IEEE operations, in its order, each rounded once -- the same bits
 as exact_adamw (and so as the host's update under --offload optimizer) at about the cost of torch's
@@ -119,7 +120,7 @@ def exact_adamw(p, g, m, v, beta1, beta2, eps, c1, c2, grad_scale=None, skip=Non
 
 
 def adamw(p, g, m, v, table, out, keep, c1, c2, beta1, beta2, eps, grad_scale=None, skip=None) -> None:
-    """Default mode's whole update of one shard on a GPU, in one pass: p *= keep (1 - lr * wd) on the
+    """The whole update of one shard on a GPU (either mode), in one pass: p *= keep (1 - lr * wd) on the
     table's decayed ranges, exact_adamw's update, and where `out` is given (a lean bucket's bf16
     compute weights of the shard) the new p rounded to nearest even into it. table: decay_table's,
     on p's device; keep, c1, c2 (optim.AdamW.prepare's), grad_scale, skip: 0-dim device tensors."""
@@ -205,5 +206,5 @@ def _update(P, G, M, V, C1, C2, SCALE, SKIP, KEEP, BOUNDS, RANGES, OUT, n, b1, o
     tl.store(P + offs, p, mask=mask)
     if HAS_OUT:  # the bf16 compute weights: p rounded to nearest even, in integers (as torch's conversion)
         u = p.to(tl.uint32, bitcast=True)
-        b = tl.where(p != p, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)  # NaN: torch's canonical one
+        b = tl.where(p != p, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)  # NaN: torch's CPU one (CUDA's may differ)
         tl.store(OUT + offs, b.to(tl.int16), mask=mask)

@@ -49,7 +49,7 @@ then block by block), and each forward waits only for its own bucket's weights:
     engine.gathered() (validation, evaluation, sampling, the weights' hash at the run's end),
     checkpoint.save and the trainer's save (its non-finite check) -- and the next step's first
     backward, before a gradient buffer is written (the worker copies down from them: so ZeRO-0/1
-    zero their buffer there, not at the step's start).
+    open their buffer there, not at the step's start).
 
 Kept buckets (--offload-ratio R, 0 < R <= 1, default 1). R is the share of this rank's owned
 optimizer elements that lives on the host. kept() picks the leading buckets in the next forward's
