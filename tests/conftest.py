@@ -6,10 +6,16 @@ from helpers import Layouts, prepare_bytes
 LAYOUT_SUITES = {"test_parity": "dp", "test_tp": "tp", "test_pipeline": "pipeline", "test_context": "cp",
                  "test_moe": "ep", "test_composition": "matrix", "test_llama": "llama", "test_offload": "offload",
                  "test_lean": "lean"}
-# Run last, once the launch is over: the fault tests time heartbeats and detection in seconds.
-# (Which other tests the launch slows depends on the run: beside its 8 ranks on 2 cores, multi-rank
-# gloo jobs ran 2-10x slower in some runs and not in others; no order of them was faster on average.)
-QUIET = {"test_fault"}
+# The modules of a minute or more, longest first (their order on `make test`'s 2-core machine, alone):
+# they start beside the layouts launch, so that no worker waits for it, and no long one is left for
+# the end, where the other worker would idle beside it.
+LONG = ["test_plan", "test_readme", "test_bench", "test_engine", "test_cli", "test_inputs", "test_checkpoint",
+        "test_fp8", "test_preempt"]
+# Run once the launch is over, most likely (after LONG and the launch's readers), longest first: they
+# time heartbeats, detection and rendezvous in seconds (the fault, live and launcher tests of issue #55;
+# beside the launch's 8 ranks on 2 cores, multi-rank gloo jobs ran 2-10x slower in some runs and not in
+# others, and a live test's joiner missed its 3 s heartbeat there).
+QUIET = ["test_fault", "test_live", "test_runtime", "test_scripts"]
 LAUNCH = pytest.StashKey[Layouts]()
 
 
@@ -18,12 +24,28 @@ def suite_of(item):
     return suite if suite and "runs" in item.fixturenames else None
 
 
+def phase(item) -> tuple:
+    """LONG's modules (in its order), the modules that read the layouts launch, QUIET's, then the
+    rest: short modules, which keep both workers busy to the end."""
+    name = item.module.__name__
+    if name in LONG:
+        return 0, LONG.index(name)
+    return (1, 0) if name in LAYOUT_SUITES else (2, QUIET.index(name)) if name in QUIET else (3, 0)
+
+
 @pytest.hookimpl(trylast=True)  # (after -k and the like have deselected)
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that read the layouts launch run after the others, so that the launch (one
-    8-rank process group, ~4 minutes of the 2-core machine) works beside them; the QUIET modules
-    last, without it. Otherwise in collection order."""
-    items.sort(key=lambda it: 2 if it.module.__name__ in QUIET else 1 if suite_of(it) else 0)
+    """Modules in phase's order, otherwise in collection order; within a module, the tests that read
+    the layouts launch after the others (the launch, one 8-rank process group, ~4 minutes of the
+    2-core machine, works beside them)."""
+    items.sort(key=lambda it: (phase(it), 1 if suite_of(it) else 0))
+
+
+def pytest_configure(config):
+    """pytest-xdist's --dist loadfile hands the workers whole modules in collection order (the order
+    above), not its default of the modules with the most tests first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def xdist_worker(config) -> bool:

@@ -26,6 +26,8 @@ def child(req: dict) -> None:
     os.setsid()  # its own process group: nothing it starts outlives a kill of the group
     os.environ.clear()
     os.environ.update(req["env"])
+    # its PYTHONPATH's folders on sys.path, as a fresh interpreter puts them (after the script's own)
+    sys.path[1:1] = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     os.chdir(req["cwd"])
     for fd, path in ((1, req["out"]), (2, req["err"])):  # appended to, as ranks share torchrun's stdout
         f = os.open(path, os.O_WRONLY | os.O_APPEND)

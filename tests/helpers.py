@@ -181,16 +181,18 @@ def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedPro
         return subprocess.CompletedProcess(target, first or 0, read(out), read(err))
 
 
-def forked(cmd: list, env: dict | None = None) -> subprocess.CompletedProcess:
+def forked(cmd: list, env: dict | None = None, path: str = "") -> subprocess.CompletedProcess:
     """What subprocess.run(cmd) would return for `python [-m torch.distributed.run --standalone
     --nproc-per-node=N] ARGS`, the command forked instead (launch): a stand-in for the `run_job`
-    of bench/train.py and plan/check.py, which start such commands."""
+    of bench/train.py and plan/check.py, which start such commands. path: folders (os.pathsep
+    between) the command finds modules in beside the repository's, as PYTHONPATH."""
     cmd = [str(a) for a in cmd]
     assert cmd[0] == sys.executable, cmd
     cmd, nproc = cmd[1:], 1
     if cmd[:3] == ["-m", "torch.distributed.run", "--standalone"]:
         nproc, cmd = int(cmd[3].removeprefix("--nproc-per-node=")), cmd[4:]
-    return launch(*cmd, nproc=nproc, environ=dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), path]))
+    return launch(*cmd, nproc=nproc, environ=dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
 
 
 def braidtrain(*args, nproc: int = 1, timeout: float = 300, check: bool = True, cwd=ROOT, environ=None,

@@ -5,7 +5,6 @@ on one, braidtrain's Llama (and Mixtral) against transformers' LlamaForCausalLM 
 `--torch hf`) holding its weights."""
 
 import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ROOT, braidtrain, forked
+from helpers import braidtrain, forked
 from braidtrain import cli
 from braidtrain.bench import torchref
 from braidtrain.bench import train as bench
@@ -154,15 +153,11 @@ def test_titan_yardstick_trains_as_braidtrain_does(tmp_path, shakespeare, monkey
     its router's histc has no CPU kernel for integers.)"""
     pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 is not installed (bench/titan.py: not a dependency)")
     pytest.importorskip("torchao", reason="torchao is not installed (titan-fp8's converter)")
-    import subprocess
-
     import torchtitan
 
-    # real processes (not helpers.forked, whose server fixes sys.path at the repo): torchtitan is
-    # often installed in a --target folder, which they find through PYTHONPATH
-    found = os.pathsep.join([str(ROOT), str(Path(torchtitan.__file__).parent.parent)])
-    monkeypatch.setattr(bench, "run_job", lambda cmd, env: subprocess.run(
-        cmd, capture_output=True, text=True, env=dict(env, PYTHONPATH=found, OMP_NUM_THREADS="1")))
+    # torchtitan is often installed in a --target folder, which the jobs find through PYTHONPATH
+    found = str(Path(torchtitan.__file__).parent.parent)
+    monkeypatch.setattr(bench, "run_job", lambda cmd, env: forked(cmd, env, path=found))
     out = tmp_path / "train.json"
     p = bench_train("--model", "llama3-tiny", "--n-layer", "2", "-i", shakespeare, "-b", "2", "-t", "64",
                     "--steps", "3", "--warmup", "1", "--nproc", "1", "--layout", "-z 0", "--torch", "titan,titan-fp8",

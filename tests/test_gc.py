@@ -3,10 +3,8 @@ it would make the peers wait in a collective), by hand at the steps collect_garb
 counted from the first step of this run, also after a resume -- and back as it was when training
 ends, by a clean finish or by an error."""
 import json
-import subprocess
-import sys
 
-from helpers import ROOT, SMALL, env
+from helpers import SMALL, launch
 
 SCRIPT = """
 import gc, json, sys
@@ -54,9 +52,11 @@ print(json.dumps({"automatic": automatic, "by_hand": sorted(set(by_hand)), "enab
 
 
 def run(out, *extra, fail_at=-1):
-    args = [*SMALL, "-d", 256, "--out", out, *extra]
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(fail_at), *map(str, args)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=300)
+    """SCRIPT as `python SCRIPT FAIL_AT ARGS`, forked by the tests' process server (helpers.launch:
+    torch and braidtrain imported once; the server's collector is as a fresh interpreter's)."""
+    script = out.parent / "gc_probe.py"
+    script.write_text(SCRIPT)
+    p = launch(script, fail_at, *SMALL, "-d", 256, "--out", out, *extra)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from helpers import launch
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,9 +175,17 @@ def test_readme_commands_run(tmp_path):
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONPATH": str(REPO),
            "OMP_NUM_THREADS": "1"}
 
+    def run(cmd: str) -> subprocess.CompletedProcess:
+        """`python -m braidtrain ARGS` forked by the tests' process server (helpers.launch: what
+        `python -m` does, without importing torch again); the others (torchrun) as the shell runs them."""
+        words = shlex.split(cmd)
+        if words[:3] == ["python", "-m", "braidtrain"]:
+            return launch(*words[1:], cwd=tmp_path, environ=env, timeout=600)
+        return subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
     def lane(commands: list[str]) -> list[str]:
         for cmd in commands:
-            p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            p = run(cmd)
             if p.returncode:
                 return [f"README's `{cmd}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"]
         return []
