@@ -27,7 +27,7 @@ from braidtrain.errors import UserError
 from braidtrain.collective.fault import Guard
 from braidtrain.collective.inject import Fault
 from braidtrain.collective.mesh import Mesh, build_mesh
-from braidtrain.model import fp8, registry
+from braidtrain.model import flash4, fp8, registry
 from braidtrain.model.protocol import ModelConfig
 from braidtrain.model.stage import Stage
 from braidtrain.optim import AdamW
@@ -166,13 +166,16 @@ def build(cfg: Config) -> Run:
 
 
 def settle(part: Stage, cfg: Config, lay: layout.Layout, device) -> None:
-    """A part's settings for this run, before it moves to `device`: recompute, exact mode's
-    attention, float8, the fused SwiGLU operator (model/swiglu.py: on CUDA only; not under --exact,
-    whose bits are the plain expression's kernels', nor --fp8, not measured with its casts), compile."""
+    """A part's settings for this run, before it moves to `device`: recompute, the attention kernel
+    (exact mode's on the GPU; else flash-attn-4's where it runs, model/flash4.py, unless --attention sdpa),
+    float8, the fused SwiGLU operator (model/swiglu.py: on CUDA only; not under --exact, whose bits are
+    the plain expression's kernels', nor --fp8, not measured with its casts), compile."""
     if cfg.recompute:
         part.use_recompute()
     if cfg.exact and device.type == "cuda":
-        part.use_deterministic_attention()
+        part.use_attention("exact")
+    elif cfg.attention != "sdpa" and flash4.available(device):
+        part.use_attention("flash4")
     if lay.fp8:
         part.use_fp8(fp8.RECIPES[lay.fp8])
     if device.type == "cuda" and not cfg.exact and not lay.fp8:

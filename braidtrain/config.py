@@ -112,6 +112,7 @@ class Config:
     exact: bool = False
     recompute: bool = False
     compile: bool = False  # torch.compile each block (training only; tp = 1)
+    attention: str = "auto"  # auto | sdpa | flash4: the attention kernel (build.settle; model/flash4.py)
     cuda_graph: bool = False  # replay each step's GPU work, collectives too, from one CUDA graph (ZeRO 0/1)
     offload: str | None = None  # "optimizer": fp32 master and AdamW moments in host memory (parallel/offload.py)
     offload_ratio: float | None = None  # --offload optimizer: the share of that state on the host (default 1)
@@ -299,6 +300,10 @@ def validate(cfg: Config) -> None:
         raise UserError(f"unknown init method '{cfg.init_method}': use env, tcp, fs or mpi")
     if cfg.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"unknown dtype '{cfg.dtype}': use auto, fp32 or bf16")
+    if cfg.attention not in ("auto", "sdpa", "flash4"):
+        raise UserError(f"unknown attention kernel {cfg.attention!r}: use auto, sdpa or flash4")
+    if cfg.attention == "flash4" and cfg.exact:
+        raise UserError("--exact keeps its own deterministic attention: drop --attention flash4")
     if cfg.fp8 not in (None, "tensorwise", "rowwise"):
         raise UserError(f"unknown fp8 recipe {cfg.fp8!r}: use tensorwise or rowwise (or leave it unset: no float8)")
     if cfg.wandb is not None and not cfg.wandb.strip():

@@ -164,6 +164,10 @@ def train_parser(sub):
     g.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in the "
                                                                           "backward pass")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile each block (training; tp = 1)")
+    g.add_argument("--attention", choices=["auto", "sdpa", "flash4"],
+                   help="the attention kernel: flash4 is flash-attn-4's (pip install flash-attn-4; Hopper and "
+                        "Blackwell GPUs), sdpa torch's; auto (the default) flash4 where it runs, else sdpa; "
+                        "--exact keeps its own")
     g.add_argument("--cuda-graph", action="store_true", default=None,
                    help="capture a step's GPU work (its NCCL collectives too) once, after two warm-up steps, and "
                         "replay it (ZeRO 0/1, tp = 1)")

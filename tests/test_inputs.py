@@ -156,6 +156,8 @@ CASES = [
     *[c(f"train --offload-ratio {v}", train(lambda p, v=v: ["--offload", "optimizer", "--offload-ratio", v]),
         "--offload-ratio", "finite" if v == "nan" else "0 < R <= 1") for v in ("0", "nan", "1.5")],
     c("train --offload-ratio without --offload", train(lambda p: ["--offload-ratio", 0.5]), "needs --offload optimizer"),
+    c("train --attention flash4 --exact", train(lambda p: ["--attention", "flash4", "--exact"]), "--exact", "drop --attention"),
+    c("train --attention flash4 on the CPU", train(lambda p: ["--attention", "flash4"]), "flash-attn-4", "--attention sdpa"),
     # train's paths
     c("train --out a file", lambda p: ["train", *TINY, "-i", p.data, "--out", p.file], lambda p: str(p.file), "is a file"),
     c("train --out under a file", lambda p: ["train", *TINY, "-i", p.data, "--out", p.file / "run"], "is a file"),

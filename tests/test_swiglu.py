@@ -153,7 +153,7 @@ def test_build_turns_it_on_only_on_cuda_outside_exact_and_fp8():
              ("cuda", False, None): True}
     for (device, exact, fp8), on in cases.items():
         model = registry.build(mcfg)
-        cfg = SimpleNamespace(recompute=False, exact=exact, compile=False)
+        cfg = SimpleNamespace(recompute=False, exact=exact, compile=False, attention="sdpa")
         build.settle(model, cfg, SimpleNamespace(fp8=fp8), torch.device(device))
         switches = [m.fused_swiglu for m in model.modules() if hasattr(type(m), "fused_swiglu")]
         assert switches == [on] * mcfg.n_layer, (device, exact, fp8, switches)

@@ -15,6 +15,7 @@
 #   p  profile_step.py of a's braidtrain step and of titan's
 #   h  gpt2's exact bits: --config gpt2 -b 16 -t 1024 -d 131072 -x 3 --exact --compile (weights_sha256)
 # LEVER="FLAGS": every braidtrain layout is also run with FLAGS added (the lever measured beside).
+# EXTRA_PATH: folders put on PYTHONPATH after .whl's (flash4_gpu.sh's flash-attn-4).
 # BUDGET (seconds, default 100000): a part is skipped, saying so, when less is left than its estimate
 # (one H200, torch 2.11, no compile cache: a 110 s, f 150, 3 150, b 220, g 150, p 100, h 90, x q 300).
 # Usage: bash benchmarks/speed/titan_gpu.sh a f p     (parts in the order given; default: a f b x)
@@ -26,7 +27,7 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/titan_gpu.log") 2>&1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site || exit 1
+    && export PYTHONPATH=$PWD:/tmp/site${EXTRA_PATH:+:$EXTRA_PATH} || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
 python -c "import torch, torchtitan; print('torch', torch.__version__, 'torchtitan', torchtitan.__version__)"

@@ -73,14 +73,14 @@ class Attention(nn.Module):
         self.n_head = cfg.n_head // tp  # this rank's heads
         self.c_attn = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, group, sp=sp, packed=(1, 1, 1))
         self.c_proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, group, sp=sp)
-        self.cp, self.deterministic = None, False  # context parallelism, exact mode on GPU (Stage sets them)
+        self.cp, self.kernel = None, "sdpa"  # context parallelism, the attention kernel (Stage sets them)
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (B, T, 3C/tp): this rank's heads of q, k, v; the whole T even under sp
         B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = qkv.split(C, dim=2)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = attend(q, k, v, self.cp, self.deterministic)
+        y = attend(q, k, v, self.cp, self.kernel)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

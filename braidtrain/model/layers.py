@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from braidtrain.model import fp8
+from braidtrain.model import flash4, fp8
 from braidtrain.model.attention import causal_attention
 
 SEQ = 1  # the sequence dim of a (B, T, C) activation
@@ -315,16 +315,20 @@ class RMSNorm(nn.Module):
 
 # -- attention ----------------------------------------------------------------------------------------
 
-def attend(q, k, v, cp=None, deterministic: bool = False):
+def attend(q, k, v, cp=None, kernel: str = "sdpa"):
     """softmax(q kᵀ/√D, causal) v for queries (B, H, T, D) and keys and values (B, H_kv, T, D): with
     grouped-query attention (H_kv < H) each key/value head serves H/H_kv consecutive query heads.
     Over the whole sequence through context parallelism's `cp` (parallel/context.py: only the H_kv
-    heads travel); in exact mode on the GPU by attention.py's deterministic kernels; else torch's
-    SDPA (its flash kernels on CUDA)."""
+    heads travel); else by the attention module's `kernel` (Stage.use_attention): "exact",
+    attention.py's deterministic kernels (exact mode on the GPU); "flash4", flash-attn-4's (flash4.py;
+    bf16 and fp16 only, so SDPA takes other dtypes); "sdpa", torch's SDPA (its cuDNN or flash kernels
+    on CUDA)."""
     if cp is not None and cp.active:
         return cp.attend(q, k, v)
-    if deterministic:
+    if kernel == "exact":
         return causal_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
+    if kernel == "flash4" and q.dtype in flash4.DTYPES:
+        return flash4.attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -187,7 +187,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.norm_eps, tp_partial=True)
             self.k_norm = RMSNorm(D, cfg.norm_eps, tp_partial=True)
         self.o_proj = RowParallelLinear(H * D, cfg.n_embd, group, bias=False, sp=sp)
-        self.cp, self.deterministic = None, False  # context parallelism, exact mode on GPU (Stage sets them)
+        self.cp, self.kernel = None, "sdpa"  # context parallelism, the attention kernel (Stage sets them)
 
     def forward(self, x, cos, sin):
         qkv = self.qkv_proj(x)  # (B, T, (H + 2K) D / tp): the whole T even under sp
@@ -196,7 +196,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (rotate(q, cos, sin), rotate(k, cos, sin), v))
-        y = attend(q, k, v, self.cp, self.deterministic)
+        y = attend(q, k, v, self.cp, self.kernel)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * D))
 
 

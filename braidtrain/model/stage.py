@@ -183,12 +183,13 @@ class Stage(nn.Module):
         for block in self.blocks():
             block.attention().cp = cp
 
-    def use_deterministic_attention(self) -> None:
-        """Exact mode on GPU: torch's fused attention backwards add partial tiles with atomics (not
-        bitwise repeatable); attention.py's Triton kernels add in a fixed order. On the CPU,
-        torch's attention is already deterministic."""
+    def use_attention(self, kernel: str) -> None:
+        """The blocks' attention kernel (layers.attend): "exact", attention.py's Triton kernels, for
+        exact mode on the GPU (torch's fused attention backwards add partial tiles with atomics: not
+        bitwise repeatable; these add in a fixed order; on the CPU torch's is deterministic already);
+        "flash4", flash-attn-4's (flash4.py), where installed; "sdpa", torch's (the default)."""
         for block in self.blocks():
-            block.attention().deterministic = True
+            block.attention().kernel = kernel
 
     def use_fp8(self, recipe) -> None:
         """--fp8: the blocks' column- and row-parallel linears (attention's projections, the MLP)
@@ -272,7 +273,7 @@ class Stage(nn.Module):
 class Block(nn.Module):
     """A block: the family's `body(x, *block_inputs)`, run compiled in training under --compile
     (`compiled`: torch.compile(self.body), Stage.compile_blocks); `attention()`: its attention
-    module, whose `cp` and `deterministic` the stage sets."""
+    module, whose `cp` and `kernel` the stage sets."""
 
     compiled = None
 
