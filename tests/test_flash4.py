@@ -41,7 +41,7 @@ def stand_in_forward(q, k, v, causal, return_lse, out, lse):
     return out, lse, None, None, None
 
 
-def stand_in_backward(q, k, v, o, do, lse, causal, dq, dk, dv):
+def stand_in_backward(q, k, v, o, do, lse, causal, deterministic, dq, dk, dv):
     """dV = Pᵀ dO, dP = dO Vᵀ, dS = P (dP - rowsum(dO O)), dQ = dS K / √D, dK = dSᵀ Q / √D; the
     expanded heads' dK and dV summed back onto their key/value head. P from the forward's lse."""
     assert causal
@@ -86,6 +86,20 @@ def _against_sdpa(fn, q, k, v):
     return [_rel(a, b) for a, b in zip(got, want)]
 
 
+def test_deterministic_reaches_the_backward(stand_in, monkeypatch):
+    """attention(deterministic=...) is what the package's backward is asked for, both ways."""
+    seen = []
+
+    def backward(*args, deterministic, **kw):
+        seen.append(deterministic)
+        return stand_in_backward(*args, deterministic=deterministic, **kw)
+    monkeypatch.setattr(flash4, "_kernels", (stand_in_forward, backward))
+    q, k, v = _inputs()
+    for det in (True, False):
+        flash4.attention(q, k, v, det).sum().backward()
+    assert seen == [True, False]
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
 def test_attend_through_the_operators_is_sdpa(stand_in, heads):
     """attend(kernel="flash4"): the output and each of q's, k's and v's gradients within bf16's
@@ -114,10 +128,10 @@ def test_opcheck_and_compiled(stand_in):
     operators are traced through their fake kernels), equal to the eager result."""
     q, k, v = _inputs()
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.braidtrain.flash4, (qt, kt, vt))
-    o, lse = torch.ops.braidtrain.flash4(qt, kt, vt)
+    torch.library.opcheck(torch.ops.braidtrain.flash4, (qt, kt, vt, False))
+    o, lse = torch.ops.braidtrain.flash4(qt, kt, vt, False)
     do = torch.randn_like(o)
-    torch.library.opcheck(torch.ops.braidtrain.flash4_backward, tuple(t.detach() for t in (qt, kt, vt, o, lse, do)))
+    torch.library.opcheck(torch.ops.braidtrain.flash4_backward, (*(t.detach() for t in (qt, kt, vt, o, lse, do)), True))
 
     def fn(q, k, v):
         return attend(q, k, v, kernel="flash4")

@@ -8,7 +8,8 @@
 #   call 2:      carry [".fa4b", "data", ".whl", "COMMIT"]:
 #                OUT=$OUT bash benchmarks/speed/flash4_gpu.sh install kernel a
 # Parts, after install (in the order given):
-#   kernel  benchmarks/kernels/flash4_gpu.py: SDPA (cuDNN) against flash4, fwd and fwd+bwd, errors (~60 s)
+#   kernel  benchmarks/kernels/flash4_gpu.py --exact: SDPA (cuDNN) against flash4, fwd and fwd+bwd, errors;
+#           its deterministic backward's bits (repeat, batch invariance) and time against exact mode's (~90 s)
 #   a       titan_gpu.sh a with LEVER="--attention sdpa": llama3.2-1b b4 t2048 one micro-step, braidtrain
 #           -z 0 --compile --cuda-graph with flash4 (auto) and with sdpa, against torchtitan, one bench train
 #   other titan_gpu.sh parts (f g b 3 x q) likewise, each layout also with --attention sdpa
@@ -60,7 +61,7 @@ mkdir -p "$OUT"
 parts=()
 for part in "$@"; do
   if [ "$part" = kernel ]; then
-    python benchmarks/kernels/flash4_gpu.py 2>&1 | tee "$OUT/kernel.log"
+    python benchmarks/kernels/flash4_gpu.py --exact 2>&1 | tee "$OUT/kernel.log"
   else
     parts+=("$part")
   fi

@@ -55,13 +55,15 @@ def available(device) -> bool:
     return True
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """softmax(q kᵀ/√D, causal) v: q (B, H, T, D), k and v (B, H_kv, T, D), H a multiple of H_kv, in
     bf16 or fp16; the output (B, H, T, D), a view of (B, T, H, D) memory (attend's callers transpose
-    it back, for free)."""
+    it back, for free). `deterministic`: the package's backward that adds dQ's tiles in a fixed order
+    (repeatable bits; whether they are also the same for a sequence in any batch, as exact mode needs,
+    benchmarks/kernels/flash4_gpu.py --exact asks on the GPU; exact mode does not use it)."""
     if q.dtype not in DTYPES:
         raise ValueError(f"flash4 attention takes bf16 or fp16, not {q.dtype}")
-    o, _ = torch.ops.braidtrain.flash4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    o, _ = torch.ops.braidtrain.flash4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), deterministic)
     return o.transpose(1, 2)
 
 
@@ -76,14 +78,15 @@ def _forward_outputs(q, v):
 
 
 @torch.library.custom_op("braidtrain::flash4", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _forward_outputs(q, v)
     _kernels[0](q, k, v, causal=True, return_lse=True, out=o, lse=lse)
     return o, lse
 
 
 @_forward.register_fake
-def _(q, k, v):
+def _(q, k, v, deterministic):
     return _forward_outputs(q, v)
 
 
@@ -93,24 +96,25 @@ def _backward_outputs(q, k, v):
 
 @torch.library.custom_op("braidtrain::flash4_backward", mutates_args=())
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-              do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              do: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward_outputs(q, k, v)
-    _kernels[1](q, k, v, o, do.contiguous(), lse, causal=True, dq=dq, dk=dk, dv=dv)
+    _kernels[1](q, k, v, o, do.contiguous(), lse, causal=True, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dq, dk, dv
 
 
 @_backward.register_fake
-def _(q, k, v, o, lse, do):
+def _(q, k, v, o, lse, do, deterministic):
     return _backward_outputs(q, k, v)
 
 
 def _save(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, *output)
+    ctx.save_for_backward(*inputs[:3], *output)
+    ctx.deterministic = inputs[3]
 
 
 def _grad(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    return torch.ops.braidtrain.flash4_backward(q, k, v, o, lse, do)
+    return *torch.ops.braidtrain.flash4_backward(q, k, v, o, lse, do, ctx.deterministic), None
 
 
 _forward.register_autograd(_grad, setup_context=_save)
