@@ -38,7 +38,7 @@ def finish(tr, rec: dict | None, val, ev: dict | None, skipped: int, bubbles: li
     sha = checkpoint.weights_sha256(tr.engine)
     summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
                "skipped_steps": skipped, "tokens_per_s": rec["tokens_per_s"] if rec else None,
-               "weights_sha256": sha, "save_s": save_s, **(ev or {})}
+               "weights_sha256": sha, "save_s": save_s, "attention": tr.attention_kernel(), **(ev or {})}
     if tr.layout.pp > 1:  # each stage's mean bubble over the run's steps
         summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
         tr.passes.write_schedule(tr.out / "schedule.json", rec["bubble"] if rec else None)

@@ -343,7 +343,7 @@ class Trainer:
         self.comm.barrier(self.mesh.groups["world"])
         self.guard.close(clean=True)
 
-    def _attention(self) -> str:
+    def attention_kernel(self) -> str:
         """Which kernel attends (Stage.use_attention): a part's first block's ("-" when a part has none)."""
         blocks = next((list(p.blocks()) for p in self.parts if len(p.blocks())), [])
         return blocks[0].attention().kernel if blocks else "-"
@@ -354,7 +354,7 @@ class Trainer:
         rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on "
                f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} "
                f"micro-steps x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp}, "
-               f"attention {self._attention()} -> {self.out}")
+               f"attention {self.attention_kernel()} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
         rec, val, bubbles, ev = None, None, [], None
         eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every

@@ -73,6 +73,7 @@ def test_bench_train_against_torch(tmp_path, shakespeare, monkeypatch, capsys):
         assert "error" not in r and r["tokens_per_s"] > 0 and r["ranks"] == 2
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), (r, ref)  # 4 steps of the same training
     assert rows["braidtrain -z 3"]["exposed_comm_frac"] >= 0 and ref["exposed_comm_frac"] is None
+    assert rows["braidtrain -z 3"]["attention"] == "sdpa" and ref.get("attention") is None  # (the run's choice)
     # the collectives' effective bandwidth: bus bytes (nccl-tests' factors) over their summed time
     assert rows["braidtrain -z 3"]["comm_busbw_GBps"] > 0 and ref["comm_busbw_GBps"] is None
     # the host's share of the step (on a CPU nearly all of it: the work is done as it is issued)

@@ -19,7 +19,8 @@ figure at the bucket size (braidtrain only; the step's few tiny collectives are 
 the share of the step the host took to issue its work (metrics' host_s): near 100%, the GPU waited
 for the host -- or a full launch queue held the host back, which a profile tells apart (on CPUs
 always near 100%: the work is done as it is issued); "slowest" is the slowest timed step over the
-median one, which shows a stall the mean hides. On GPUs, nvidia-smi samples every GPU five times a
+median one, which shows a stall the mean hides; "attn" is the attention kernel a braidtrain run chose
+(its summary.json: `--attention`). On GPUs, nvidia-smi samples every GPU five times a
 second beside each job, and "SM MHz" and "W" are the mean SM clock and power draw over the samples
 of GPUs that were busy (utilization >= BUSY): an H200 held at its 700 W cap runs below its top
 clock, and a variant that keeps it busier can be slowed by that (docs/performance.md). The final
@@ -80,6 +81,7 @@ def _variant_rows(args, n: int, d: int, cuda: bool, work: Path):
 
 def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = run_dir / "summary.json"  # (the attention kernel the run chose)
     timed = recs[warmup:]
     secs = sum(r["step_s"] for r in timed)
     tps = sum(r["tokens_per_s"] * r["step_s"] for r in timed) / secs
@@ -91,7 +93,8 @@ def _braidtrain_row(run_dir: Path, warmup: int) -> dict:
             "mfu": mfu, "mem_gb": max(r["mem_gb"] for r in recs), "host_gb": None,
             "exposed_comm_frac": sum(r["exposed_comm_s"] for r in timed) / secs, "comm_busbw_GBps": busbw,
             "host_frac": sum(r["host_s"] for r in timed) / secs,
-            "slowest": slowest([r["step_s"] for r in timed]), "loss": recs[-1]["loss"]}
+            "slowest": slowest([r["step_s"] for r in timed]), "loss": recs[-1]["loss"],
+            "attention": json.loads(summary.read_text()).get("attention") if summary.is_file() else None}
 
 
 def _torch_row(path: Path, warmup: int) -> dict:
@@ -314,15 +317,16 @@ def _last_error(text: str) -> str:
 
 def _print_train(rows, baseline) -> None:
     cell = lambda v, f, unit="": "-" if v is None else format(v, f) + unit
-    print(f"{'variant':<40}{'tokens/s':>12}{'median':>10}{'MFU':>8}{'peak GB':>9}{'host GB':>9}{'exposed':>9}"
-          f"{'busbw':>8}{'host':>7}{'slowest':>9}{'SM MHz':>8}"
+    print(f"{'variant':<40}{'attn':>7}{'tokens/s':>12}{'median':>10}{'MFU':>8}{'peak GB':>9}{'host GB':>9}"
+          f"{'exposed':>9}{'busbw':>8}{'host':>7}{'slowest':>9}{'SM MHz':>8}"
           f"{'W':>6}{'loss':>9}{'x ' + baseline if baseline else '':>16}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<40}  FAILED: {r['error']}")
             continue
         pct = lambda v: None if v is None else 100 * v
-        print(f"{r['variant']:<40}{r['tokens_per_s']:>12,.0f}{cell(r.get('median_tokens_per_s'), ',.0f'):>10}"
+        print(f"{r['variant']:<40}{r.get('attention') or '-':>7}{r['tokens_per_s']:>12,.0f}"
+              f"{cell(r.get('median_tokens_per_s'), ',.0f'):>10}"
               f"{cell(pct(r['mfu']), '.1f', '%'):>8}"
               f"{cell(r['mem_gb'], '.2f'):>9}{cell(r.get('host_gb'), '.2f'):>9}"
               f"{cell(pct(r['exposed_comm_frac']), '.2f', '%'):>9}"
