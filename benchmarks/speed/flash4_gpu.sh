@@ -7,6 +7,7 @@
 #   call 1:      carry [".fa4a"]:  bash benchmarks/speed/flash4_gpu.sh stage
 #   call 2:      carry [".fa4b", "data", ".whl", "COMMIT"]:
 #                OUT=$OUT bash benchmarks/speed/flash4_gpu.sh install kernel a
+#   later calls to the same machine: install finds it installed (carry only what the parts need)
 # Parts, after install (in the order given):
 #   kernel  benchmarks/kernels/flash4_gpu.py --exact: SDPA (cuDNN) against flash4, fwd and fwd+bwd, errors;
 #           its deterministic backward's bits (repeat, batch invariance) and time against exact mode's (~90 s)
@@ -39,12 +40,16 @@ stage() {  # GPU machine, call 1: keep the first half outside the checkout until
   rm -rf /tmp/fa4a && cp -r .fa4a /tmp/fa4a && du -sh /tmp/fa4a && nvidia-smi --query-gpu=name --format=csv,noheader
 }
 
-install() {  # GPU machine, call 2: join the halves, check, install; PYTHONPATH as pip's .pth would set it
-  [ -d /tmp/fa4a ] || { echo "no /tmp/fa4a: call 1 (stage) ran on another machine; start again"; exit 1; }
-  local name; name=$(cut -d' ' -f3 /tmp/fa4a/big.sha256)
-  cat /tmp/fa4a/big.part.* .fa4b/big.part.* > "/tmp/$name" && (cd /tmp && sha256sum -c /tmp/fa4a/big.sha256) || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
-    /tmp/fa4a/*.whl "/tmp/$name" || exit 1
+install() {  # GPU machine, call 2: join the halves, check, install (later calls: already there);
+  # PYTHONPATH as pip's .pth would set it
+  if [ ! -d $SITE/flash_attn ]; then
+    [ -d /tmp/fa4a ] || { echo "no /tmp/fa4a: call 1 (stage) ran on another machine; start again"; exit 1; }
+    local name; name=$(cut -d' ' -f3 /tmp/fa4a/big.sha256)
+    cat /tmp/fa4a/big.part.* .fa4b/big.part.* > "/tmp/$name" && (cd /tmp && sha256sum -c /tmp/fa4a/big.sha256) \
+      || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
+      /tmp/fa4a/*.whl "/tmp/$name" || exit 1
+  fi
   export PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "from braidtrain.model import flash4; import flash_attn.cute as f; \
 print('flash-attn-4', f.__version__, 'available:', flash4.available('cuda'))" || exit 1
