@@ -2,11 +2,15 @@
 # flash-attn-4's attention (braidtrain/model/flash4.py) on one H200: issue #58's attention lever.
 # The GPU machine has no network, and the package's CUDA libraries (nvidia-cutlass-dsl-libs-cu13, one
 # 92 MB wheel) exceed a call's 64 MiB carry: they travel in two calls to one warm machine (it is given
-# back after ~30 s idle: make the second call at once). From the repo root:
-#   here, once:  bash benchmarks/speed/flash4_gpu.sh prepare     # .fa4a/ (~55 MB), .fa4b/ (~41 MB)
-#   call 1:      carry [".fa4a"]:  bash benchmarks/speed/flash4_gpu.sh stage
-#   call 2:      carry [".fa4b", "data", ".whl", "COMMIT"]:
-#                OUT=$OUT bash benchmarks/speed/flash4_gpu.sh install kernel a
+# back after ~30 s idle: make each next call at once; what a call carried stays there while it is warm).
+# From the repo root:
+#   here, once:  bash benchmarks/speed/flash4_gpu.sh prepare     # .fa4a/ (~55 MiB), .fa4b/ (~43 MiB)
+#   call 1:      carry [".fa4a"]:  bash benchmarks/speed/flash4_gpu.sh stage   (then work that needs no
+#                data, e.g. `; OUT=$OUT bash benchmarks/speed/exact_cost_gpu.sh k n`)
+#   call 2:      carry [".fa4b", "data", "COMMIT"] (data: shakespeare_bytes, shakespeare_gpt2):
+#                OUT=$OUT bash benchmarks/speed/flash4_gpu.sh install kernel
+#   call 3:      carry [".whl", "COMMIT"] (torchtitan's wheels; data is still there):
+#                OUT=$OUT BUDGET=550 bash benchmarks/speed/flash4_gpu.sh install a f
 #   later calls to the same machine: install finds it installed (carry only what the parts need)
 # Parts, after install (in the order given):
 #   kernel  benchmarks/kernels/flash4_gpu.py --exact: SDPA (cuDNN) against flash4, fwd and fwd+bwd, errors;
