@@ -107,7 +107,7 @@ def _stage(cfg, tp: int, sp: bool, at: int):
 
 def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None, fused: bool = False) -> int:
     """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's;
-    fused: with the SwiGLU operator (model/swiglu.py), which keeps gate_up alone."""
+    fused: with the fused operators (Stage.use_fused_kernels: the SwiGLU operator keeps gate_up alone)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -115,7 +115,7 @@ def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None, f
         if fp8:
             stage.use_fp8(RECIPES[fp8])
         if fused:
-            stage.use_fused_swiglu()
+            stage.use_fused_kernels()
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
         block = stage.blocks()[0]
         return _kept(block, block.parameters(), x, stage.block_inputs(torch.arange(T)), bf16)
@@ -172,7 +172,7 @@ def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True, fp8:
     block: a mixture's extra is the planner's moe_layer_bytes). gpu: bf16 autocast (and the head
     merge's copy, HEAD_MERGE), else fp32. fp8: the linears in float8, with that recipe. compiled:
     as --compile runs the block (_saved_compiled; inductor keeps gate_up alone either way). fused:
-    eager, with the SwiGLU operator (build.settle: on CUDA outside --exact and --fp8)."""
+    eager, with the fused operators (build.settle: on CUDA outside --exact and --fp8)."""
     dense = cfg if not cfg.moe_experts else type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
     t1, t2 = (16, 32) if compiled else (8 * max(tp, 2), 16 * max(tp, 2))  # (compiled: the same two traces for every tp)
     saved = _saved_compiled if compiled else _saved
