@@ -171,9 +171,9 @@ def model_on_off() -> dict:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
                     loss = model(idx, idx.roll(-1, 1))
                 loss.backward()
-                runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+                runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
             (l0, g0), (l1, g1) = runs
-            out.update({f"{key}.loss": norm_rel(l1, l0), f"{key}.grads": max(norm_rel(g1[n], g0[n]) for n in g0),
+            out.update({f"{key}.loss": norm_rel(l1, l0), f"{key}.grads": max(norm_rel(g1[n], g0[n]) for n in g0 if n in g1),
                         f"{key}.names": sorted(g0) == sorted(g1), f"{key}.calls": calls[:]})
     llama.rmsnorm, llama.add_rmsnorm = counted
     return out
