@@ -10,9 +10,10 @@ the output in bf16), at widths that are not powers of two, several leading shape
 and the backward's programs each taking several rows (the last one part-full); torch.library.opcheck
 of the four operators, through the kernels and through the reference; and llama3-tiny and
 mixtral-tiny with the switch on against off (loss and every gradient, fp32; and under bf16 autocast,
-where the dense blocks' norms write bf16 and a mixture's post-attention norm fp32), through each
-path. Here: build.py turns the switch on only on CUDA, outside --exact and --fp8. The one GPU-only
-test repeats the interpreter's comparison with compiled kernels on CUDA tensors.
+where the dense blocks' norms write bf16 and a mixture's post-attention norm fp32), and a block
+torch.compile'd against eager, through each path. Here: build.py turns the switch on only on CUDA,
+outside --exact and --fp8. The one GPU-only test repeats the interpreter's comparison with compiled
+kernels on CUDA tensors.
 """
 
 import json
@@ -173,10 +174,38 @@ def model_on_off() -> dict:
                 loss.backward()
                 runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
             (l0, g0), (l1, g1) = runs
-            out.update({f"{key}.loss": norm_rel(l1, l0), f"{key}.grads": max(norm_rel(g1[n], g0[n]) for n in g0 if n in g1),
+            grads = max(norm_rel(g1[n], g0[n]) for n in g0 if n in g1)
+            out.update({f"{key}.loss": norm_rel(l1, l0), f"{key}.grads": grads,
                         f"{key}.names": sorted(g0) == sorted(g1), f"{key}.calls": calls[:]})
     llama.rmsnorm, llama.add_rmsnorm = counted
     return out
+
+
+def compiled_block() -> dict:
+    """A llama3-tiny block with the norms' switches on, under bf16 autocast, torch.compile'd whole
+    (fullgraph: the operators and the wrapper's autocast query trace without a break; aot_eager: no C++
+    compiler) against the same block eager: its output and the gradient of its input."""
+    from braidtrain.model import registry
+    from braidtrain.parallel.placement import init_weights
+
+    cfg = registry.model_config("llama3-tiny", 300, n_layer=1)
+    model = registry.build(cfg)
+    init_weights(model, seed=4)
+    model.layers[0].fused_norm = True
+    body, extra = model.layers[0].body, model.block_inputs(torch.arange(8))
+    x = torch.randn(2, 8, cfg.n_embd, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    runs = []
+    try:
+        for fn in (body, torch.compile(body, backend="aot_eager", fullgraph=True)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fn(x, *extra)
+            runs.append((out.detach(), torch.autograd.grad(out.sum(), x)[0]))
+    except Exception as e:  # noqa: BLE001  (reported, and the test names it)
+        return {"compiled.out": f"{type(e).__name__}: {str(e).splitlines()[0]}", "compiled.dx": None}
+    finally:
+        torch._dynamo.reset()
+    (o0, g0), (o1, g1) = runs
+    return {"compiled.out": norm_rel(o1, o0), "compiled.dx": norm_rel(g1, g0)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -248,6 +277,14 @@ def test_a_model_with_the_switch_on_trains_as_with_it_off(measured, path):
             assert m["calls"] == layer * 2 + [["norm", y]], (preset, dt, m["calls"])
 
 
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_a_compiled_block_runs_the_operators(measured, path):
+    """torch.compile of a block with the switch on (fullgraph, under bf16 autocast): the eager block's
+    output and input gradient, to fp32 rounding."""
+    out, dx = measured[f"{path}.compiled.out"], measured[f"{path}.compiled.dx"]
+    assert isinstance(out, float) and out < 1e-6 and dx < 1e-6, (out, dx)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the compiled kernels); the CPU runs them "
                     "through the interpreter: test_operators_against_the_reference_and_float64_autograd")
 def test_compiled_kernels_on_gpu():
@@ -263,10 +300,10 @@ def _measure() -> dict:
     programs, R.PROGRAMS = R.PROGRAMS, PROGRAMS
     out = {"kernels.kernels_ran": R._kernels_run(probe, 2), "kernels": compare("cpu")}
     R.PROGRAMS = programs
-    out.update({f"kernels.{k}": v for k, v in {**opchecks(), **model_on_off()}.items()})
+    out.update({f"kernels.{k}": v for k, v in {**opchecks(), **model_on_off(), **compiled_block()}.items()})
     R._kernels_run = lambda t, C: False  # the same operators through the torch reference (their path off CUDA)
     out.update({"torch.kernels_ran": R._kernels_run(probe, 2), "torch": compare("cpu")})
-    out.update({f"torch.{k}": v for k, v in {**opchecks(), **model_on_off()}.items()})
+    out.update({f"torch.{k}": v for k, v in {**opchecks(), **model_on_off(), **compiled_block()}.items()})
     return out
 
 
