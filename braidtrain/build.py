@@ -168,8 +168,9 @@ def build(cfg: Config) -> Run:
 def settle(part: Stage, cfg: Config, lay: layout.Layout, device) -> None:
     """A part's settings for this run, before it moves to `device`: recompute, the attention kernel
     (exact mode's on the GPU; else flash-attn-4's where it runs, model/flash4.py, unless --attention sdpa),
-    float8, the fused SwiGLU operator (model/swiglu.py: on CUDA only; not under --exact, whose bits are
-    the plain expression's kernels', nor --fp8, not measured with its casts), compile."""
+    float8, the fused operators (model/swiglu.py's SwiGLU, model/rmsnorm.py's norms: on CUDA only; not
+    under --exact, whose bits are the plain expressions' kernels', nor --fp8, not measured with its
+    casts), compile."""
     if cfg.recompute:
         part.use_recompute()
     if cfg.exact and device.type == "cuda":
@@ -179,7 +180,7 @@ def settle(part: Stage, cfg: Config, lay: layout.Layout, device) -> None:
     if lay.fp8:
         part.use_fp8(fp8.RECIPES[lay.fp8])
     if device.type == "cuda" and not cfg.exact and not lay.fp8:
-        part.use_fused_swiglu()
+        part.use_fused_kernels()
     if cfg.compile:
         _inductor_on_a_baseline_cpu(device)
         part.compile_blocks()

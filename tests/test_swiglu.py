@@ -116,7 +116,7 @@ def model_on_off() -> dict:
             model = registry.build(cfg)
             init_weights(model, seed=4)
             if on:
-                model.use_fused_swiglu()
+                model.use_fused_kernels()
             loss = model(idx, idx.roll(-1, 1))
             loss.backward()
             runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))

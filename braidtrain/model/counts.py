@@ -107,7 +107,7 @@ def _stage(cfg, tp: int, sp: bool, at: int):
 
 def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None, fused: bool = False) -> int:
     """Bytes autograd keeps for a block's backward at sequence length T (one sequence), tp rank 0's;
-    fused: with the SwiGLU operator (model/swiglu.py), which keeps gate_up alone."""
+    fused: with the fused operators (Stage.use_fused_kernels: the SwiGLU operator keeps gate_up alone)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -115,18 +115,20 @@ def _saved(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None, f
         if fp8:
             stage.use_fp8(RECIPES[fp8])
         if fused:
-            stage.use_fused_swiglu()
+            stage.use_fused_kernels()
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
         block = stage.blocks()[0]
         return _kept(block, block.parameters(), x, stage.block_inputs(torch.arange(T)), bf16)
 
 
 @functools.lru_cache(maxsize=64)
-def _saved_compiled(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None) -> int:
+def _saved_compiled(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None = None, fused: bool = False) -> int:
     """What _saved counts, for the block as --compile runs it: torch.compile's partition of the
     forward and backward graphs (inductor's, min-cut: it recomputes cheap pointwise results in the
     backward rather than keep them), traced on fake tensors -- the backward graph's inputs other
-    than the incoming gradients are what the forward keeps. No kernel is generated or run."""
+    than the incoming gradients are what the forward keeps. No kernel is generated or run. fused:
+    with the fused operators, whose outputs the partition cannot rebuild (the norms' bf16 outputs,
+    which it recomputes from the plain expression's, are then kept for the matmuls)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -151,6 +153,8 @@ def _saved_compiled(cfg, tp: int, sp: bool, T: int, bf16: bool, fp8: str | None 
         stage = _stage(cfg, tp, sp, 0)
         if fp8:
             stage.use_fp8(RECIPES[fp8])
+        if fused:
+            stage.use_fused_kernels()
         x = torch.zeros(1, T // tp if sp else T, cfg.n_embd, requires_grad=True)
         extra = stage.block_inputs(torch.arange(T))
     torch._dynamo.reset()
@@ -171,15 +175,15 @@ def block_activations(cfg, tp: int = 1, sp: bool = False, gpu: bool = True, fp8:
     """Bytes one block keeps for its backward per token of a micro-batch, on tp rank 0 (a dense
     block: a mixture's extra is the planner's moe_layer_bytes). gpu: bf16 autocast (and the head
     merge's copy, HEAD_MERGE), else fp32. fp8: the linears in float8, with that recipe. compiled:
-    as --compile runs the block (_saved_compiled; inductor keeps gate_up alone either way). fused:
-    eager, with the SwiGLU operator (build.settle: on CUDA outside --exact and --fp8)."""
+    as --compile runs the block (_saved_compiled). fused: with the fused operators (build.settle: on
+    CUDA outside --exact and --fp8; eager, SwiGLU's keeps gate_up alone, compiled inductor does either
+    way; compiled, the norms' outputs are kept where inductor rebuilds its own)."""
     dense = cfg if not cfg.moe_experts else type(cfg)(**{**cfg.__dict__, "moe_experts": 0})
     t1, t2 = (16, 32) if compiled else (8 * max(tp, 2), 16 * max(tp, 2))  # (compiled: the same two traces for every tp)
     saved = _saved_compiled if compiled else _saved
 
     def per_token(k, s):
-        extra = () if compiled else (fused,)
-        return (saved(dense, k, s, t2, gpu, fp8, *extra) - saved(dense, k, s, t1, gpu, fp8, *extra)) / (t2 - t1)
+        return (saved(dense, k, s, t2, gpu, fp8, fused) - saved(dense, k, s, t1, gpu, fp8, fused)) / (t2 - t1)
 
     one = per_token(1, False) + (HEAD_MERGE * dense.n_head * dense.head_dim if gpu else 0)
     if tp == 1:

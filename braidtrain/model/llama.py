@@ -51,6 +51,7 @@ from braidtrain.model.layers import (ColumnParallelLinear, RMSNorm, RowParallelL
                                      VocabParallelEmbedding, attend)
 from braidtrain.model.moe import MoE, SwiGLUExperts
 from braidtrain.model.protocol import VOCAB_ALIGN, ModelConfig
+from braidtrain.model.rmsnorm import add_rmsnorm, matmul_dtype, rmsnorm
 from braidtrain.model.stage import Block as BlockBase, Blocks, Stage
 from braidtrain.model.swiglu import swiglu
 
@@ -202,7 +203,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU (Shazeer 2020): down(silu(gate x) * up x), gate and up one packed matmul. With
-    `fused_swiglu` (Stage.use_fused_swiglu) silu(gate) * up is swiglu.py's operator, one kernel each
+    `fused_swiglu` (Stage.use_fused_kernels) silu(gate) * up is swiglu.py's operator, one kernel each
     way; else the plain expression (what torch.compile fuses itself, and --exact's bits)."""
 
     fused_swiglu = False
@@ -222,10 +223,19 @@ class MLP(nn.Module):
 
 
 class Block(BlockBase):
+    """With `fused_norm` (Stage.use_fused_kernels) the norms are rmsnorm.py's operators: input_layernorm
+    the plain one, the attention's residual add and post_attention_layernorm one add_rmsnorm; else
+    layers.RMSNorm's autograd function (what torch.compile fuses itself, and --exact's bits). The same
+    modules and weights either way."""
+
+    fused_norm = False
+
     def __init__(self, cfg: LlamaConfig, tp: int = 1, group=None, sp: bool = False, moe=None):
         """`moe`: (this rank's experts, their dispatch) for a mixture of SwiGLU experts in place of the
         MLP (Mixtral, Qwen3-MoE; with cfg.moe_shared, DeepSeek's shared experts beside them)."""
         super().__init__()
+        # whether each norm's output is read by matmuls alone (no tp collective, no mixture): _norm_dtype
+        self.to_matmuls = (group is None, group is None and moe is None)
         self.input_layernorm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, tp, group, sp)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -239,8 +249,21 @@ class Block(BlockBase):
         return self.self_attn
 
     def body(self, x, cos, sin):
+        if self.fused_norm:
+            n1, n2 = self.input_layernorm, self.post_attention_layernorm
+            a = self.self_attn(rmsnorm(x, n1.weight, n1.eps, _norm_dtype(x, n1.weight, self.to_matmuls[0])), cos, sin)
+            x, y = add_rmsnorm(x, a, n2.weight, n2.eps, _norm_dtype(x, n2.weight, self.to_matmuls[1]))
+            return x + self.mlp(y)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _norm_dtype(x, w, to_matmuls: bool):
+    """A fused norm's output dtype: where matmuls alone read it, the one they compute in (autocast's
+    bf16: written once, as their casts would round it); else x's and w's promoted, as layers.RMSNorm
+    gives -- under tp the output's gradient is summed over the ranks, and a mixture sums each token's
+    experts' and router's gradients, in that dtype: fp32, as without the operator."""
+    return matmul_dtype(x, w) if to_matmuls else None
 
 
 class Head(nn.Module):
@@ -259,6 +282,7 @@ class Llama(Stage):
 
     blocks_attr = "layers"
     embedding_name = "embed_tokens.weight"
+    fused_norm = False  # the final norm as rmsnorm.py's operator (Stage.use_fused_kernels; Block's docstring)
 
     def __init__(self, cfg: LlamaConfig, mesh=None, sp: bool = False, blocks: range | None = None,
                  first: bool = True, last: bool = True, stage: int = 0, dispatch=None):
@@ -290,6 +314,8 @@ class Llama(Stage):
         return self._tables[key]
 
     def final_norm(self, x):
+        if self.fused_norm:
+            return rmsnorm(x, self.norm.weight, self.norm.eps, _norm_dtype(x, self.norm.weight, self.group is None))
         return self.norm(x)
 
     def head_weight(self):

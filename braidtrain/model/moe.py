@@ -120,7 +120,7 @@ class SwiGLUExperts(nn.Module):
     replicated over tp."""
 
     expert = True
-    fused_swiglu = False  # the grouped path's silu(gate) * up as model/swiglu.py's operator (Stage.use_fused_swiglu)
+    fused_swiglu = False  # the grouped path's silu(gate) * up as model/swiglu.py's operator (Stage.use_fused_kernels)
 
     def __init__(self, n: int, n_embd: int, hidden: int):
         super().__init__()

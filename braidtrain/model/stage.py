@@ -201,16 +201,18 @@ class Stage(nn.Module):
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                     m.fp8 = recipe
 
-    def use_fused_swiglu(self) -> None:
-        """The blocks' SwiGLU MLPs (each module with a `fused_swiglu` switch: llama.py's MLP, a
-        mixture's shared experts, moe.py's SwiGLUExperts on their grouped GEMM path) run
-        silu(gate) * up as model/swiglu.py's operator, one Triton kernel each way. build.py sets it
-        on CUDA only, and neither under --exact (its bits are the plain expression's) nor under
-        --fp8 (not measured with float8's casts)."""
-        for block in self.blocks():
-            for m in block.modules():
-                if hasattr(type(m), "fused_swiglu"):
-                    m.fused_swiglu = True
+    def use_fused_kernels(self) -> None:
+        """The fused Triton operators, one kernel each way: the blocks' SwiGLU MLPs (each module with a
+        `fused_swiglu` switch: llama.py's MLP, a mixture's shared experts, moe.py's SwiGLUExperts on
+        their grouped GEMM path) run silu(gate) * up as model/swiglu.py's operator, and the norms of
+        each module with a `fused_norm` switch (llama.py's Block and final norm) model/rmsnorm.py's.
+        build.py sets it on CUDA only, and neither under --exact (its bits are the plain expressions')
+        nor under --fp8 (not measured with float8's casts)."""
+        for m in self.modules():
+            if hasattr(type(m), "fused_swiglu"):
+                m.fused_swiglu = True
+            if hasattr(type(m), "fused_norm"):
+                m.fused_norm = True
 
     def compile_blocks(self) -> None:
         """--compile: each block becomes one torch.compile'd function, for training (grad

@@ -20,7 +20,7 @@ to. With TRITON_INTERPRET=1 set before triton's first import, the kernels run on
 Triton's interpreter (the tests). Triton is imported on first use: this module imports without it.
 
 Used by llama.py's MLP and moe.py's SwiGLUExperts (their grouped GEMM path) when their `fused_swiglu`
-is set (Stage.use_fused_swiglu; build.py sets it on CUDA, not under --exact, whose bits keep the
+is set (Stage.use_fused_kernels; build.py sets it on CUDA, not under --exact, whose bits keep the
 plain expression's kernels, nor under --fp8).
 """
 
