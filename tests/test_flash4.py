@@ -143,13 +143,20 @@ def test_opcheck_and_compiled(stand_in):
                                                   torch.autograd.grad(eager, (q, k, v), do.transpose(1, 2))))
 
 
-def test_a_llama_with_flash4_trains_as_with_sdpa(stand_in):
-    """llama3-tiny (4 query heads, 2 key/value heads) under bf16 autocast: the loss and every
-    parameter's gradient with its attention through the operators within bf16 rounding of SDPA's."""
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_llama_with_flash4_trains_as_with_sdpa(stand_in, monkeypatch, qk_norm):
+    """llama3-tiny (4 query heads, 2 key/value heads) under bf16 autocast, and with Qwen3's q and k
+    norms (whose fp32 outputs autocast casts for SDPA): the operators run in every block, and the
+    loss and every parameter's gradient are within bf16 rounding of SDPA's."""
+    import dataclasses
+
     from braidtrain.model import registry
     from braidtrain.parallel.placement import init_weights
 
-    mcfg = registry.model_config("llama3-tiny", 300)
+    calls = []
+    monkeypatch.setattr(flash4, "_kernels", (lambda *a, **kw: calls.append(1) or stand_in_forward(*a, **kw),
+                                             stand_in_backward))
+    mcfg = dataclasses.replace(registry.model_config("llama3-tiny", 300), qk_norm=qk_norm)
     x = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     results = {}
     for kernel in ("sdpa", "flash4"):
@@ -161,6 +168,7 @@ def test_a_llama_with_flash4_trains_as_with_sdpa(stand_in):
             loss = model(x, x.roll(-1, 1))
         loss.backward()
         results[kernel] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert len(calls) == mcfg.n_layer  # (the flash4 run's blocks, none of the SDPA run's)
     (la, ga), (lb, gb) = results["sdpa"], results["flash4"]
     assert abs(la - lb) < 1e-2 * abs(la), (la, lb)
     errs = {n: _rel(gb[n], ga[n]) for n in ga}

@@ -321,14 +321,17 @@ def attend(q, k, v, cp=None, kernel: str = "sdpa"):
     Over the whole sequence through context parallelism's `cp` (parallel/context.py: only the H_kv
     heads travel); else by the attention module's `kernel` (Stage.use_attention): "exact",
     attention.py's deterministic kernels (exact mode on the GPU); "flash4", flash-attn-4's (flash4.py;
-    bf16 and fp16 only, so SDPA takes other dtypes); "sdpa", torch's SDPA (its cuDNN or flash kernels
-    on CUDA)."""
+    bf16 and fp16 only -- under autocast its dtype, as SDPA's inputs -- so SDPA takes other dtypes);
+    "sdpa", torch's SDPA (its cuDNN or flash kernels on CUDA)."""
     if cp is not None and cp.active:
         return cp.attend(q, k, v)
     if kernel == "exact":
         return causal_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]))
-    if kernel == "flash4" and q.dtype in flash4.DTYPES:
-        return flash4.attention(q, k, v)
+    if kernel == "flash4":
+        if torch.is_autocast_enabled(q.device.type):  # the inputs autocast gives SDPA (a qk-norm's q, k are fp32)
+            q, k, v = (z.to(torch.get_autocast_dtype(q.device.type)) for z in (q, k, v))
+        if q.dtype in flash4.DTYPES and k.dtype == v.dtype == q.dtype:
+            return flash4.attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
