@@ -304,6 +304,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"unknown attention kernel {cfg.attention!r}: use auto, sdpa or flash4")
     if cfg.attention == "flash4" and cfg.exact:
         raise UserError("--exact keeps its own deterministic attention: drop --attention flash4")
+    if cfg.attention == "flash4" and cfg.dtype == "fp32":
+        raise UserError("--attention flash4 computes in bf16 or fp16, not --dtype fp32: drop one of them")
     if cfg.fp8 not in (None, "tensorwise", "rowwise"):
         raise UserError(f"unknown fp8 recipe {cfg.fp8!r}: use tensorwise or rowwise (or leave it unset: no float8)")
     if cfg.wandb is not None and not cfg.wandb.strip():

@@ -186,10 +186,10 @@ def test_build_chooses_the_kernel(monkeypatch):
 
     assert not flash4.available("cpu")
     mcfg = registry.model_config("llama3-tiny", 300)
-    for there in (True, False):
+    for dtype, there in itertools.product(("auto", "fp32"), (True, False)):
         monkeypatch.setattr(flash4, "available", lambda device, there=there: there and torch.device(device).type == "cuda")
         for device, exact, attention in itertools.product(("cpu", "cuda"), (False, True), ("auto", "sdpa", "flash4")):
-            if exact and attention == "flash4":
+            if attention == "flash4" and (exact or dtype == "fp32"):
                 continue  # refused by config.validate (test_inputs)
             if attention == "flash4" and not (there and device == "cuda"):
                 with pytest.raises(UserError, match="--attention flash4 needs the flash-attn-4 package"):
@@ -197,9 +197,9 @@ def test_build_chooses_the_kernel(monkeypatch):
                 continue
             layout.check_attention(attention, exact, device)
             want = ("exact" if exact and device == "cuda" else
-                    "flash4" if there and device == "cuda" and attention != "sdpa" else "sdpa")
+                    "flash4" if there and device == "cuda" and attention != "sdpa" and dtype == "auto" else "sdpa")
             model = registry.build(mcfg)
-            cfg = SimpleNamespace(recompute=False, exact=exact, compile=False, attention=attention)
+            cfg = SimpleNamespace(recompute=False, exact=exact, compile=False, attention=attention, dtype=dtype)
             build.settle(model, cfg, SimpleNamespace(fp8=None), torch.device(device))
             assert {b.attention().kernel for b in model.blocks()} == {want}, (there, device, exact, attention)
 

@@ -157,6 +157,8 @@ CASES = [
         "--offload-ratio", "finite" if v == "nan" else "0 < R <= 1") for v in ("0", "nan", "1.5")],
     c("train --offload-ratio without --offload", train(lambda p: ["--offload-ratio", 0.5]), "needs --offload optimizer"),
     c("train --attention flash4 --exact", train(lambda p: ["--attention", "flash4", "--exact"]), "--exact", "drop --attention"),
+    c("train --attention flash4 --dtype fp32", train(lambda p: ["--attention", "flash4", "--dtype", "fp32"]),
+      "--dtype fp32", "drop one"),
     c("train --attention flash4 on the CPU", train(lambda p: ["--attention", "flash4"]), "flash-attn-4", "--attention sdpa"),
     # train's paths
     c("train --out a file", lambda p: ["train", *TINY, "-i", p.data, "--out", p.file], lambda p: str(p.file), "is a file"),
