@@ -175,7 +175,8 @@ def settle(part: Stage, cfg: Config, lay: layout.Layout, device) -> None:
         part.use_recompute()
     if cfg.exact and device.type == "cuda":
         part.use_attention("exact")
-    elif cfg.attention != "sdpa" and flash4.available(device) and computes_in_bf16(cfg, device):  # (bf16 or fp16 only)
+    elif (cfg.attention != "sdpa" and flash4.available(device) and flash4.fits(part.cfg.head_dim)
+          and computes_in_bf16(cfg, device)):  # (its kernels: bf16 or fp16, some head sizes)
         part.use_attention("flash4")
     if lay.fp8:
         part.use_fp8(fp8.RECIPES[lay.fp8])

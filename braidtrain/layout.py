@@ -277,9 +277,10 @@ def check_fp8(recipe: str | None, device: str) -> None:
     raise UserError(f"--fp8 runs on CUDA GPUs and CPUs, not on {device}: drop --fp8")
 
 
-def check_attention(kernel: str, exact: bool, device: str) -> None:
+def check_attention(kernel: str, exact: bool, device: str, head_dim: int) -> None:
     """--attention flash4 where flash-attn-4 runs (model/flash4.py): a Hopper or Blackwell GPU with the
-    package installed. (--exact on a GPU keeps its own kernels; config.validate refuses the pair.)"""
+    package installed, a head size its kernels take. (--exact on a GPU keeps its own kernels; config.validate
+    refuses the pair.)"""
     if kernel != "flash4" or exact:
         return
     from braidtrain.model import flash4
@@ -288,6 +289,9 @@ def check_attention(kernel: str, exact: bool, device: str) -> None:
         raise UserError(f"--attention flash4 needs the flash-attn-4 package (pip install flash-attn-4) and a GPU of "
                         f"compute capability 9 or 10 (Hopper, Blackwell); this run is on {device}: use --attention "
                         f"sdpa or auto")
+    if not flash4.fits(head_dim):
+        raise UserError(f"--attention flash4 takes a head size (n_embd / n_head) that is a multiple of 8 up to 128, "
+                        f"or 256, not {head_dim}: use --attention sdpa or auto")
 
 
 def from_config(cfg, world: int, model, device: str) -> Layout:
@@ -307,5 +311,5 @@ def from_config(cfg, world: int, model, device: str) -> Layout:
         raise UserError("--offload optimizer with --live-recovery is not supported: a survivor re-shards the "
                         "optimizer state on the device (parallel/mirror.py); drop one of them")
     check_fp8(lay.fp8, device)
-    check_attention(cfg.attention, cfg.exact, device)
+    check_attention(cfg.attention, cfg.exact, device, model.head_dim)
     return lay

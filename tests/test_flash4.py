@@ -9,6 +9,7 @@ attention module through it, held to torch's SDPA; and build.settle's choice of 
 GPU-only test holds the package's own kernels to SDPA in fp32.
 """
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -148,8 +149,6 @@ def test_a_llama_with_flash4_trains_as_with_sdpa(stand_in, monkeypatch, qk_norm)
     """llama3-tiny (4 query heads, 2 key/value heads) under bf16 autocast, and with Qwen3's q and k
     norms (whose fp32 outputs autocast casts for SDPA): the operators run in every block, and the
     loss and every parameter's gradient are within bf16 rounding of SDPA's."""
-    import dataclasses
-
     from braidtrain.model import registry
     from braidtrain.parallel.placement import init_weights
 
@@ -179,25 +178,29 @@ def test_build_chooses_the_kernel(monkeypatch):
     """build.settle: exact mode on CUDA takes the deterministic kernels; elsewhere on CUDA flash4 where
     it is available (--attention auto or flash4), else SDPA, and SDPA for --attention sdpa; the CPU
     SDPA (flash4 is never available there). layout.check_attention refuses --attention flash4 where
-    it is not available (test_inputs: the one-line error)."""
+    it is not available (test_inputs: the one-line error) or the head size is not one its kernels take,
+    where auto takes SDPA."""
     from braidtrain import build, layout
     from braidtrain.errors import UserError
     from braidtrain.model import registry
 
     assert not flash4.available("cpu")
-    mcfg = registry.model_config("llama3-tiny", 300)
-    for dtype, there in itertools.product(("auto", "fp32"), (True, False)):
+    tiny = registry.model_config("llama3-tiny", 300)  # head size 32; and 30, which the kernels do not take
+    for mcfg, dtype, there in itertools.product((tiny, dataclasses.replace(tiny, n_embd=120)), ("auto", "fp32"),
+                                                (True, False)):
         monkeypatch.setattr(flash4, "available", lambda device, there=there: there and torch.device(device).type == "cuda")
         for device, exact, attention in itertools.product(("cpu", "cuda"), (False, True), ("auto", "sdpa", "flash4")):
             if attention == "flash4" and (exact or dtype == "fp32"):
                 continue  # refused by config.validate (test_inputs)
-            if attention == "flash4" and not (there and device == "cuda"):
-                with pytest.raises(UserError, match="--attention flash4 needs the flash-attn-4 package"):
-                    layout.check_attention(attention, exact, device)
+            fits = mcfg.head_dim == 32
+            if attention == "flash4" and not (there and device == "cuda" and fits):
+                with pytest.raises(UserError, match="--attention flash4 needs the flash-attn-4 package" if not
+                                   (there and device == "cuda") else "--attention flash4 takes a head size"):
+                    layout.check_attention(attention, exact, device, mcfg.head_dim)
                 continue
-            layout.check_attention(attention, exact, device)
-            want = ("exact" if exact and device == "cuda" else
-                    "flash4" if there and device == "cuda" and attention != "sdpa" and dtype == "auto" else "sdpa")
+            layout.check_attention(attention, exact, device, mcfg.head_dim)
+            want = ("exact" if exact and device == "cuda" else "flash4" if there and device == "cuda" and fits
+                    and attention != "sdpa" and dtype == "auto" else "sdpa")
             model = registry.build(mcfg)
             cfg = SimpleNamespace(recompute=False, exact=exact, compile=False, attention=attention, dtype=dtype)
             build.settle(model, cfg, SimpleNamespace(fp8=None), torch.device(device))

@@ -55,6 +55,12 @@ def available(device) -> bool:
     return True
 
 
+def fits(head_dim: int) -> bool:
+    """A head size the kernels take on Hopper and Blackwell alike (the package's _validate_head_dims, q, k and
+    v of one size in bf16 or fp16): a multiple of 8 up to 128, or 256. Others would fail its assertion."""
+    return head_dim % 8 == 0 and (8 <= head_dim <= 128 or head_dim == 256)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """softmax(q kᵀ/√D, causal) v: q (B, H, T, D), k and v (B, H_kv, T, D), H a multiple of H_kv, in
     bf16 or fp16; the output (B, H, T, D), a view of (B, T, H, D) memory (attend's callers transpose
