@@ -188,7 +188,8 @@ def test_build_chooses_the_kernel(monkeypatch):
     tiny = registry.model_config("llama3-tiny", 300)  # head size 32; and 30, which the kernels do not take
     for mcfg, dtype, there in itertools.product((tiny, dataclasses.replace(tiny, n_embd=120)), ("auto", "fp32"),
                                                 (True, False)):
-        monkeypatch.setattr(flash4, "available", lambda device, there=there: there and torch.device(device).type == "cuda")
+        monkeypatch.setattr(flash4, "available",
+                            lambda device, there=there: there and torch.device(device).type == "cuda")
         for device, exact, attention in itertools.product(("cpu", "cuda"), (False, True), ("auto", "sdpa", "flash4")):
             if attention == "flash4" and (exact or dtype == "fp32"):
                 continue  # refused by config.validate (test_inputs)
