@@ -36,6 +36,11 @@ SHAPES = {  # name: (B, H, H_kv, T, D)
 }
 
 
+def heads(B, h, T, D, g):
+    """(B, h, T, D), a view of (B, T, h, D) memory: the layout a Llama block gives attend."""
+    return torch.randn(B, T, h, D, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+
+
 def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -64,8 +69,7 @@ def exact_check() -> None:
     print("\n--exact: flash-attn-4's backward, deterministic or not, for exact mode")
     for name, (B, H, Hk, T, D) in SHAPES.items():
         g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v = (torch.randn(B, h, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-                   for h in (H, Hk, Hk))
+        q, k, v = (heads(B, h, T, D, g) for h in (H, Hk, Hk))
         do = torch.randn_like(q)
         for det in (True, False):
             def fn(q, k, v, det=det):
@@ -92,8 +96,7 @@ def main() -> int:
     print(f"{'shape':24} {'kernel':7} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}  err o, dq, dk, dv")
     for name, (B, H, Hk, T, D) in SHAPES.items():
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, h, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-                   for h in (H, Hk, Hk))
+        q, k, v = (heads(B, h, T, D, g) for h in (H, Hk, Hk))
         do = torch.randn_like(q)
         flops = 3.5 * 2 * B * H * T * T * D
         errs = {}
