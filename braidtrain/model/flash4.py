@@ -19,10 +19,11 @@ The package's own autograd.Function would be traced into instead. The operators 
 -- the projections' layout, from which attend's (B, H, T, D) views come -- so no copy is made on the
 way in or out.
 
-Where used: attend (layers.py), for an attention module whose `flash4` is set (Stage.use_flash4_attention):
-build.py sets it on a CUDA device where `available` says yes, never under --exact (its bits are
-attention.py's deterministic kernels'; flash-attn-4's backward adds dQ with atomics) nor for context
-parallelism (parallel/context.py merges its own partial results). It is optional: `pip install
+Where used: attend (layers.py), for an attention module whose `kernel` is "flash4" (Stage.use_attention):
+build.py sets it on a CUDA device where `available` says yes, in a bf16 run, for a head size that `fits`,
+never under --exact (its bits are attention.py's deterministic kernels'; flash-attn-4's backward adds
+dQ with atomics); under context parallelism parallel/context.py's attention runs instead (it merges
+its own partial results), flash4 only where a cp rank sees whole sequences. It is optional: `pip install
 flash-attn-4` (with nvidia-cutlass-dsl's CUDA libraries); without it SDPA runs, as before.
 `benchmarks/kernels/flash4_gpu.py` compares the two on the GPU; tests/test_flash4.py checks the
 operators' wiring on the CPU with SDPA standing in for the kernels, and the kernels against SDPA on
