@@ -344,7 +344,10 @@ class Trainer:
         self.guard.close(clean=True)
 
     def attention_kernel(self) -> str:
-        """Which kernel attends (Stage.use_attention): a part's first block's ("-" when a part has none)."""
+        """Which kernel attends (Stage.use_attention): a part's first block's ("-" when a part has none;
+        "cp" under context parallelism, whose ring runs its own: parallel/context.py)."""
+        if self.layout.cp > 1:
+            return "cp"
         blocks = next((list(p.blocks()) for p in self.parts if len(p.blocks())), [])
         return blocks[0].attention().kernel if blocks else "-"
 

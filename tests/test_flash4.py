@@ -217,3 +217,16 @@ def test_the_package_kernels_on_gpu():
         q, k, v = (t.detach().cuda().requires_grad_() for t in _inputs(B=2, H=H, Hk=Hk, T=T, D=D))
         errs = _against_sdpa(lambda *t: attend(*t, kernel="flash4"), q, k, v)
         assert max(errs) < 2e-2, (H, Hk, T, D, errs)
+
+
+def test_the_run_names_its_kernel():
+    """What the run's first line and summary.json say: the blocks' kernel, "cp" under context
+    parallelism (its ring attends), "-" for a part without blocks."""
+    from braidtrain.model import registry
+    from braidtrain.train import Trainer
+
+    model = registry.build(registry.model_config("llama3-tiny", 300))
+    for kernel in ("sdpa", "flash4", "exact"):
+        model.use_attention(kernel)
+        assert Trainer.attention_kernel(SimpleNamespace(layout=SimpleNamespace(cp=1), parts=[model])) == kernel
+    assert Trainer.attention_kernel(SimpleNamespace(layout=SimpleNamespace(cp=2), parts=[model])) == "cp"

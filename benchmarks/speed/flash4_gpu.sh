@@ -70,12 +70,12 @@ mkdir -p "$OUT"
 parts=()
 for part in "$@"; do
   if [ "$part" = kernel ]; then
-    python benchmarks/kernels/flash4_gpu.py --exact 2>&1 | tee "$OUT/kernel.log"
+    python3 benchmarks/kernels/flash4_gpu.py --exact 2>&1 | tee "$OUT/kernel.log"
   else
     parts+=("$part")
   fi
 done
 # titan_gpu.sh installs .whl/ into /tmp/site and sets PYTHONPATH=$PWD:/tmp/site: keep ours after it
-[ ${#parts[@]} -gt 0 ] && LEVER="--attention sdpa" OUT=$OUT EXTRA_PATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+[ ${#parts[@]} -eq 0 ] && exit 0
+LEVER="--attention sdpa" OUT=$OUT EXTRA_PATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
   bash benchmarks/speed/titan_gpu.sh "${parts[@]}"
-exit 0

@@ -62,6 +62,13 @@ def fits(head_dim: int) -> bool:
     return head_dim % 8 == 0 and (8 <= head_dim <= 128 or head_dim == 256)
 
 
+def _loaded():
+    if _kernels is None:
+        raise RuntimeError("flash4: the package's kernels are not loaded: ask available(device) first (as build.settle "
+                           "does), on a device where it says yes")
+    return _kernels
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """softmax(q kᵀ/√D, causal) v: q (B, H, T, D), k and v (B, H_kv, T, D), H a multiple of H_kv, in
     bf16 or fp16; the output (B, H, T, D), a view of (B, T, H, D) memory (attend's callers transpose
@@ -88,7 +95,7 @@ def _forward_outputs(q, v):
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _forward_outputs(q, v)
-    _kernels[0](q, k, v, causal=True, return_lse=True, out=o, lse=lse)
+    _loaded()[0](q, k, v, causal=True, return_lse=True, out=o, lse=lse)
     return o, lse
 
 
@@ -105,7 +112,7 @@ def _backward_outputs(q, k, v):
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               do: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward_outputs(q, k, v)
-    _kernels[1](q, k, v, o, do.contiguous(), lse, causal=True, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    _loaded()[1](q, k, v, o, do.contiguous(), lse, causal=True, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     return dq, dk, dv
 
 
