@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 
-from braidtrain.model import attention_kernels as kernels
+from braidtrain.model import attention_kernels as kernels, lazy_triton
 
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
@@ -173,7 +172,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
     sm_scale = 1.0 / math.sqrt(D)
     assert cfg.fwd_m % cfg.fwd_n == 0 and cfg.kv_n % cfg.kv_m == 0 and cfg.q_m % cfg.q_n == 0, cfg
-    with _on(q.device):
+    with lazy_triton.on(q.device):
         grid = (kernels.triton.cdiv(T, cfg.fwd_m) * B * H,)
         _launch(kernels._fwd_kernel, grid, q, k, v, o, lse, *_s(q), *_s(k), *_s(v), *_s(o), H, T, sm_scale * _LOG2E,
                 D=D, BM=cfg.fwd_m, BN=cfg.fwd_n, PREC=_prec(q.dtype), num_warps=cfg.fwd_warps, num_stages=cfg.stages)
@@ -191,7 +190,7 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
     delta = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
     common = dict(D=D, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
-    with _on(q.device):
+    with lazy_triton.on(q.device):
         _launch(kernels._delta_kernel, (kernels.triton.cdiv(T, cfg.fwd_m) * B * H,),
                 o, do, delta, *_s(o), *_s(do), H, T, BM=cfg.fwd_m, **common)
         _launch(kernels._dkdv_kernel, (kernels.triton.cdiv(T, cfg.kv_n) * B * H,),
@@ -220,10 +219,3 @@ _attention_op.register_autograd(_grad, setup_context=_save)
 def _prec(dtype) -> str:
     # fp32 inputs get true fp32 products (torch's default for fp32 matmul), not TF32.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _on(device):
-    # Triton launches on the current CUDA device; make it q's (if it is not already).
-    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
-        return nullcontext()
-    return torch.cuda.device(device)

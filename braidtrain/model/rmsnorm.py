@@ -36,14 +36,11 @@ modules and their weights stay; only the forward's computation changes.
 
 from __future__ import annotations  # the kernels' annotations stay strings until triton is imported
 
-import os
-from contextlib import nullcontext
-
 import torch
 
-triton = tl = None  # bound by _load(), on first use
-_fwd_kernel = _bwd_kernel = None
-_missing = False  # triton failed to import: stop asking
+from braidtrain.model import lazy_triton
+
+triton = tl = None  # bound on first use (lazy_triton.Kernels, at the end of this file)
 MAX_BLOCK = 32768  # the widest row a program holds (in registers); wider rows take the torch reference
 PROGRAMS = 1024  # the backward's programs at most (each ROWS = cdiv(N, PROGRAMS) rows): dw's partial sums
 
@@ -214,39 +211,12 @@ _add_rmsnorm_op.register_autograd(_add_grad, setup_context=_add_save)
 # ---- the kernels -------------------------------------------------------------------------------
 
 def _kernels_run(t: torch.Tensor, C: int) -> bool:
-    """Whether the Triton kernels run for t: a CUDA tensor (or TRITON_INTERPRET=1: any), rows of at
-    most MAX_BLOCK, and triton imports."""
-    global _missing
-    if _missing or C > MAX_BLOCK or not (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
-        return False
-    try:
-        _load()
-    except ImportError:  # a CPU-only install: the reference (asked once)
-        _missing = True
-        return False
-    return True
-
-
-def _load() -> None:
-    """Import triton (ImportError if absent) and jit the kernels, once."""
-    global triton, tl, _fwd_kernel, _bwd_kernel
-    if _fwd_kernel is not None:
-        return
-    import triton as _triton
-    import triton.language as _tl
-
-    tl = _tl
-    _fwd_kernel, _bwd_kernel = _triton.jit(_fwd), _triton.jit(_bwd)
-    triton = _triton
+    """Whether the Triton kernels run for t: rows of at most MAX_BLOCK, and lazy_triton.Kernels.run_on."""
+    return C <= MAX_BLOCK and _kernels.run_on(t)
 
 
 def _warps(block: int) -> int:
     return min(16, max(4, block // 512))  # 4 up to 2048 columns, 8 at 4096, 16 from 8192
-
-
-def _on(device):
-    here = device.type != "cuda" or device.index in (None, torch.cuda.current_device())
-    return nullcontext() if here else torch.cuda.device(device)
 
 
 def _forward(x, r, h, w, y, eps: float, add: bool) -> None:
@@ -256,8 +226,8 @@ def _forward(x, r, h, w, y, eps: float, add: bool) -> None:
     if N == 0 or C == 0:
         return
     block = triton.next_power_of_2(C)
-    with _on(x.device):
-        _fwd_kernel[(N,)](x, r, h, w, y, C, eps, BLOCK=block, ADD=add, num_warps=_warps(block))
+    with lazy_triton.on(x.device):
+        _kernels.jitted[0][(N,)](x, r, h, w, y, C, eps, BLOCK=block, ADD=add, num_warps=_warps(block))
 
 
 def _backward(x, w, dy, dh, dx, dr, eps: float, add: bool) -> torch.Tensor:
@@ -270,9 +240,9 @@ def _backward(x, w, dy, dh, dx, dr, eps: float, add: bool) -> torch.Tensor:
     programs = triton.cdiv(N, rows)
     block = triton.next_power_of_2(C)
     partial = torch.empty(programs, C, dtype=torch.float32, device=x.device)
-    with _on(x.device):
-        _bwd_kernel[(programs,)](x, w, dy, dh, dx, dr, partial, N, C, eps, ROWS=rows, BLOCK=block, ADD=add,
-                                 num_warps=_warps(block))
+    with lazy_triton.on(x.device):
+        _kernels.jitted[1][(programs,)](x, w, dy, dh, dx, dr, partial, N, C, eps, ROWS=rows, BLOCK=block,
+                                       ADD=add, num_warps=_warps(block))
     return partial.sum(0).to(w.dtype)
 
 
@@ -310,3 +280,6 @@ def _bwd(X, W, DY, DH, DX, DR, DWP, N, C, eps, ROWS: tl.constexpr, BLOCK: tl.con
         tl.store(DX + row * C + col, dx.to(DX.dtype.element_ty), mask=m)
         dw += dy * xhat
     tl.store(DWP + pid * C + col, dw, mask=mask)
+
+
+_kernels = lazy_triton.Kernels(__name__, _fwd, _bwd)

@@ -26,14 +26,11 @@ plain expression's kernels, nor under --fp8).
 
 from __future__ import annotations  # the kernels' annotations stay strings until triton is imported
 
-import os
-from contextlib import nullcontext
-
 import torch
 
-triton = tl = None  # bound by _load(), on first use
-_fwd_kernel = _bwd_kernel = None
-_missing = False  # triton failed to import: stop asking
+from braidtrain.model import lazy_triton
+
+triton = tl = None  # bound on first use (lazy_triton.Kernels, at the end of this file)
 BLOCK = 1024  # columns a program at most (of one row's F): 8 a thread at 4 warps, 16-byte loads in bf16
 WARPS = 4
 
@@ -71,7 +68,7 @@ def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:
         return reference(gate_up).contiguous()
     gu = gate_up.contiguous()
     h = torch.empty(*gu.shape[:-1], F2, dtype=gu.dtype, device=gu.device)
-    _launch(_fwd_kernel, gu.shape[:-1].numel(), F2, gu, h)
+    _launch(_kernels.jitted[0], gu.shape[:-1].numel(), F2, gu, h)
     return h
 
 
@@ -87,7 +84,7 @@ def _swiglu_backward_op(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor
         return reference_backward(gate_up, dh).contiguous()
     gu, dh = gate_up.contiguous(), dh.contiguous()
     dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
-    _launch(_bwd_kernel, gu.shape[:-1].numel(), F2, gu, dh, dgu)
+    _launch(_kernels.jitted[1], gu.shape[:-1].numel(), F2, gu, dh, dgu)
     return dgu
 
 
@@ -110,30 +107,8 @@ _swiglu_op.register_autograd(_grad, setup_context=_save)
 # ---- the kernels -------------------------------------------------------------------------------
 
 def _kernels_run(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for t: a CUDA tensor (or TRITON_INTERPRET=1: any), and triton
-    imports."""
-    global _missing
-    if _missing or not (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
-        return False
-    try:
-        _load()
-    except ImportError:  # a CPU-only install: the reference (asked once)
-        _missing = True
-        return False
-    return True
-
-
-def _load() -> None:
-    """Import triton (ImportError if absent) and jit the kernels, once."""
-    global triton, tl, _fwd_kernel, _bwd_kernel
-    if _fwd_kernel is not None:
-        return
-    import triton as _triton
-    import triton.language as _tl
-
-    tl = _tl
-    _fwd_kernel, _bwd_kernel = _triton.jit(_fwd), _triton.jit(_bwd)
-    triton = _triton
+    """Whether the Triton kernels run for t (lazy_triton.Kernels.run_on)."""
+    return _kernels.run_on(t)
 
 
 def _launch(kernel, rows: int, F2: int, *tensors) -> None:
@@ -141,9 +116,7 @@ def _launch(kernel, rows: int, F2: int, *tensors) -> None:
     if rows == 0 or F2 == 0:
         return
     block = min(BLOCK, triton.next_power_of_2(F2))
-    device = tensors[0].device
-    here = device.type != "cuda" or device.index in (None, torch.cuda.current_device())
-    with nullcontext() if here else torch.cuda.device(device):
+    with lazy_triton.on(tensors[0].device):
         kernel[(rows * triton.cdiv(F2, block),)](*tensors, F2, BLOCK=block, num_warps=WARPS)
 
 
@@ -168,3 +141,6 @@ def _bwd(GU, DH, DGU, F2, BLOCK: tl.constexpr):
     s = tl.sigmoid(g)
     tl.store(DGU + row * 2 * F2 + col, (d * u * s * (1 + g * (1 - s))).to(DGU.dtype.element_ty), mask=mask)
     tl.store(DGU + row * 2 * F2 + F2 + col, (d * g * s).to(DGU.dtype.element_ty), mask=mask)
+
+
+_kernels = lazy_triton.Kernels(__name__, _fwd, _bwd)
