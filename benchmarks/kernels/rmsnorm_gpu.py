@@ -26,11 +26,11 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from braidtrain.model import rmsnorm  # noqa: E402
 from loss_gpu import peak_mb  # noqa: E402  (this folder is sys.path[0]: a sibling script)
+from swiglu_gpu import errors, kernels_ms  # noqa: E402
 
 CUDA = torch.device("cuda")
 EPS = 1e-5
@@ -56,22 +56,6 @@ def op_norm(x, w):
 
 def op_add(x, r, w):
     return rmsnorm.add_rmsnorm(x, r, w, EPS, BF)
-
-
-def kernels_ms(fn):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:4]
-    return sum(e.self_device_time_total for e in ev) / 1e3, "; ".join(
-        f"{e.key[:40]} {e.self_device_time_total / 1e3:.3f}" for e in top)
-
-
-def errors(got, ref):
-    """(||got - ref|| / ||ref||, max |got - ref| / max |ref|)"""
-    d = got.double() - ref
-    return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
 def reference(add: bool, x, r, w, dy, dh):

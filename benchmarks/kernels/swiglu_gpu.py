@@ -55,7 +55,7 @@ def kernels_ms(fn):
 
 def errors(got, ref):
     """(||got - ref|| / ||ref||, max |got - ref| / max |ref|)"""
-    d = got.float() - ref
+    d = got.double() - ref
     return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
