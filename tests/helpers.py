@@ -283,7 +283,9 @@ class Layouts:
             assert time.monotonic() < deadline, f"the layouts launch did not end within {timeout} s"
             time.sleep(0.5)
         rc = int((self.out / "rc").read_text())
-        assert rc == 0, (self.out / "log.txt").read_text()[-4000:]
+        log = (self.out / "log.txt").read_text()
+        first = log.find("Traceback")  # the first rank to fail (the others' errors follow: their peer was lost)
+        assert rc == 0, (log[first:first + 3000] + "\n...\n" if first >= 0 else "") + log[-2000:]
         return {s: json.loads((self.out / f"results_{s}.json").read_text()) for s in self.suites}
 
     def stop(self, wait: bool = False) -> None:
