@@ -1,4 +1,5 @@
-"""Run under torchrun (8 ranks, gloo) once a test session (conftest.py's `layout_suites`) for
+"""Run as 8 ranks (gloo; forked by the tests' process server, with the environment torchrun gives its
+workers: helpers.Layouts) once a test session (conftest.py's `layout_suites`) for
 test_parity.py, test_tp.py, test_pipeline.py, test_context.py, test_moe.py and test_composition.py
 (argv: OUT, then the suites, comma-separated, of "dp", "tp", "pipeline", "cp", "ep", "matrix"):
 many layouts of one small GPT (a mixture of experts for "ep") in one process group -- each on the first
