@@ -36,7 +36,7 @@ def phase(item) -> tuple:
 @pytest.hookimpl(trylast=True)  # (after -k and the like have deselected)
 def pytest_collection_modifyitems(session, config, items):
     """Modules in phase's order, otherwise in collection order; within a module, the tests that read
-    the layouts launch after the others (the launch, one 8-rank process group, ~4 minutes of the
+    the layouts launch after the others (the launch, one 8-rank process group, ~3 minutes of the
     2-core machine, works beside them)."""
     items.sort(key=lambda it: (phase(it), 1 if suite_of(it) else 0))
 

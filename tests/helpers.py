@@ -6,7 +6,7 @@ on a 2-core machine. A forked process runs the module or script as `python -m` /
 with its own argv, environment, folder and stdout and stderr. N ranks get what torchrun gives its
 workers (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), and as under torchrun, the first rank
 to fail has the others stopped. Tests of torchrun itself (its restarts, its agent's store) and of
-a process's signals run the real thing: test_runtime, test_fault, the layouts launch."""
+a process's signals run the real thing: test_runtime, test_fault."""
 
 from __future__ import annotations
 
@@ -114,18 +114,18 @@ def _signal(pid: int, sig) -> None:
 
 
 def launch(*target, nproc: int = 1, cwd=ROOT, environ: dict | None = None, timeout: float = 300,
-           fsize: int | None = None) -> subprocess.CompletedProcess:
+           fsize: int | None = None, cancel: threading.Event | None = None) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGS` (target: "-m", MODULE, *ARGS) or `python SCRIPT ARGS` as nproc
     ranks; stdout and stderr: all ranks', one stream each. The return code: 0, or the first
     failed rank's. fsize: a file-size limit (bytes) on each rank, as a full disk would stop its
-    writes. Past `timeout`, every rank is killed (subprocess.TimeoutExpired)."""
+    writes. Past `timeout`, or once `cancel` is set, every rank is killed (subprocess.TimeoutExpired)."""
     target = [str(a) for a in target]
     base = dict(env() if environ is None else environ)
     with hold_port() as held:
         if nproc > 1:
             base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(held.getsockname()[1]))
-        return _launch(target, nproc, cwd, base, timeout, fsize)
+        return _launch(target, nproc, cwd, base, timeout, fsize, cancel)
 
 
 def hold_port() -> socket.socket:
@@ -140,7 +140,7 @@ def hold_port() -> socket.socket:
     return s
 
 
-def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedProcess:
+def _launch(target, nproc, cwd, base, timeout, fsize, cancel) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="braidtrain-launch-") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         open(out, "w").close(), open(err, "w").close()
@@ -154,7 +154,7 @@ def _launch(target, nproc, cwd, base, timeout, fsize) -> subprocess.CompletedPro
             for r, (conn, _, _) in enumerate(ranks):
                 sel.register(conn, selectors.EVENT_READ, r)
             while None in codes:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (cancel is not None and cancel.is_set()):
                     raise subprocess.TimeoutExpired(target, timeout)
                 if grace is not None and time.monotonic() > grace:  # as torchrun: SIGKILL 30 s after SIGTERM
                     for (_, _, pid), c in zip(ranks, codes):
@@ -251,22 +251,29 @@ class Layouts:
     group, started in the background (conftest.py starts it before the first test); `results()`
     waits for it: suite -> its results. One launch a session: under pytest-xdist every worker
     asks for it with the same folder, the first to create the folder starts it, and each reads
-    the results once the launch's exit code is in OUT/rc."""
+    the results once the launch's exit code is in OUT/rc. The ranks are forked by the tests'
+    process server (launch, in a thread): what torchrun gives its workers, without 9 interpreters
+    importing torch."""
 
     def __init__(self, out: Path, suites: list[str]):
-        self.out, self.suites, self.proc = Path(out), suites, None
+        self.out, self.suites, self.thread = Path(out), suites, None
         try:
             self.out.mkdir(parents=True)  # (atomic: one worker starts the launch)
         except FileExistsError:
             return
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-               str(ROOT / "tests" / "layouts_worker.py"), str(out), ",".join(suites)]
-        self.log = open(self.out / "log.txt", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._exit_code, daemon=True).start()
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
 
-    def _exit_code(self) -> None:
-        rc = self.proc.wait()
+    def _run(self) -> None:
+        """The launch; then its output to OUT/log.txt and its exit code to OUT/rc."""
+        try:
+            p = launch(ROOT / "tests" / "layouts_worker.py", self.out, ",".join(self.suites), nproc=8, timeout=1800,
+                       cancel=self.cancel)
+            log, rc = p.stdout + p.stderr, p.returncode
+        except Exception as e:  # (its timeout, or stopped)
+            log, rc = f"the layouts launch: {e!r}", -1
+        (self.out / "log.txt").write_text(log)
         (self.out / "rc.part").write_text(str(rc))
         os.replace(self.out / "rc.part", self.out / "rc")
 
@@ -276,23 +283,19 @@ class Layouts:
             assert time.monotonic() < deadline, f"the layouts launch did not end within {timeout} s"
             time.sleep(0.5)
         rc = int((self.out / "rc").read_text())
-        assert rc == 0, (self.out / "log.txt").read_text()[-4000:]
+        log = (self.out / "log.txt").read_text()
+        first = log.find("Traceback")  # the first rank to fail (the others' errors follow: their peer was lost)
+        assert rc == 0, (log[first:first + 3000] + "\n...\n" if first >= 0 else "") + log[-2000:]
         return {s: json.loads((self.out / f"results_{s}.json").read_text()) for s in self.suites}
 
     def stop(self, wait: bool = False) -> None:
-        """End the launch (torchrun ends its workers on SIGTERM); `wait`: let it finish first (other
-        xdist workers may still read its results)."""
-        if self.proc is None:
+        """End the launch (its ranks killed); `wait`: let it finish first (other xdist workers may
+        still read its results)."""
+        if self.thread is None:
             return
-        if wait:
-            self.proc.wait(1800)
-        elif self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        if not wait:
+            self.cancel.set()
+        self.thread.join(1800)
 
 
 def assert_follows(runs: dict, names, ref: dict, rel: float, learns: float = 0.01) -> None:

@@ -1,4 +1,5 @@
-"""Run under torchrun (8 ranks, gloo) once a test session (conftest.py's `layout_suites`) for
+"""Run as 8 ranks (gloo; forked by the tests' process server, with the environment torchrun gives its
+workers: helpers.Layouts) once a test session (conftest.py's `layout_suites`) for
 test_parity.py, test_tp.py, test_pipeline.py, test_context.py, test_moe.py and test_composition.py
 (argv: OUT, then the suites, comma-separated, of "dp", "tp", "pipeline", "cp", "ep", "matrix"):
 many layouts of one small GPT (a mixture of experts for "ep") in one process group -- each on the first
@@ -53,7 +54,10 @@ MIXTRAL = model_config("mixtral-tiny", 256, n_layer=4, n_embd=32, n_head=4, n_kv
                        moe_capacity=1.0)
 MIXTRAL_BIAS = replace(MIXTRAL, moe_balance="bias", moe_bias_rate=0.01, moe_shared=1)
 T, B, SEQS = 16, 1, 8  # 8 sequences a step: 8 micro-steps at dp 1, 4 at dp 2
-STEPS = 7  # a default-mode layout's steps: the loss of its last below its first's (each step its own batch)
+STEPS = 4  # a default-mode layout's steps: the loss of its last below its first's (each step its own batch), every
+# step's loss and gradient norm compared
+EXACT = 3  # an exact layout's steps where nothing resumes midway: warmup, the top and the decay of the schedule, every
+# loss, gradient norm and the final weights bitwise (the offload, lean and matrix suites: 4, resumed at 2)
 
 
 def layouts(suite: str):
@@ -61,10 +65,11 @@ def layouts(suite: str):
     if suite == "dp":  # data parallelism alone: every ZeRO stage on 2 ranks, the sharded ones on 4 and 8
         default = [(2, 0), (2, 1), (2, 2), (2, 3), (4, 1), (4, 2), (4, 3), (8, 1)]
         exact = [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3), (8, 0), (8, 1)]
-        return ([("ref", dict(), STEPS), ("ref-exact", dict(exact=True), 6)]
-                + [(f"dp{dp}-z{z}", dict(dp=dp, zero=z), STEPS) for dp, z in default]
-                + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), STEPS)]
-                + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), 6) for dp, z in exact])
+        # (7 steps in default mode: test_parity asks each for a loss down by 0.05, what 4 steps do not learn)
+        return ([("ref", dict(), 7), ("ref-exact", dict(exact=True), EXACT)]
+                + [(f"dp{dp}-z{z}", dict(dp=dp, zero=z), 7) for dp, z in default]
+                + [("dp2-z3-recompute", dict(dp=2, zero=3, recompute=True), 7)]
+                + [(f"dp{dp}-z{z}-exact", dict(dp=dp, zero=z, exact=True), EXACT) for dp, z in exact])
     if suite == "cp":  # context parallelism: cp 2 and 4, ring and allgather, with dp / ZeRO, tp (sp), pp
         # (cp with tp, pp and both, with and without exact mode: the "matrix" suite)
         # b = 2 in default mode: half the micro-steps, a batch dim the ring must keep apart
@@ -75,7 +80,7 @@ def layouts(suite: str):
                  ("cp2-allgather-exact", dict(cp=2, cp_impl="allgather")),
                  ("cp2-dp2-z3-allgather-exact", dict(cp=2, dp=2, zero=3, cp_impl="allgather"))]
         return ([("ref", dict(), 4)] + [(n, kw, 4) for n, kw in default]  # 4 steps: the ring's transfers are many
-                + [(n, dict(kw, exact=True), 3) for n, kw in exact])
+                + [(n, dict(kw, exact=True), EXACT) for n, kw in exact])
     if suite == "ep":  # experts over ep ranks of the dp (x cp) replicas, with ZeRO, tp, pp, cp
         # (dp 4 x ep 4 and pp 2 x dp 2 x ep 2, resumed across layouts: the "matrix" suite)
         default = [("dp2-ep1", dict(dp=2)), ("dp2-ep2", dict(dp=2, ep=2)), ("dp4-ep2-z1", dict(dp=4, ep=2, zero=1)),
@@ -93,12 +98,13 @@ def layouts(suite: str):
         mix = [("mix-ref", dict(cfg="mix"), STEPS), ("mix-dp2-ep2-pp2", dict(cfg="mix", dp=2, ep=2, pp=2, zero=1), STEPS),
                ("mix-tp2-dp2-ep2", dict(cfg="mix", tp=2, dp=2, ep=2), STEPS), ("mix-bias-ref", dict(cfg="mix-bias"), STEPS),
                ("mix-bias-dp2-ep2-tp2", dict(cfg="mix-bias", tp=2, dp=2, ep=2, zero=1), STEPS),
-               ("mix-ref-exact", dict(cfg="mix", exact=True), 4)]
-        mix += [(f"mix-dp4-ep{ep}-z{z}-exact", dict(cfg="mix", dp=4, ep=ep, zero=z, exact=True), 4)
+               ("mix-ref-exact", dict(cfg="mix", exact=True), EXACT)]
+        mix += [(f"mix-dp4-ep{ep}-z{z}-exact", dict(cfg="mix", dp=4, ep=ep, zero=z, exact=True), EXACT)
                 for ep, z in ((1, 0), (2, 0), (4, 0), (2, 3), (4, 3))]
         return ([("ref", dict(), STEPS), ("ref-free", dict(cfg="free"), STEPS),
-                 ("ref-exact", dict(exact=True), 4)]
-                + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact] + mix)
+                 ("ref-exact", dict(exact=True), EXACT)]
+                + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), EXACT) for n, kw in exact]
+                + mix)
     if suite == "llama":  # the Llama-3 family on every axis (test_llama.py), default mode and exact
         default = [("dp2-z1", dict(dp=2, zero=1)), ("dp2-z3", dict(dp=2, zero=3)), ("tp2-sp", dict(tp=2, sp=True)),
                    ("pp2-1f1b", dict(pp=2, schedule="1f1b")), ("pp2-zb", dict(pp=2, schedule="zb")), ("cp2", dict(cp=2)),
@@ -108,9 +114,9 @@ def layouts(suite: str):
                  ("dp4-z3", dict(dp=4, zero=3)), ("pp2-1f1b-dp2", dict(pp=2, dp=2, zero=1, schedule="1f1b")),
                  ("pp2-zb", dict(pp=2, zero=2, schedule="zb")), ("tied-pp2-interleaved", dict(pp=2, schedule="interleaved",
                                                                                             cfg="tied"))]
-        return ([("ref", dict(), STEPS), ("ref-tied", dict(cfg="tied"), STEPS), ("ref-exact", dict(exact=True), 4),
-                 ("ref-tied-exact", dict(exact=True, cfg="tied"), 4)]
-                + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), 4) for n, kw in exact])
+        return ([("ref", dict(), STEPS), ("ref-tied", dict(cfg="tied"), STEPS), ("ref-exact", dict(exact=True), EXACT),
+                 ("ref-tied-exact", dict(exact=True, cfg="tied"), EXACT)]
+                + [(n, kw, STEPS) for n, kw in default] + [(n + "-exact", dict(kw, exact=True), EXACT) for n, kw in exact])
     if suite == "offload":  # --offload optimizer against none (test_offload.py): dp 1, 2, 4 at ZeRO 0-3
         # (exact mode's runs, and default mode's at dp 2, hold the host update back until the forward asks
         # for each bucket: offload.py's test hook, so that a forward or a reader that does not wait reads
@@ -180,19 +186,20 @@ def layouts(suite: str):
             (f"tp{tp}-dp{dp}" + ("-sp" if sp else "") + f"-z{z}", dict(tp=tp, dp=dp, sp=sp, zero=z, b=2), 4)
             for tp, dp, sp, z in ((2, 1, False, 0), (2, 1, True, 1), (4, 1, False, 0), (4, 1, True, 0),
                                   (2, 2, False, 1), (2, 2, True, 0), (2, 4, True, 1), (4, 2, True, 2))]
-    out = [("ref", dict(), STEPS), ("ref-exact", dict(exact=True), 4)]
+    out = [("ref", dict(), STEPS), ("ref-exact", dict(exact=True), EXACT)]
     for pp in (2, 4):
         for sched in ("gpipe", "1f1b", "interleaved", "zb"):
             out.append((f"pp{pp}-{sched}", dict(pp=pp, schedule=sched), STEPS))
             for dp in (1, 2):
                 if pp * dp <= 8:
-                    out.append((f"pp{pp}-dp{dp}-{sched}-exact", dict(pp=pp, dp=dp, schedule=sched, exact=True, zero=1), 4))
+                    out.append((f"pp{pp}-dp{dp}-{sched}-exact", dict(pp=pp, dp=dp, schedule=sched, exact=True, zero=1),
+                                    EXACT))
     out += [("pp2-dp2-z1", dict(pp=2, dp=2, zero=1), STEPS), ("pp2-dp2-z2-zb", dict(pp=2, dp=2, zero=2, schedule="zb"), STEPS),
             # b = 2: under sp a rank's rows of a micro-batch are a slice, sent contiguous
             ("pp2-tp2-sp", dict(pp=2, tp=2, sp=True, b=2), STEPS),  # (pp 2 x dp 2 x tp 2: the "matrix" suite)
             ("pp2-recompute", dict(pp=2, recompute=True), STEPS),
-            ("pp2-dp2-z0-exact", dict(pp=2, dp=2, zero=0, exact=True), 4),
-            ("pp2-dp2-z2-exact", dict(pp=2, dp=2, zero=2, exact=True, schedule="interleaved"), 4)]
+            ("pp2-dp2-z0-exact", dict(pp=2, dp=2, zero=0, exact=True), EXACT),
+            ("pp2-dp2-z2-exact", dict(pp=2, dp=2, zero=2, exact=True, schedule="interleaved"), EXACT)]
     return out
 
 

@@ -4,7 +4,7 @@ through, and every other layout trained to midway, checkpointed, then resumed fr
 checkpoint another layout of the group wrote (layout-independent checkpoints across pp, dp, cp,
 tp, ep and ZeRO) and trained on.
 
-Default mode (7 steps, resumed at 3): pp2 x dp2 x tp2, pp2 x cp2 x dp2, dp2 x cp2 x tp2,
+Default mode (4 steps, resumed at 2): pp2 x dp2 x tp2, pp2 x cp2 x dp2, dp2 x cp2 x tp2,
 pp2 x dp4 at ZeRO-2 (ZeRO-3 is refused with a pipeline), tp2 x cp2 x pp2 against the single
 process; dp4 x ep4 and pp2 x dp2 x ep2 with a mixture of experts against its single process --
 every step's loss and gradient norm within 1e-5. Exact mode (4 steps, resumed at 2): each layout
@@ -41,7 +41,7 @@ def test_each_layout_resumed_from_another_follows_the_single_process(runs, model
     assert set(group) == {"ref", *DEFAULT[model]}
     resumed(group, DEFAULT[model])
     ref = group["ref"]
-    assert len(ref["losses"]) == 7 and all(len(group[n]["losses"]) == 7 for n in DEFAULT[model])
+    assert len(ref["losses"]) == 4 and all(len(group[n]["losses"]) == 4 for n in DEFAULT[model])
     assert_follows(group, DEFAULT[model], ref, 1e-5)
 
 

@@ -1,8 +1,8 @@
 """The Llama-3 family (model/llama.py) on the protocol every family shares: the same logits as
 transformers' LlamaForCausalLM (grouped-query attention, Llama-3.1's scaled RoPE; tied and untied)
 and an exact round trip of its HuggingFace folder; in one 8-rank process group (tests/layouts_worker.py
-"llama"), llama3-tiny on every axis against the single process (1e-5, loss and gradient norm, 7
-steps) and, in exact mode, to the bit across dp 1/2/4, ZeRO 0-3 and pipeline schedules; then the
+"llama"), llama3-tiny on every axis against the single process (1e-5, loss and gradient norm, 4
+steps) and, in exact mode (3 steps), to the bit across dp 1/2/4, ZeRO 0-3 and pipeline schedules; then the
 command line: the preset's Llama 3 recipe named at the start, export and --init-from, an exact run
 stopped and resumed on another layout, the planner's verdicts on Llama-3.1-70B, and bad input, one line each."""
 

@@ -2,8 +2,8 @@
 (the balance loss, capacity in priority order); in one 8-rank process group
 (tests/layouts_worker.py "ep"): one MoE layer's dispatch over ep 2 and 4 against a plain
 reference written in the worker, then many layouts of one MoE GPT -- ep 1, 2, 4 with dp, ZeRO 0-3,
-tp (and sp) and cp (pp: test_composition.py); 7 steps -- against the single process (within 1e-5) and, in exact mode,
-to the bit across ep, dp and ZeRO. Then the command line: an ep 2 run's metrics, its checkpoint
+tp (and sp) and cp (pp: test_composition.py); 4 steps -- against the single process (within 1e-5) and, in exact
+mode (3 steps), to the bit across ep, dp and ZeRO. Then the command line: an ep 2 run's metrics, its checkpoint
 resumed at ep 1, the load plot; and bad input."""
 
 import math
