@@ -128,6 +128,8 @@ def _measure() -> dict:
     # 2. Accuracy: default blocks; tiny blocks; the gpt.py layout.
     for B, H, T, D in SHAPES:
         compare(f"ref.{B}x{H}x{T}x{D}", A.causal_attention, *(torch.randn(B, H, T, D) for _ in range(3)))
+    A.register()  # (the operators, which causal_attention defines on first use)
+
     def with_config(cfg):
         return lambda q, k, v: torch.ops.braidtrain.causal_attention(q, k, v, list(cfg))[0]
 

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from braidtrain.model.attention import _config, available, causal_attention  # noqa: E402
+from braidtrain.model.attention import _config, available, causal_attention, register  # noqa: E402
 
 NAMES = ("o", "dq", "dk", "dv")
 
@@ -184,6 +184,7 @@ def configs():
     print(f"{'config':28s} {'fwd ms':>8s} {'f+b ms':>8s}  max rel err  repeatable")
     for name, cfg in candidates.items():
         def fn(q, k, v, cfg=cfg):
+            register()
             return torch.ops.braidtrain.causal_attention(q, k, v, list(cfg))[0]
         try:
             err = max(rel(a, b) for a, b in zip(run(fn, q, k, v, do), ref))

@@ -77,12 +77,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     `o.sum().backward()`) are made contiguous first. The output (and
     each gradient) is laid out like its input: (B, T, H, D) storage when the input's head
     stride is below its time stride, so `y.transpose(1, 2).reshape(B, T, C)` is free.
-    A torch operator (braidtrain::causal_attention) defined by torch.library.triton_op:
+    A torch operator (braidtrain::causal_attention, `register`) defined by torch.library.triton_op:
     torch.compile sees its kernels (wrap_triton) and launches them from its own code, as it does
     its generated kernels -- not through the operator's Python and Triton's launcher, whose host
     time a call added up over an exact step (docs/performance-history.md).
     """
     _check(q, k, v)
+    register()
     return torch.ops.braidtrain.causal_attention(q, k, v, list(_config(q.shape[-1], q.dtype)))[0]
 
 
@@ -159,7 +160,6 @@ def _launch(kernel, grid, *args, **kwargs):
         kernel[grid](*args, **kwargs)
 
 
-@torch.library.triton_op("braidtrain::causal_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: O = softmax(Q Kᵀ/√D, causal) V, and L (row log2-sum-exp2, fp32), saved for backward."""
@@ -179,7 +179,6 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o, lse
 
 
-@torch.library.triton_op("braidtrain::causal_attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                            do: torch.Tensor, config: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: Δ = rowsum(dO ∘ O); dK, dV per key block; dQ per query block — no atomics."""
@@ -213,7 +212,19 @@ def _grad(ctx, do, _dlse):
     return (*torch.ops.braidtrain.causal_attention_backward(q, k, v, o, lse, do, ctx.config), None)
 
 
-_attention_op.register_autograd(_grad, setup_context=_save)
+_registered = False
+
+
+def register() -> None:
+    """Define the operators (braidtrain::causal_attention, its backward), once, on first use: a
+    triton_op imports torch's inductor and dynamo (~1.4 s), which most processes that import
+    braidtrain -- every rank of a run outside exact mode on a GPU -- never need."""
+    global _registered
+    if not _registered:
+        fwd = torch.library.triton_op("braidtrain::causal_attention", _attention_op, mutates_args=())
+        torch.library.triton_op("braidtrain::causal_attention_backward", _attention_backward_op, mutates_args=())
+        fwd.register_autograd(_grad, setup_context=_save)
+        _registered = True
 
 
 def _prec(dtype) -> str:

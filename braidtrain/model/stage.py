@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from braidtrain.errors import UserError
+from braidtrain.model import attention
 from braidtrain.model.layers import (ColumnParallelLinear, RowParallelLinear, enter_tp, gather_last_dim,
                                      vocab_parallel_cross_entropy)
 from braidtrain.model.loss import head_loss
@@ -187,7 +188,11 @@ class Stage(nn.Module):
         """The blocks' attention kernel (layers.attend): "exact", attention.py's Triton kernels, for
         exact mode on the GPU (torch's fused attention backwards add partial tiles with atomics: not
         bitwise repeatable; these add in a fixed order; on the CPU torch's is deterministic already);
-        "flash4", flash-attn-4's (flash4.py), where installed; "sdpa", torch's (the default)."""
+        "flash4", flash-attn-4's (flash4.py), where installed; "sdpa", torch's (the default). (The
+        exact kernels' operators are defined here, before a compiled block's trace could meet their
+        definition: attention.register.)"""
+        if kernel == "exact":
+            attention.register()
         for block in self.blocks():
             block.attention().kernel = kernel
 
