@@ -18,7 +18,8 @@ from pathlib import Path
 
 PRELOAD = ["torch", "torch.distributed", "numpy", "braidtrain.cli", "braidtrain.train", "braidtrain.live",
            "braidtrain.bench.train", "braidtrain.plan.command", "braidtrain.io.data", "braidtrain.evaluate",
-           "braidtrain.io.export", "braidtrain.io.metrics"]
+           "braidtrain.io.export", "braidtrain.io.metrics",
+           "torch._dynamo", "torch._inductor.utils"]  # (braidtrain imports them on first use: compile, exact kernels)
 
 
 def child(req: dict) -> None:
