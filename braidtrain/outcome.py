@@ -18,6 +18,7 @@ from braidtrain.generate import generate, sample_prompt
 from braidtrain.io import checkpoint
 from braidtrain.io.data import get_tokenizer, unigram_entropy
 from braidtrain.io.metrics import plot_runs
+from braidtrain.model.stage import attention_kernel
 from braidtrain.plan.search import advice
 from braidtrain.plan.space import Setup, candidate_of
 
@@ -38,7 +39,8 @@ def finish(tr, rec: dict | None, val, ev: dict | None, skipped: int, bubbles: li
     sha = checkpoint.weights_sha256(tr.engine)
     summary = {"step": cfg.max_steps, "loss": rec["loss"] if rec else None, "val_loss": val,
                "skipped_steps": skipped, "tokens_per_s": rec["tokens_per_s"] if rec else None,
-               "weights_sha256": sha, "save_s": save_s, "attention": tr.attention_kernel(), **(ev or {})}
+               "weights_sha256": sha, "save_s": save_s, "attention": attention_kernel(tr.parts, tr.layout.cp),
+               **(ev or {})}
     if tr.layout.pp > 1:  # each stage's mean bubble over the run's steps
         summary["bubble"] = [sum(b) / len(b) for b in zip(*bubbles)] if bubbles else None
         tr.passes.write_schedule(tr.out / "schedule.json", rec["bubble"] if rec else None)

@@ -48,6 +48,7 @@ from braidtrain.errors import SaveFailed, Stopped, UserError
 from braidtrain.io import checkpoint
 from braidtrain.io.metrics import MetricsLog, Progress, finite, peak_flops
 from braidtrain.io.trackers import Trackers
+from braidtrain.model.stage import attention_kernel
 from braidtrain.optim import clip_scale, lr_at
 from braidtrain.parallel import expert
 from braidtrain.passes import Passes, reduce_loss
@@ -343,21 +344,13 @@ class Trainer:
         self.comm.barrier(self.mesh.groups["world"])
         self.guard.close(clean=True)
 
-    def attention_kernel(self) -> str:
-        """Which kernel attends (Stage.use_attention): a part's first block's ("-" when a part has none;
-        "cp" under context parallelism, whose ring runs its own: parallel/context.py)."""
-        if self.layout.cp > 1:
-            return "cp"
-        blocks = next((list(p.blocks()) for p in self.parts if len(p.blocks())), [])
-        return blocks[0].attention().kernel if blocks else "-"
-
     def _run(self) -> dict:
         cfg, rt, batch = self.cfg, self.rt, self.batch
         log = MetricsLog(self.out / "metrics.jsonl", self.start_step, rt.log) if rt.is_main else None
         rt.log(f"braidtrain: {self.mcfg.num_params() / 1e6:.2f}M parameters, world {rt.world_size} ({rt.backend} on "
                f"{self.device.type}), {self.layout.describe()}, -d {batch.total_tokens} = {batch.micro_steps} "
                f"micro-steps x b {cfg.batch_size} x t {cfg.seq_len} x dp {self.layout.dp}, "
-               f"attention {self.attention_kernel()} -> {self.out}")
+               f"attention {attention_kernel(self.parts, self.layout.cp)} -> {self.out}")
         bar = Progress(cfg.progress and rt.is_main, self.start_step, cfg.max_steps)
         rec, val, bubbles, ev = None, None, [], None
         eval_every = cfg.val_every if cfg.eval_every is None else cfg.eval_every

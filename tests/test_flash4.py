@@ -223,10 +223,10 @@ def test_the_run_names_its_kernel():
     """What the run's first line and summary.json say: the blocks' kernel, "cp" under context
     parallelism (its ring attends), "-" for a part without blocks."""
     from braidtrain.model import registry
-    from braidtrain.train import Trainer
+    from braidtrain.model.stage import attention_kernel
 
     model = registry.build(registry.model_config("llama3-tiny", 300))
     for kernel in ("sdpa", "flash4", "exact"):
         model.use_attention(kernel)
-        assert Trainer.attention_kernel(SimpleNamespace(layout=SimpleNamespace(cp=1), parts=[model])) == kernel
-    assert Trainer.attention_kernel(SimpleNamespace(layout=SimpleNamespace(cp=2), parts=[model])) == "cp"
+        assert attention_kernel([model], 1) == kernel
+    assert attention_kernel([model], 2) == "cp"

@@ -277,6 +277,15 @@ class Stage(nn.Module):
                             f"splits the sequence over the tp ranks; use a multiple of {self.tp} (or drop --sp)")
 
 
+def attention_kernel(parts, cp: int) -> str:
+    """Which kernel attends in a run of these parts (Stage.use_attention): a part's first block's ("-"
+    when no part has a block; "cp" under context parallelism, whose ring runs its own: parallel/context.py)."""
+    if cp > 1:
+        return "cp"
+    blocks = next((list(p.blocks()) for p in parts if len(p.blocks())), [])
+    return blocks[0].attention().kernel if blocks else "-"
+
+
 class Block(nn.Module):
     """A block: the family's `body(x, *block_inputs)`, run compiled in training under --compile
     (`compiled`: torch.compile(self.body), Stage.compile_blocks); `attention()`: its attention
